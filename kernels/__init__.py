@@ -1,0 +1,23 @@
+"""kvpass.kernels: the custom ops the rewritten graphs call.
+
+One op per module, each with the plain-torch reference that defines it (``*_reference``), a
+``register_fake`` for compile/export, and (from the kernels issue on) a Triton implementation
+registered for CUDA. Importing this package registers the ops under ``torch.ops.kvpass``.
+"""
+
+from kvpass.kernels.attention_column_sums import attention_column_sums, attention_column_sums_reference
+from kvpass.kernels.decode_attention import decode_attention, decode_attention_reference
+from kvpass.kernels.prefill_attention import prefill_attention, prefill_attention_reference, prefill_mask
+from kvpass.kernels.write_kv import write_kv, write_kv_reference
+
+__all__ = [
+    "attention_column_sums",
+    "attention_column_sums_reference",
+    "decode_attention",
+    "decode_attention_reference",
+    "prefill_attention",
+    "prefill_attention_reference",
+    "prefill_mask",
+    "write_kv",
+    "write_kv_reference",
+]

@@ -1,0 +1,50 @@
+"""Accumulated attention column sums of the prefill (H2O, D2O, CaM, KVMerger; policies.md §0.4).
+
+For batch b, KV head g and key j:
+
+    col_sum[b, g, j] = mean_{h in group g} sum_i A_h[i, j]
+
+where A_h is the prefill attention of query head h with the mask of ``prefill_attention``
+(causal, left pads, optional window, optional softcap). Pad query rows contribute nothing.
+Computed in blocks of query rows with an fp32 softmax: never materialises the T x T matrix of
+all heads at once. Shapes: q: [B, Hq, T, D]; k: [B, Hkv, T, D]; pad: [B] int64 -> [B, Hkv, T] fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+from kvpass.kernels.prefill_attention import prefill_mask
+from torch import Tensor
+
+
+def attention_column_sums_reference(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
+                                    softcap: float | None = None, block: int = 256) -> Tensor:
+    b, hq, t, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    mask = prefill_mask(pad, t, window)                                  # [B, 1, T, T]
+    real_row = torch.arange(t, device=q.device)[None, :] >= pad[:, None]  # [B, T]
+    kf = k.float()
+    out = torch.zeros(b, hkv, t, dtype=torch.float32, device=q.device)
+    for start in range(0, t, block):
+        rows = slice(start, start + block)
+        qb = q[:, :, rows].float().reshape(b, hkv, group * q[:, :, rows].shape[2], d)
+        s = torch.matmul(qb, kf.transpose(-1, -2)) * scale            # [B, Hkv, G*rows, T]
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        s = s.reshape(b, hkv, group, -1, t)
+        s = s.masked_fill(~mask[:, :, None, rows], float("-inf"))
+        p = torch.softmax(s, dim=-1) * real_row[:, None, None, rows, None]
+        out += p.sum(dim=3).mean(dim=2)
+    return out
+
+
+@torch.library.custom_op("kvpass::attention_column_sums", mutates_args=())
+def attention_column_sums(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
+                          softcap: float | None = None) -> Tensor:
+    return attention_column_sums_reference(q, k, pad, scale, window, softcap)
+
+
+@attention_column_sums.register_fake
+def _(q, k, pad, scale, window=None, softcap=None):
+    return q.new_empty(k.shape[0], k.shape[1], k.shape[2], dtype=torch.float32)

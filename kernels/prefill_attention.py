@@ -1,0 +1,65 @@
+"""Prefill attention over the whole (left-padded) prompt.
+
+For batch row b with ``pad[b]`` left pads, query i and key j (0 <= i, j < T) of query head h
+(KV head g = h // G, G = Hq / Hkv):
+
+    allowed(i, j) = pad[b] <= j <= i  and  (window is None or i - j < window)
+    s_ij = scale * q_i . k_j                      (softcap c: s_ij = c * tanh(s_ij / c))
+    o_i  = sum_j softmax_j(s_ij | allowed) v_j
+
+Pad query rows (i < pad[b]) attend to themselves only, so nothing is NaN; their outputs are never
+read. Shapes: q: [B, Hq, T, D]; k, v: [B, Hkv, T, D]; pad: [B] int64. Returns o: [B, Hq, T, D].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def prefill_mask(pad: Tensor, t: int, window: int | None) -> Tensor:
+    """Boolean mask [B, 1, T, T], True where query i may attend key j (see the module docstring)."""
+    i = torch.arange(t, device=pad.device)[:, None]
+    j = torch.arange(t, device=pad.device)[None, :]
+    allowed = (j <= i)[None] & (j[None] >= pad[:, None, None])
+    if window is not None:
+        allowed = allowed & ((i - j) < window)[None]
+    is_pad_row = i[None] < pad[:, None, None]                         # [B, T, 1]
+    allowed = torch.where(is_pad_row, (i == j)[None], allowed)
+    return allowed[:, None]
+
+
+def _softcapped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float,
+                          block: int = 256) -> Tensor:
+    """Attention with tanh logit capping, in query blocks of `block` rows (fp32 softmax)."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    out = torch.empty_like(q)
+    for start in range(0, q.shape[2], block):
+        rows = slice(start, start + block)
+        s = torch.matmul(q[:, :, rows].float(), k.float().transpose(-1, -2)) * scale
+        s = softcap * torch.tanh(s / softcap)
+        s = s.masked_fill(~mask[:, :, rows], float("-inf"))
+        out[:, :, rows] = torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)
+    return out
+
+
+def prefill_attention_reference(q: Tensor, k: Tensor, v: Tensor, pad: Tensor, scale: float,
+                                window: int | None = None, softcap: float | None = None) -> Tensor:
+    mask = prefill_mask(pad, q.shape[2], window)
+    if softcap is not None:
+        return _softcapped_attention(q, k, v, mask, scale, softcap)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+@torch.library.custom_op("kvpass::prefill_attention", mutates_args=())
+def prefill_attention(q: Tensor, k: Tensor, v: Tensor, pad: Tensor, scale: float,
+                      window: int | None = None, softcap: float | None = None) -> Tensor:
+    return prefill_attention_reference(q, k, v, pad, scale, window, softcap)
+
+
+@prefill_attention.register_fake
+def _(q, k, v, pad, scale, window=None, softcap=None):
+    return torch.empty_like(q)

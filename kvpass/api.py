@@ -1,0 +1,30 @@
+"""``kvpass.apply``: the one call most users need."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from kvpass.budget import check_budget
+from kvpass.policies import DEFAULT_POLICY, Policy, get_policy
+from kvpass.rewrites import rewrite_model
+from kvpass.runtime import KVPassModel
+
+
+def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float | int = 0.2,
+          **policy_kwargs) -> KVPassModel:
+    """Rewrite a transformers causal LM to decode over a compressed KV cache.
+
+    model: any ``*ForCausalLM`` whose attention kvpass can find (SDPA or eager). It is traced, not
+        modified, and the returned model shares its weights.
+    policy: a registered name (``kvpass policies`` lists them) or a Policy instance.
+    budget: a float fraction in (0, 1] of prompt + generated tokens, or an int token count, per
+        compressed layer (see ``kvpass.budget``). Ignored by ``full``.
+    policy_kwargs: the policy's hyperparameters (e.g. ``sinks=4`` for streamingllm).
+    """
+    chosen = get_policy(policy, **policy_kwargs)       # unknown name / parameter: fails before any tracing
+    check_budget(budget)
+    if chosen.compresses and isinstance(budget, int) and budget < chosen.min_budget():
+        raise ValueError(f"budget of {budget} tokens is smaller than {chosen.name}'s minimum of "
+                         f"{chosen.min_budget()} (sinks + window)")
+    captured, graphs = rewrite_model(model, chosen)
+    return KVPassModel(model, chosen, budget, captured, graphs)

@@ -1,0 +1,31 @@
+"""Budget semantics.
+
+A budget is either a fraction in (0, 1] (a ``float``) of the tokens a sequence will hold, prompt
+plus generated (``prompt_tokens + max_new_tokens``, the longest prompt of a batch), or a number of
+tokens (an ``int`` >= 1). It is the number of entries each compressed layer keeps after a
+compression; between compressions a layer grows by at most the policy's ``interval``. Policies with
+per-layer budgets (D2O, PyramidKV) keep the same total over the layers. Sliding-window layers keep
+their window and do not count against the budget.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def check_budget(budget: float | int) -> None:
+    """Raise for a budget that is neither a fraction in (0, 1] nor a token count >= 1."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise TypeError(f"budget must be a float fraction in (0, 1] or an int token count, got {budget!r}")
+    if isinstance(budget, float) and not (0.0 < budget <= 1.0):
+        raise ValueError(f"budget {budget} is a fraction and must lie in (0, 1]; pass an int for a token count")
+    if isinstance(budget, int) and budget < 1:
+        raise ValueError(f"budget {budget} is a token count and must be >= 1")
+
+
+def budget_tokens(budget: float | int, total_tokens: int) -> int:
+    """Entries per compressed layer for sequences of ``total_tokens`` (prompt + new tokens)."""
+    check_budget(budget)
+    if isinstance(budget, float):
+        return max(1, math.floor(budget * total_tokens))
+    return budget

@@ -1,0 +1,156 @@
+"""The compressed cache of one layer, as explicit static-shape tensors, and the slot operations
+every policy is written with.
+
+Invariant: the live entries of each (batch row, KV head) are the slots ``[0, length)``, in sequence
+order; every slot from ``length`` on is empty: ``log_weight = -inf`` and ``position = -1``.
+Sliding-window layers are rings instead (slot = position % window) and are never compressed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+from torch import Tensor
+
+EMPTY = float("-inf")
+
+
+@dataclass
+class LayerCache:
+    """k, v: [B, Hkv, C, D] (model dtype); log_weight: [B, Hkv, C] fp32 (additive logit bias: 0 for a
+    token, log N for an entry standing for N merged tokens, -inf for an empty slot); length: [B, Hkv]
+    int64 live slots; position: [B, Hkv, C] int64 absolute position of the entry's token (-1 empty).
+    slot_meta: policy data per slot, each [B, Hkv, C, ...] (e.g. ``col_sum`` fp32), moved with its slot;
+    state: policy data per head or per layer (e.g. an EMA threshold [B, Hkv]), carried unchanged."""
+
+    k: Tensor
+    v: Tensor
+    log_weight: Tensor
+    length: Tensor
+    position: Tensor
+    slot_meta: dict[str, Tensor] = field(default_factory=dict)
+    state: dict[str, Tensor] = field(default_factory=dict)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def live(self) -> Tensor:
+        """[B, Hkv, C] bool: the slot holds an entry."""
+        return self.log_weight > EMPTY
+
+    def tensors(self) -> list[Tensor]:
+        return [getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), Tensor)] + \
+            list(self.slot_meta.values()) + list(self.state.values())
+
+    def nbytes(self) -> int:
+        """Bytes actually allocated for this layer's cache, metadata included."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def kv_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v))
+
+    @staticmethod
+    def empty(b: int, hkv: int, c: int, d: int, dtype: torch.dtype, device: torch.device | str) -> LayerCache:
+        return LayerCache(
+            k=torch.zeros(b, hkv, c, d, dtype=dtype, device=device),
+            v=torch.zeros(b, hkv, c, d, dtype=dtype, device=device),
+            log_weight=torch.full((b, hkv, c), EMPTY, dtype=torch.float32, device=device),
+            length=torch.zeros(b, hkv, dtype=torch.long, device=device),
+            position=torch.full((b, hkv, c), -1, dtype=torch.long, device=device),
+        )
+
+
+def _gather_slots(t: Tensor, idx: Tensor) -> Tensor:
+    """t: [B, Hkv, C, ...]; idx: [B, Hkv, K] -> [B, Hkv, K, ...]."""
+    extra = t.shape[3:]
+    full = idx.reshape(*idx.shape, *([1] * len(extra))).expand(*idx.shape, *extra)
+    return torch.gather(t, 2, full)
+
+
+def keep_slots(cache: LayerCache, idx: Tensor) -> LayerCache:
+    """Keep the slots ``idx`` [B, Hkv, K] (int64, ascending, so sequence order is kept) and drop the
+    rest. Indices may point at empty slots (rows with fewer than K live entries): those stay empty
+    and, being ascending, come last. Returns a cache of capacity K; state is carried unchanged."""
+    log_weight = _gather_slots(cache.log_weight, idx)
+    live = log_weight > EMPTY
+    position = _gather_slots(cache.position, idx).masked_fill(~live, -1)
+    meta = {name: _gather_slots(t, idx) * live.reshape(*live.shape, *([1] * (t.dim() - 3))).to(t.dtype)
+            for name, t in cache.slot_meta.items()}
+    return LayerCache(k=_gather_slots(cache.k, idx), v=_gather_slots(cache.v, idx), log_weight=log_weight,
+                      length=live.sum(-1), position=position, slot_meta=meta, state=dict(cache.state))
+
+
+def with_capacity(cache: LayerCache, capacity: int) -> LayerCache:
+    """The same entries in buffers of ``capacity`` slots (padding with empty slots, or cutting empty
+    ones). Raises if a live entry would be cut."""
+    c = cache.capacity
+    if capacity < c:
+        if bool((cache.length > capacity).any()):
+            raise ValueError(f"cannot shrink a cache holding {int(cache.length.max())} entries to {capacity} slots")
+        idx = torch.arange(capacity, device=cache.k.device).expand(*cache.length.shape, capacity)
+        return keep_slots(cache, idx)
+    pad = capacity - c
+
+    def grow(t: Tensor, value) -> Tensor:
+        shape = list(t.shape)
+        shape[2] = pad
+        return torch.cat([t, t.new_full(shape, value)], dim=2)
+
+    return LayerCache(k=grow(cache.k, 0), v=grow(cache.v, 0), log_weight=grow(cache.log_weight, EMPTY),
+                      length=cache.length.clone(), position=grow(cache.position, -1),
+                      slot_meta={n: grow(t, 0) for n, t in cache.slot_meta.items()}, state=dict(cache.state))
+
+
+def load_into(dst: LayerCache, src: LayerCache) -> None:
+    """Copy ``src`` into ``dst``'s buffers in place (same capacity), so buffer addresses stay static."""
+    if src.capacity != dst.capacity:
+        src = with_capacity(src, dst.capacity)
+    for name in ("k", "v", "log_weight", "length", "position"):
+        getattr(dst, name).copy_(getattr(src, name))
+    for name, t in src.slot_meta.items():
+        if name in dst.slot_meta:
+            dst.slot_meta[name].copy_(t)
+        else:
+            dst.slot_meta[name] = t.clone()
+    dst.state = dict(src.state)
+
+
+def entries_from_prompt(k: Tensor, v: Tensor, pad: Tensor, slot_meta: dict[str, Tensor]) -> LayerCache:
+    """The prompt's K, V [B, Hkv, T, D] with ``pad`` [B] left pads -> a cache of capacity T whose row b
+    holds its T - pad[b] real tokens in slots [0, T - pad[b]) (positions 0, 1, ...)."""
+    b, hkv, t, _ = k.shape
+    ar = torch.arange(t, device=k.device)
+    src = (ar[None, :] + pad[:, None]).clamp(max=t - 1)                 # [B, T]
+    real = ar[None, :] < (t - pad)[:, None]                             # [B, T]
+    idx = src[:, None, :].expand(b, hkv, t)
+    log_weight = torch.where(real, 0.0, EMPTY)[:, None, :].expand(b, hkv, t).float().contiguous()
+    cache = LayerCache(k=k, v=v, log_weight=torch.zeros(b, hkv, t, device=k.device), length=k.new_zeros(0),
+                       position=ar.expand(b, hkv, t).contiguous(), slot_meta=slot_meta)
+    out = keep_slots(cache, idx)
+    out.log_weight = log_weight
+    live = log_weight > EMPTY
+    out.position = torch.where(live, ar.expand(b, hkv, t), -1)
+    out.length = live.sum(-1)
+    out.slot_meta = {n: m * live.reshape(*live.shape, *([1] * (m.dim() - 3))).to(m.dtype)
+                     for n, m in out.slot_meta.items()}
+    return out
+
+
+def ring_from_prompt(k: Tensor, v: Tensor, pad: Tensor, window: int) -> LayerCache:
+    """A sliding-window ring of ``window`` slots holding each row's last ``window`` real tokens, the
+    token at position p in slot p % window (the slot a decode step at position p overwrites)."""
+    prompt = entries_from_prompt(k, v, pad, {})
+    b, hkv = k.shape[:2]
+    last = prompt.length[:, :, None] - 1                                 # [B, Hkv, 1] newest position
+    slot = torch.arange(window, device=k.device)[None, None, :]
+    pos = slot + window * torch.div(last - slot, window, rounding_mode="floor")   # newest p with p % W = slot
+    ok = (last - slot) >= 0
+    src = pos.clamp(min=0, max=k.shape[2] - 1)
+    ring = keep_slots(prompt, src)
+    ring.log_weight = torch.where(ok, ring.log_weight, EMPTY)
+    ring.position = torch.where(ok, pos, -1)
+    ring.length = ok.sum(-1).expand(b, hkv)
+    return ring

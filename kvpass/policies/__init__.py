@@ -1,0 +1,29 @@
+"""The policy registry: name -> class. ``get_policy`` builds one from user keyword arguments."""
+
+from __future__ import annotations
+
+from kvpass.policies.base import Attention, Policy, Stat
+from kvpass.policies.full import Full
+from kvpass.policies.streamingllm import StreamingLLM
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Full, StreamingLLM)}
+DEFAULT_POLICY = "streamingllm"
+
+
+def get_policy(name: str | Policy, **kwargs) -> Policy:
+    """The policy called ``name`` with ``kwargs`` overriding its defaults. A Policy instance passes through."""
+    if isinstance(name, Policy):
+        if kwargs:
+            raise TypeError("policy keyword arguments go with a policy name, not an instance")
+        return name
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; available: {', '.join(sorted(POLICIES))}")
+    cls = POLICIES[name]
+    unknown = set(kwargs) - set(cls.defaults())
+    if unknown:
+        raise ValueError(f"policy {name!r} has no parameter(s) {', '.join(sorted(unknown))}; "
+                         f"its parameters: {', '.join(cls.defaults()) or 'none'}")
+    return cls(**kwargs)
+
+
+__all__ = ["POLICIES", "DEFAULT_POLICY", "Attention", "Policy", "Stat", "get_policy"]

@@ -1,0 +1,74 @@
+"""What a policy is: data (the paper's hyperparameters) plus three hooks the runtime reads.
+
+* ``stats``: the statistics the rewritten graphs must emit for it (prefill and decode);
+* ``compress``: a pure function from a layer's cache to a cache of ``keep`` live entries;
+* ``attention``: which decode attention variant the rewrite inserts.
+
+The runtime never asks which policy it holds; a new policy is a new file and a registry entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from enum import Enum
+from typing import ClassVar
+
+from kvpass.cache import LayerCache
+
+
+class Stat(Enum):
+    """Statistics a policy asks the graphs for. Each lands in ``LayerCache.slot_meta[stat.value]``."""
+
+    COLUMN_SUM = "col_sum"            # accumulated attention per entry: prefill column sums + every decode row
+    WINDOW_SCORES = "window_scores"   # attention of the last prompt queries (observation window), prefill only
+
+
+class Attention(Enum):
+    """Decode attention variants. DENSE attends over every slot with the additive log-weight, which is
+    plain attention while all weights are 0 and the log(degree) bias of merged entries otherwise."""
+
+    DENSE = "dense"
+    CLUSTER_RECALL = "cluster_recall"   # ClusterKV: score centroids, attend the selected clusters
+    PAGE_RECALL = "page_recall"         # Quest: score pages by min/max keys, attend the selected pages
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise ValueError(message) unless condition: for validating user-supplied hyperparameters."""
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Base of every policy. Subclasses are frozen dataclasses whose fields are the paper's
+    hyperparameters with its defaults; ``interval`` is how many decode steps a layer may grow past its
+    budget before it is compressed again (so a layer holds between budget and budget + interval)."""
+
+    name: ClassVar[str]
+    section: ClassVar[str]                      # the section of policies.md it implements
+    summary: ClassVar[str]
+    stats: ClassVar[frozenset[Stat]] = frozenset()
+    attention: ClassVar[Attention] = Attention.DENSE
+    compresses: ClassVar[bool] = True           # False: the cache keeps every token (budget ignored)
+
+    def __post_init__(self) -> None:
+        interval = getattr(self, "interval", 1)
+        require(isinstance(interval, int) and interval >= 1, f"{self.name}: interval must be an int >= 1, got {interval!r}")
+
+    def min_budget(self) -> int:
+        """The fewest entries per layer the policy can work with (e.g. sinks + recent window)."""
+        return 1
+
+    def layer_budgets(self, budget: int, caches: list[LayerCache]) -> list[int]:
+        """Per-layer entry budgets for the compressed layers (``caches`` after prefill, with their
+        statistics). Default: the same budget everywhere."""
+        return [budget] * len(caches)
+
+    def compress(self, cache: LayerCache, keep: int) -> LayerCache:
+        """cache: one layer, capacity C, rows holding up to C entries. Returns a cache whose rows hold
+        at most ``keep`` live entries (any capacity >= that), in sequence order."""
+        raise NotImplementedError
+
+    @classmethod
+    def defaults(cls) -> dict[str, object]:
+        return {f.name: f.default for f in fields(cls)}

@@ -1,0 +1,324 @@
+"""The runtime: holds the cache tensors, runs prefill, decides in Python (from lengths it tracks on
+the host, so a steady decode step never synchronises) when a layer must be compressed, runs the
+decode steps and samples tokens.
+
+Data flow of ``generate``:
+
+    prefill graph ─▶ logits, per-layer K, V [B, Hkv, T, D] (+ statistics)
+    per layer:  sliding window  ─▶ ring of W slots (slot = position % W), never compressed
+                otherwise       ─▶ compacted prompt entries ─▶ policy.compress to its budget
+                                   ─▶ static buffers of C = budget + interval slots
+    each step:  compress layers whose buffers are full ─▶ decode graph (writes K, V at slot,
+                attends) ─▶ logits ─▶ next token; positions are absolute (tokens seen)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from kvpass.budget import budget_tokens, check_budget
+from kvpass.cache import LayerCache, entries_from_prompt, load_into, ring_from_prompt, with_capacity
+from kvpass.policies.base import Policy
+from kvpass.rewrites import CapturedModel, RewrittenGraphs
+from kvpass.sampling import next_token
+
+
+@dataclass
+class GenerationReport:
+    """What the last ``generate`` did. Bytes are real allocations: ``cache_bytes`` is every cache
+    tensor kvpass holds at the end (K, V, log-weights, lengths, positions, policy metadata);
+    ``full_cache_bytes`` is what a full cache of the same tokens holds (K and V of every token in
+    every layer, in the model dtype), the number plain transformers would hold."""
+
+    policy: str
+    batch: int
+    prompt_tokens: int
+    new_tokens: int
+    budget_tokens: int
+    layer_budgets: dict[int, int]
+    cache_bytes: int
+    full_cache_bytes: int
+    compressions: int
+    prefill_seconds: float
+    decode_seconds: float
+    entries: dict[int, int] = field(default_factory=dict)   # layer -> live entries (max over rows/heads)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.batch * self.new_tokens / max(self.prefill_seconds + self.decode_seconds, 1e-9)
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.cache_bytes / max(self.full_cache_bytes, 1)
+
+
+@dataclass
+class GenerateOutput:
+    """Returned with ``return_dict_in_generate=True``, like transformers' output."""
+
+    sequences: Tensor
+    logits: tuple[Tensor, ...] | None
+    report: GenerationReport
+
+
+@dataclass
+class _Layer:
+    cache: LayerCache
+    window: int | None           # a ring of this many slots, or None
+    compressible: bool
+    budget: int
+    host_len: int                # max live entries over rows/heads, tracked without a device sync
+
+
+_GENERATE_ARGS = ("input_ids", "attention_mask", "max_new_tokens", "do_sample", "temperature", "top_k",
+                  "top_p", "eos_token_id", "pad_token_id", "streamer", "generator", "return_dict_in_generate",
+                  "output_logits")
+
+
+def _left_pads(mask: Tensor) -> Tensor:
+    """attention_mask [B, T] of 0/1 -> left pads [B]; raises unless each row is 0...0 1...1."""
+    mask = mask.long()
+    if bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError("attention_mask must hold only 0 and 1")
+    if bool((mask[:, 1:] < mask[:, :-1]).any()):
+        raise ValueError("kvpass needs left padding (each attention_mask row 0...0 1...1); "
+                         "set tokenizer.padding_side = 'left'")
+    if bool((mask.sum(-1) == 0).any()):
+        raise ValueError("a row of attention_mask has no tokens")
+    return (mask == 0).sum(-1)
+
+
+class KVPassModel(nn.Module):
+    """A causal LM whose attention runs over a compressed KV cache. Built by ``kvpass.apply``; shares
+    the original model's weights and leaves that model unchanged."""
+
+    def __init__(self, model: nn.Module, policy: Policy, budget: float | int,
+                 captured: CapturedModel, graphs: RewrittenGraphs) -> None:
+        super().__init__()
+        check_budget(budget)
+        self.policy, self.budget = policy, budget
+        self.captured, self.graphs = captured, graphs
+        self._model = [model]                      # not a submodule: its weights are not ours to own
+        self.config = model.config
+        self.generation_config = getattr(model, "generation_config", None)
+        self.last_report: GenerationReport | None = None
+        self._all_logits_prefill = None
+
+    @property
+    def model(self) -> nn.Module:
+        return self._model[0]
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def __repr__(self) -> str:
+        return (f"KVPassModel({self.config.model_type}, policy={self.policy!r}, budget={self.budget}, "
+                f"layers={len(self.graphs.sites)})")
+
+    # ---------------------------------------------------------------- forward
+    @torch.no_grad()
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """Logits [B, T, V] of a plain forward over the prompt (the prefill graph, full attention)."""
+        from kvpass.rewrites.insert_compressed_cache import build_prefill
+
+        if self._all_logits_prefill is None:
+            from kvpass.policies.full import Full
+            self._all_logits_prefill = build_prefill(self.captured.gm, list(self.graphs.sites), Full(),
+                                                     last_logits_only=False)[0]
+        ids, pad, pos = self._prepare(input_ids, attention_mask, 0)
+        return self._all_logits_prefill(ids, pos, pad)[0]
+
+    # ---------------------------------------------------------------- generate
+    def _prepare(self, input_ids, attention_mask, max_new_tokens) -> tuple[Tensor, Tensor, Tensor]:
+        ids = torch.as_tensor(input_ids, device=self.device)
+        if ids.dim() == 1:
+            ids = ids[None]
+        if ids.dim() != 2 or ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be [batch, tokens] with at least one token, got shape {tuple(ids.shape)}")
+        mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask, device=ids.device)
+        if mask.shape != ids.shape:
+            raise ValueError(f"attention_mask shape {tuple(mask.shape)} differs from input_ids {tuple(ids.shape)}")
+        pad = _left_pads(mask)
+        longest = int(ids.shape[1] - pad.min())
+        ctx = self.captured.context_length
+        if longest > ctx:
+            raise ValueError(f"prompt of {longest} tokens is longer than the model's context of {ctx} tokens")
+        if longest + max_new_tokens > ctx:
+            raise ValueError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
+                             f"context of {ctx} tokens")
+        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        return ids, pad, pos
+
+    def _gen_default(self, name: str, value, fallback):
+        if value is not None:
+            return value
+        got = getattr(self.generation_config, name, None) if self.generation_config is not None else None
+        return fallback if got is None else got
+
+    def _build_layers(self, kv: Sequence[Tensor], stats: dict[int, dict[str, Tensor]], pad: Tensor,
+                      total: int, budget: int) -> tuple[list[_Layer], int]:
+        layers: list[_Layer] = []
+        prompt_len = int(kv[0].shape[2] - pad.min())
+        compressions = 0
+        for site in self.graphs.sites:
+            k, v = kv[2 * site.layer], kv[2 * site.layer + 1]
+            if site.window is not None and site.window < total:
+                ring = ring_from_prompt(k, v, pad, site.window)
+                layers.append(_Layer(ring, site.window, False, site.window, int(ring.length.max())))
+                continue
+            cache = entries_from_prompt(k, v, pad, stats.get(site.layer, {}))
+            compressible = self.policy.compresses and site.window is None
+            layers.append(_Layer(cache, None, compressible, total, prompt_len))
+        compressed = [lay for lay in layers if lay.compressible]
+        if compressed:
+            budgets = self.policy.layer_budgets(budget, [lay.cache for lay in compressed])
+            for lay, b in zip(compressed, budgets, strict=True):
+                lay.budget = int(b)
+                if lay.host_len > lay.budget:
+                    lay.cache = self.policy.compress(lay.cache, lay.budget)
+                    lay.host_len = int(lay.cache.length.max())
+                    compressions += 1
+                    self._check_within_budget(lay)
+        for lay in layers:
+            if lay.window is None:
+                interval = getattr(self.policy, "interval", 1) if lay.compressible else 0
+                capacity = total if not lay.compressible else min(lay.budget + interval, total)
+                lay.cache = with_capacity(lay.cache, max(capacity, lay.host_len))
+        return layers, compressions
+
+    def _check_within_budget(self, lay: _Layer) -> None:
+        if lay.host_len > lay.budget:
+            raise RuntimeError(f"policy {self.policy.name} left {lay.host_len} entries for a budget of {lay.budget}")
+
+    @torch.no_grad()
+    def generate(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                 max_new_tokens: int | None = None, do_sample: bool | None = None, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
+                 pad_token_id: int | None = None, streamer=None, generator: torch.Generator | None = None,
+                 return_dict_in_generate: bool = False, output_logits: bool = False, **unsupported):
+        """Generate like transformers' ``generate`` (greedy or sampling), with the compressed cache.
+
+        input_ids: [B, T]; attention_mask: [B, T], left padding for B > 1. Returns the sequences
+        [B, T + new] (rows that finished early are filled with ``pad_token_id``), or a
+        ``GenerateOutput`` with ``return_dict_in_generate``. ``self.last_report`` holds cache bytes
+        and timings."""
+        if unsupported:
+            raise TypeError(f"generate() got unsupported argument(s) {', '.join(sorted(unsupported))}; "
+                            f"supported: {', '.join(_GENERATE_ARGS)}")
+        if input_ids is None:
+            raise ValueError("generate() needs input_ids")
+        max_new_tokens = int(self._gen_default("max_new_tokens", max_new_tokens, 20))
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        do_sample = bool(self._gen_default("do_sample", do_sample, False))
+        temperature = float(self._gen_default("temperature", temperature, 1.0))
+        top_k = self._gen_default("top_k", top_k, None)
+        top_p = self._gen_default("top_p", top_p, None)
+        eos = self._gen_default("eos_token_id", eos_token_id, None)
+        eos_ids = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), device=self.device)
+        pad_id = self._gen_default("pad_token_id", pad_token_id, None)
+        if pad_id is None:
+            pad_id = int(eos_ids[0]) if len(eos_ids) else 0
+
+        ids, pad, pos = self._prepare(input_ids, attention_mask, max_new_tokens)
+        b, t = ids.shape
+        total = t + max_new_tokens
+        budget = total if not self.policy.compresses else budget_tokens(self.budget, total)
+        if self.policy.compresses and budget < self.policy.min_budget():
+            raise ValueError(f"budget of {budget} tokens (from {self.budget!r} of {total}) is smaller than "
+                             f"{self.policy.name}'s minimum of {self.policy.min_budget()} (sinks + window)")
+        if streamer is not None:
+            streamer.put(ids.cpu())
+
+        start = time.perf_counter()
+        outs = self.graphs.prefill(ids, pos, pad)
+        n_sites = len(self.graphs.sites)
+        kv = outs[1:1 + 2 * n_sites]
+        stats: dict[int, dict[str, Tensor]] = {}
+        for (layer, stat), value in zip(self.graphs.prefill_stats, outs[1 + 2 * n_sites:], strict=True):
+            stats.setdefault(layer, {})[stat.value] = value
+        logits = outs[0][:, -1].float()
+        layers, compressions = self._build_layers(kv, stats, pad, total, budget)
+        del outs, kv, stats
+        prefill_seconds = time.perf_counter() - start
+
+        start = time.perf_counter()
+        pos = pos[:, -1:] + 1                                  # [B, 1] absolute position of the next token
+        unfinished = torch.ones(b, dtype=torch.bool, device=ids.device)
+        tokens, step_logits = [], []
+        score_layers = self.graphs.decode_scores
+        for step in range(max_new_tokens):
+            if output_logits:
+                step_logits.append(logits)
+            tok = next_token(logits, do_sample, temperature, top_k, top_p, generator)
+            tok = torch.where(unfinished, tok, torch.full_like(tok, pad_id))
+            tokens.append(tok)
+            if streamer is not None:
+                streamer.put(tok.cpu())
+            if len(eos_ids):
+                unfinished &= ~torch.isin(tok, eos_ids)
+                if not bool(unfinished.any()):
+                    break
+            if step == max_new_tokens - 1:
+                break
+            for lay in layers:
+                if lay.compressible and lay.host_len >= lay.cache.capacity:
+                    load_into(lay.cache, self.policy.compress(lay.cache, lay.budget))
+                    lay.host_len = int(lay.cache.length.max())
+                    compressions += 1
+                    self._check_within_budget(lay)
+            slots = [self._slot(lay, pos) for lay in layers]
+            flat = [x for lay, slot in zip(layers, slots, strict=True)
+                    for x in (lay.cache.k, lay.cache.v, lay.cache.log_weight, slot)]
+            outs = self.graphs.decode(tok[:, None], pos, *flat)
+            logits = outs[0][:, -1].float()
+            for layer, scores in zip(score_layers, outs[1:], strict=True):
+                layers[layer].cache.slot_meta["col_sum"] += scores
+            for lay, slot in zip(layers, slots, strict=True):
+                self._advance(lay, slot, pos)
+            pos = pos + 1
+        decode_seconds = time.perf_counter() - start
+        if streamer is not None:
+            streamer.end()
+
+        new = torch.stack(tokens, dim=1)
+        self.last_report = self._report(layers, b, int(t - pad.min()), new.shape[1], budget, compressions,
+                                        prefill_seconds, decode_seconds)
+        sequences = torch.cat([ids, new], dim=1)
+        if return_dict_in_generate:
+            return GenerateOutput(sequences, tuple(step_logits) if output_logits else None, self.last_report)
+        return sequences
+
+    @staticmethod
+    def _slot(lay: _Layer, pos: Tensor) -> Tensor:
+        """Where this step's K, V go: [B, Hkv] int64."""
+        if lay.window is not None:
+            return (pos % lay.window).expand_as(lay.cache.length)
+        return lay.cache.length.clone()
+
+    @staticmethod
+    def _advance(lay: _Layer, slot: Tensor, pos: Tensor) -> None:
+        cache = lay.cache
+        cache.position.scatter_(2, slot[:, :, None], pos[:, :, None].expand_as(slot[:, :, None]))
+        if lay.window is not None:
+            cache.length.clamp_(max=lay.window - 1).add_(1)
+            lay.host_len = min(lay.host_len + 1, lay.window)
+        else:
+            cache.length.add_(1)
+            lay.host_len += 1
+
+    def _report(self, layers, b, prompt_tokens, new_tokens, budget, compressions, t_pre, t_dec) -> GenerationReport:
+        full = sum(2 * b * s.n_kv_heads * s.head_dim * (prompt_tokens + new_tokens) * lay.cache.k.element_size()
+                   for s, lay in zip(self.graphs.sites, layers, strict=True))
+        return GenerationReport(
+            policy=self.policy.name, batch=b, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
+            budget_tokens=budget, layer_budgets={i: lay.budget for i, lay in enumerate(layers) if lay.compressible},
+            cache_bytes=sum(lay.cache.nbytes() for lay in layers), full_cache_bytes=full,
+            compressions=compressions, prefill_seconds=t_pre, decode_seconds=t_dec,
+            entries={i: lay.host_len for i, lay in enumerate(layers)})

@@ -1,0 +1,160 @@
+"""Rewrite: the captured no-cache forward -> the prefill and decode-step graphs.
+
+Both graphs are copies of the captured graph that share its weights; each attention site is
+replaced by a ``kvpass.kernels`` op.
+
+prefill(input_ids [B, T], position_ids [B, T], pad [B])
+    -> (logits [B, 1, V] (or [B, T, V]), k_0, v_0, ..., k_{L-1}, v_{L-1}, *stats)
+    k_l, v_l: [B, Hkv, T, D] post-RoPE KV-head tensors; pad = left pads per row;
+    stats: for each compressible layer, each statistic the policy asks for, [B, Hkv, T] fp32.
+decode(input_ids [B, 1], position_ids [B, 1], then per layer: k_cache_l, v_cache_l, log_weight_l, slot_l)
+    -> (logits [B, 1, V], *scores)
+    writes the step's K, V into slot_l of the cache buffers in place, then attends over the cache;
+    scores: [B, Hkv, C_l] fp32 per compressible layer when the policy accumulates attention.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass
+
+import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
+import torch
+from kvpass.rewrites.attention_sites import AttentionSite
+from torch.fx import Graph, GraphModule, Node
+
+from kvpass.policies.base import Attention, Policy, Stat
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+ops = torch.ops.kvpass
+
+# Attention variant -> decode op. New variants (cluster / page recall) add an entry here.
+DECODE_ATTENTION_OPS = {Attention.DENSE: ops.decode_attention.default}
+# Statistic -> prefill op computing it per layer (q, k, pad, scale, window, softcap) -> [B, Hkv, T] fp32.
+PREFILL_STAT_OPS = {Stat.COLUMN_SUM: ops.attention_column_sums.default}
+# Statistics accumulated from every decode step's attention row.
+DECODE_STATS = frozenset({Stat.COLUMN_SUM})
+
+_ELEMENTWISE = (aten.div.Tensor, aten.mul.Tensor, aten.tanh.default, aten.to.dtype, aten._to_copy.default,
+                aten.alias.default, aten.clone.default, aten.contiguous.default)
+
+
+@dataclass(frozen=True)
+class RewrittenGraphs:
+    prefill: GraphModule
+    decode: GraphModule
+    sites: tuple[AttentionSite, ...]
+    prefill_stats: tuple[tuple[int, Stat], ...]    # (layer, stat) of each stats output, in order
+    decode_scores: tuple[int, ...]                 # layers whose step scores the decode graph returns
+
+
+def copy_graph(gm: GraphModule) -> tuple[Graph, dict[Node, Node], object]:
+    """A fresh copy of gm's graph (no output node yet), the node map, and the output value."""
+    graph = Graph()
+    env: dict[Node, Node] = {}
+    out = graph.graph_copy(gm.graph, env)
+    return graph, env, out
+
+
+def _add_inputs(graph: Graph, names: list[str]) -> list[Node]:
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    nodes = []
+    with graph.inserting_after(last):
+        for name in reversed(names):
+            nodes.insert(0, graph.placeholder(name))
+    return nodes
+
+
+def _keep_last_position(graph: Graph, logits: Node) -> None:
+    """Compute the LM head for the last position only: slice its [B, T, H] input to [B, 1, H]."""
+    node = logits
+    while node.target in _ELEMENTWISE:
+        node = node.args[0]
+    if node.target in (aten.linear.default, aten.matmul.default):
+        hidden = node.args[0]
+        with graph.inserting_before(node):
+            last = graph.call_function(aten.slice.Tensor, (hidden, 1, -1, 2**63 - 1))
+        node.replace_input_with(hidden, last)
+    else:
+        with graph.inserting_after(logits):
+            last = graph.call_function(aten.slice.Tensor, (logits, 1, -1, 2**63 - 1))
+        logits.replace_all_uses_with(last, delete_user_cb=lambda u: u is not last)
+
+
+def _finish(graph: Graph, root: GraphModule, outputs: list[Node], name: str) -> GraphModule:
+    graph.output(tuple(outputs))
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm = GraphModule(root, graph, class_name=name)
+    return gm
+
+
+def _logits_node(out) -> Node:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def build_prefill(gm: GraphModule, sites: list[AttentionSite], policy: Policy,
+                  last_logits_only: bool = True) -> tuple[GraphModule, tuple[tuple[int, Stat], ...]]:
+    graph, env, out = copy_graph(gm)
+    (pad,) = _add_inputs(graph, ["pad"])
+    kv_outputs, stat_outputs, stat_keys = [], [], []
+    for site in sites:
+        q, k, v = env[site.q], env[site.k], env[site.v]
+        target = env[site.output]
+        opts = {"scale": site.scale, "window": site.window, "softcap": site.softcap}
+        with graph.inserting_before(target):
+            attn = graph.call_function(ops.prefill_attention.default, (q, k, v, pad), dict(opts))
+            if site.window is None and policy.compresses:
+                for stat in sorted(policy.stats, key=lambda s: s.value):
+                    if stat not in PREFILL_STAT_OPS:
+                        raise NotImplementedError(f"no prefill op computes {stat} yet")
+                    stat_outputs.append(graph.call_function(PREFILL_STAT_OPS[stat], (q, k, pad), dict(opts)))
+                    stat_keys.append((site.layer, stat))
+        target.replace_all_uses_with(attn)
+        kv_outputs += [k, v]
+    if last_logits_only:
+        _keep_last_position(graph, _logits_node(out))
+    graph_out = [_final_logits(graph, out)] + kv_outputs + stat_outputs
+    return _finish(graph, gm, graph_out, "KVPassPrefill"), tuple(stat_keys)
+
+
+def _final_logits(graph: Graph, out) -> Node:
+    """The logits node, or the slice inserted after it by _keep_last_position."""
+    logits = _logits_node(out)
+    users = [u for u in logits.users if u.target == aten.slice.Tensor and u.args[1:3] == (1, -1)]
+    return users[0] if users else logits
+
+
+def build_decode(gm: GraphModule, sites: list[AttentionSite], policy: Policy) -> tuple[GraphModule, tuple[int, ...]]:
+    if policy.attention not in DECODE_ATTENTION_OPS:
+        raise NotImplementedError(f"decode attention variant {policy.attention.value} has no op yet")
+    attend = DECODE_ATTENTION_OPS[policy.attention]
+    graph, env, out = copy_graph(gm)
+    names = [f"{what}_{s.layer}" for s in sites for what in ("k_cache", "v_cache", "log_weight", "slot")]
+    inputs = _add_inputs(graph, names)
+    scores, score_layers = [], []
+    for i, site in enumerate(sites):
+        kc, vc, lw, slot = inputs[4 * i: 4 * i + 4]
+        target = env[site.output]
+        want = bool(policy.stats & DECODE_STATS) and site.window is None and policy.compresses
+        with graph.inserting_before(target):
+            graph.call_function(ops.write_kv.default, (kc, vc, lw, slot, env[site.k], env[site.v]))
+            res = graph.call_function(attend, (env[site.q], kc, vc, lw),
+                                      {"scale": site.scale, "softcap": site.softcap, "want_scores": want})
+            attn = graph.call_function(operator.getitem, (res, 0))
+            if want:
+                scores.append(graph.call_function(operator.getitem, (res, 1)))
+                score_layers.append(site.layer)
+        target.replace_all_uses_with(attn)
+    return _finish(graph, gm, [_logits_node(out)] + scores, "KVPassDecode"), tuple(score_layers)
+
+
+def insert_compressed_cache(gm: GraphModule, sites: list[AttentionSite], policy: Policy) -> RewrittenGraphs:
+    """Build the prefill and decode graphs of ``policy`` over the captured graph ``gm``."""
+    prefill, stat_keys = build_prefill(gm, sites, policy)
+    decode, score_layers = build_decode(gm, sites, policy)
+    log.info("insert_compressed_cache: rewrote %d attention sites (%s)", len(sites), policy.name)
+    return RewrittenGraphs(prefill=prefill, decode=decode, sites=tuple(sites),
+                           prefill_stats=stat_keys, decode_scores=score_layers)
