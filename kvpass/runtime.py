@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from kvpass.budget import budget_tokens, check_budget
 from kvpass.cache import LayerCache, entries_from_prompt, load_into, ring_from_prompt, with_capacity
-from kvpass.policies.base import Policy
+from kvpass.policies.base import Policy, Stat
 from kvpass.rewrites import CapturedModel, RewrittenGraphs
 from kvpass.sampling import next_token
 
@@ -274,12 +274,11 @@ class KVPassModel(nn.Module):
                     compressions += 1
                     self._check_within_budget(lay)
             slots = [self._slot(lay, pos) for lay in layers]
-            flat = [x for lay, slot in zip(layers, slots, strict=True)
-                    for x in (lay.cache.k, lay.cache.v, lay.cache.log_weight, slot)]
+            flat = [x for lay, slot in zip(layers, slots, strict=True) for x in self._decode_inputs(lay, slot)]
             outs = self.graphs.decode(tok[:, None], pos, *flat)
             logits = outs[0][:, -1].float()
             for layer, scores in zip(score_layers, outs[1:], strict=True):
-                layers[layer].cache.slot_meta["col_sum"] += scores
+                layers[layer].cache.slot_meta[Stat.COLUMN_SUM.value] += scores
             for lay, slot in zip(layers, slots, strict=True):
                 self._advance(lay, slot, pos)
             pos = pos + 1
@@ -294,6 +293,11 @@ class KVPassModel(nn.Module):
         if return_dict_in_generate:
             return GenerateOutput(sequences, tuple(step_logits) if output_logits else None, self.last_report)
         return sequences
+
+    def _decode_inputs(self, lay: _Layer, slot: Tensor) -> list[Tensor]:
+        cache = lay.cache
+        extra = [cache.slot_meta[n] if n in cache.slot_meta else cache.state[n] for n in self.policy.decode_inputs]
+        return [cache.k, cache.v, cache.log_weight, slot, *extra]
 
     @staticmethod
     def _slot(lay: _Layer, pos: Tensor) -> Tensor:

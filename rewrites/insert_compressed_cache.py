@@ -7,7 +7,8 @@ prefill(input_ids [B, T], position_ids [B, T], pad [B])
     -> (logits [B, 1, V] (or [B, T, V]), k_0, v_0, ..., k_{L-1}, v_{L-1}, *stats)
     k_l, v_l: [B, Hkv, T, D] post-RoPE KV-head tensors; pad = left pads per row;
     stats: for each compressible layer, each statistic the policy asks for, [B, Hkv, T] fp32.
-decode(input_ids [B, 1], position_ids [B, 1], then per layer: k_cache_l, v_cache_l, log_weight_l, slot_l)
+decode(input_ids [B, 1], position_ids [B, 1], then per layer: k_cache_l, v_cache_l, log_weight_l, slot_l,
+       and the policy's ``decode_inputs`` of that layer)
     -> (logits [B, 1, V], *scores)
     writes the step's K, V into slot_l of the cache buffers in place, then attends over the cache;
     scores: [B, Hkv, C_l] fp32 per compressible layer when the policy accumulates attention.
@@ -132,16 +133,17 @@ def build_decode(gm: GraphModule, sites: list[AttentionSite], policy: Policy) ->
         raise NotImplementedError(f"decode attention variant {policy.attention.value} has no op yet")
     attend = DECODE_ATTENTION_OPS[policy.attention]
     graph, env, out = copy_graph(gm)
-    names = [f"{what}_{s.layer}" for s in sites for what in ("k_cache", "v_cache", "log_weight", "slot")]
-    inputs = _add_inputs(graph, names)
+    per_layer = ("k_cache", "v_cache", "log_weight", "slot", *policy.decode_inputs)
+    n = len(per_layer)
+    inputs = _add_inputs(graph, [f"{what}_{s.layer}" for s in sites for what in per_layer])
     scores, score_layers = [], []
     for i, site in enumerate(sites):
-        kc, vc, lw, slot = inputs[4 * i: 4 * i + 4]
+        kc, vc, lw, slot, *extra = inputs[n * i: n * i + n]
         target = env[site.output]
         want = bool(policy.stats & DECODE_STATS) and site.window is None and policy.compresses
         with graph.inserting_before(target):
             graph.call_function(ops.write_kv.default, (kc, vc, lw, slot, env[site.k], env[site.v]))
-            res = graph.call_function(attend, (env[site.q], kc, vc, lw),
+            res = graph.call_function(attend, (env[site.q], kc, vc, lw, *extra),
                                       {"scale": site.scale, "softcap": site.softcap, "want_scores": want})
             attn = graph.call_function(operator.getitem, (res, 0))
             if want:

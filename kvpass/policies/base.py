@@ -50,6 +50,9 @@ class Policy:
     stats: ClassVar[frozenset[Stat]] = frozenset()
     attention: ClassVar[Attention] = Attention.DENSE
     compresses: ClassVar[bool] = True           # False: the cache keeps every token (budget ignored)
+    # Names of LayerCache.slot_meta / state tensors the decode attention op takes after log_weight
+    # (e.g. cluster centroids for CLUSTER_RECALL); the runtime passes them, the rewrite adds the inputs.
+    decode_inputs: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         interval = getattr(self, "interval", 1)
