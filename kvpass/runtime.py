@@ -75,6 +75,7 @@ class _Layer:
     host_len: int                # max live entries over rows/heads, tracked without a device sync
 
 
+_UNSET = object()          # an argument left out, as opposed to an explicit None
 _GENERATE_ARGS = ("input_ids", "attention_mask", "max_new_tokens", "do_sample", "temperature", "top_k",
                   "top_p", "eos_token_id", "pad_token_id", "streamer", "generator", "return_dict_in_generate",
                   "output_logits")
@@ -226,15 +227,16 @@ class KVPassModel(nn.Module):
     @torch.no_grad()
     def generate(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                  max_new_tokens: int | None = None, do_sample: bool | None = None, temperature: float | None = None,
-                 top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
-                 pad_token_id: int | None = None, streamer=None, generator: torch.Generator | None = None,
+                 top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = _UNSET,
+                 pad_token_id: int | None = _UNSET, streamer=None, generator: torch.Generator | None = None,
                  return_dict_in_generate: bool = False, output_logits: bool = False, **unsupported):
         """Generate like transformers' ``generate`` (greedy or sampling), with the compressed cache.
 
         input_ids: [B, T]; attention_mask: [B, T], left padding for B > 1. Returns the sequences
         [B, T + new] (rows that finished early are filled with ``pad_token_id``), or a
         ``GenerateOutput`` with ``return_dict_in_generate``. ``self.last_report`` holds cache bytes
-        and timings."""
+        and timings. As in transformers, ``eos_token_id`` / ``pad_token_id`` left out come from the
+        model's generation config, and an explicit None means none."""
         if unsupported:
             raise TypeError(f"generate() got unsupported argument(s) {', '.join(sorted(unsupported))}; "
                             f"supported: {', '.join(_GENERATE_ARGS)}")
@@ -247,9 +249,9 @@ class KVPassModel(nn.Module):
                         temperature=float(self._gen_default("temperature", temperature, 1.0)),
                         top_k=self._gen_default("top_k", top_k, None), top_p=self._gen_default("top_p", top_p, None),
                         generator=generator)
-        eos = self._gen_default("eos_token_id", eos_token_id, None)
+        eos = self._gen_default("eos_token_id", None, None) if eos_token_id is _UNSET else eos_token_id
         eos_ids = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), device=self.device)
-        pad_id = self._gen_default("pad_token_id", pad_token_id, None)
+        pad_id = self._gen_default("pad_token_id", None, None) if pad_token_id is _UNSET else pad_token_id
         if pad_id is None:
             pad_id = int(eos_ids[0]) if len(eos_ids) else 0
 
