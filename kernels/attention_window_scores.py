@@ -6,7 +6,7 @@ W = the last ``obs_window`` real query rows (all real rows if the prompt is shor
 
     raw[b, g, j]    = mean_{h in group g} sum_{i in W} A_h[i, j]      for j before the window,
                       0 for j inside the window and for pad columns
-    score[b, g, :]  = pool1d(raw[b, g, :], kernel, stride 1, padding kernel // 2)
+    score[b, g, :]  = pool1d(raw[b, g, :], kernel, stride 1, padding kernel // 2), then 0 on pad columns
 
 A_h is the prefill attention (causal, left pads, optional sliding window and softcap) in an fp32
 softmax. Zeroing the window and pad columns before pooling is exactly SnapKV's zero padding of the
@@ -52,7 +52,8 @@ def attention_window_scores_reference(q: Tensor, k: Tensor, pad: Tensor, scale: 
         pooled = F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2)
     else:
         raise ValueError(f"pool must be 'avg' or 'max', got {pool!r}")
-    return pooled[..., :t].reshape(b, hkv, t).contiguous()
+    real_col = (j[None, :] >= pad[:, None])[:, None, :]                # [B, 1, T]
+    return (pooled[..., :t].reshape(b, hkv, t) * real_col).contiguous()
 
 
 @torch.library.custom_op("kvpass::attention_window_scores", mutates_args=())

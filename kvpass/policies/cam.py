@@ -83,8 +83,8 @@ class CaM(Policy):
             draw = hashed_uniform(cache.position[:, :, e], head, self.seed) < p
             on = draw & (offset < n_evict)                                       # [B, Hkv]
             v[:, :, targets] += (on[..., None] & present)[..., None] * v[:, :, e:e + 1] / m
-        j = torch.arange(keep, device=v.device)
+        j = torch.arange(min(keep, c), device=v.device)
         idx = torch.where((j < sinks) | (length[..., None] <= keep), j, length[..., None] - keep + j)
         merged = LayerCache(k=cache.k, v=v.to(cache.v.dtype), log_weight=cache.log_weight, length=length,
                             position=cache.position, slot_meta=cache.slot_meta, state=cache.state)
-        return keep_slots(merged, idx.clamp(max=c - 1))
+        return keep_slots(merged, idx)
