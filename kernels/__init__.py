@@ -6,6 +6,8 @@ registered for CUDA. Importing this package registers the ops under ``torch.ops.
 """
 
 from kvpass.kernels.attention_column_sums import attention_column_sums, attention_column_sums_reference
+from kvpass.kernels.attention_head_variance import attention_head_variance, attention_head_variance_reference
+from kvpass.kernels.attention_window_scores import attention_window_scores, attention_window_scores_reference
 from kvpass.kernels.decode_attention import decode_attention, decode_attention_reference
 from kvpass.kernels.prefill_attention import prefill_attention, prefill_attention_reference, prefill_mask
 from kvpass.kernels.write_kv import write_kv, write_kv_reference
@@ -13,6 +15,10 @@ from kvpass.kernels.write_kv import write_kv, write_kv_reference
 __all__ = [
     "attention_column_sums",
     "attention_column_sums_reference",
+    "attention_head_variance",
+    "attention_head_variance_reference",
+    "attention_window_scores",
+    "attention_window_scores_reference",
     "decode_attention",
     "decode_attention_reference",
     "prefill_attention",

@@ -173,7 +173,9 @@ class KVPassModel(nn.Module):
                 ring = ring_from_prompt(k, v, pad, site.window)
                 layers.append(_Layer(ring, site.window, False, site.window, int(ring.length.max())))
                 continue
-            cache = entries_from_prompt(k, v, pad, stats.get(site.layer, {}))
+            layer_stats = stats.get(site.layer, {})
+            cache = entries_from_prompt(k, v, pad, {n: x for n, x in layer_stats.items() if Stat(n).per_slot})
+            cache.state.update({n: x for n, x in layer_stats.items() if not Stat(n).per_slot})
             compressible = self.policy.compresses and site.window is None
             layers.append(_Layer(cache, None, compressible, total, prompt_len))
         compressed = [lay for lay in layers if lay.compressible]
