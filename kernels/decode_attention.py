@@ -98,7 +98,7 @@ def _decode_attention_split_kernel(
 ):
     pid_bg = tl.program_id(0)
     pid_s = tl.program_id(1)
-    b = pid_bg // HKV
+    b = (pid_bg // HKV).to(tl.int64)                  # 64-bit offsets: B*Hkv*C*D may pass 2^31
     g = pid_bg % HKV
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -152,7 +152,7 @@ def _decode_attention_combine_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_bg = tl.program_id(0)
-    b = pid_bg // HKV
+    b = (pid_bg // HKV).to(tl.int64)                  # 64-bit offsets: B*Hkv*C*D may pass 2^31
     g = pid_bg % HKV
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -188,7 +188,7 @@ def _decode_attention_scores_kernel(
     HAS_SOFTCAP: tl.constexpr, DOT: tl.constexpr,
 ):
     pid_bg = tl.program_id(0)
-    b = pid_bg // HKV
+    b = (pid_bg // HKV).to(tl.int64)                  # 64-bit offsets: B*Hkv*C*D may pass 2^31
     g = pid_bg % HKV
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -222,7 +222,7 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def decode_splits(b: int, hkv: int, c: int, block_n: int, device: torch.device, min_split: int = 512,
+def decode_splits(b: int, hkv: int, c: int, block_n: int, device: torch.device, min_split: int = 256,
                   waves: int = 2) -> int:
     """How many splits of the cache: enough programs for ``waves`` per multiprocessor, each split at
     least ``min_split`` slots (rounded to BLOCK_N), never more splits than tiles."""
