@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from kvpass.budget import budget_tokens, check_budget
 from kvpass.cache import LayerCache, entries_from_prompt, load_into, ring_from_prompt, with_capacity
+from kvpass.decode_step import StaticDecodeStep
 from kvpass.policies.base import Policy, Stat
 from kvpass.rewrites import CapturedModel, RewrittenGraphs
 from kvpass.sampling import next_token
@@ -108,6 +109,8 @@ class KVPassModel(nn.Module):
         self.generation_config = getattr(model, "generation_config", None)
         self.last_report: GenerationReport | None = None
         self._all_logits_prefill = None
+        # The decode graph, replayed from a CUDA graph on CUDA (eager on CPU); see decode_step.py.
+        self.decode_step = StaticDecodeStep(graphs.decode, per_layer=4 + len(policy.decode_inputs))
 
     @property
     def model(self) -> nn.Module:
@@ -275,7 +278,7 @@ class KVPassModel(nn.Module):
                     self._check_within_budget(lay)
             slots = [self._slot(lay, pos) for lay in layers]
             flat = [x for lay, slot in zip(layers, slots, strict=True) for x in self._decode_inputs(lay, slot)]
-            outs = self.graphs.decode(tok[:, None], pos, *flat)
+            outs = self.decode_step(tok[:, None], pos, *flat)
             logits = outs[0][:, -1].float()
             for layer, scores in zip(score_layers, outs[1:], strict=True):
                 layers[layer].cache.slot_meta[Stat.COLUMN_SUM.value] += scores
