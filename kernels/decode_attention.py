@@ -222,10 +222,12 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def decode_splits(b: int, hkv: int, c: int, block_n: int, device: torch.device, min_split: int = 256,
-                  waves: int = 2) -> int:
-    """How many splits of the cache: enough programs for ``waves`` per multiprocessor, each split at
-    least ``min_split`` slots (rounded to BLOCK_N), never more splits than tiles."""
+def decode_splits(b: int, hkv: int, c: int, block_n: int, device: torch.device, min_split: int = 128,
+                  waves: int = 8) -> int:
+    """How many splits of the cache: about ``waves`` programs per multiprocessor (several are resident
+    at once, so many small programs also shrink the tail of the last wave), each split at least
+    ``min_split`` slots (rounded to BLOCK_N). The combine step reads splits x G x D fp32 per (b, g),
+    small next to the C x D cache. The benchmark sweeps 0.5x and 2x of this choice."""
     want = max(1, -(-waves * _sm_count(device) // (b * hkv)))
     return max(1, min(want, -(-c // max(min_split, block_n))))
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import math
 import os
@@ -368,8 +369,12 @@ def section_e2e(device: torch.device, smoke: bool, deadline: Deadline, copy_bw: 
     weight_bytes = _weight_bytes_per_step(model)
     build_s = time.monotonic() - t0
     t0 = time.monotonic()
-    captured = capture_causal_lm(model)
-    sites = match_attention(captured, cfg)
+    captured, sites, capture_error = None, None, None
+    try:                                          # a capture failure still leaves the transformers rows
+        captured = capture_causal_lm(model)
+        sites = match_attention(captured, cfg)
+    except Exception as exc:  # noqa: BLE001
+        capture_error = "".join(traceback.format_exception(exc))[-3000:]
     capture_s = time.monotonic() - t0
     n1, n2 = (2, 6) if smoke else (4, 36)
     names = [p for p in POLICY_ORDER if p in kvpass.POLICIES] + \
@@ -394,6 +399,8 @@ def section_e2e(device: torch.device, smoke: bool, deadline: Deadline, copy_bw: 
                 continue
             started = time.monotonic()
             try:
+                if pname is not None and captured is None:
+                    raise RuntimeError("kvpass capture failed (see e2e.capture_error)")
                 if pname is None:
                     def gen(n, ids=ids):
                         return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
@@ -428,6 +435,7 @@ def section_e2e(device: torch.device, smoke: bool, deadline: Deadline, copy_bw: 
             est = max(est, row["wall_s"])
             rows.append(row)
             print(f"[bench] e2e {row}", flush=True)
+            gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         base = next((r for r in rows if r["prompt"] == prompt and r["method"] == "transformers" and "tpot_ms" in r), None)
@@ -436,6 +444,7 @@ def section_e2e(device: torch.device, smoke: bool, deadline: Deadline, copy_bw: 
                 r["speedup_vs_transformers"] = base["tpot_ms"] / r["tpot_ms"]
     return {"model": "Llama-3.1-8B-shaped, random weights" if not smoke else "tiny Llama", "dtype": str(dtype),
             "weight_bytes_per_step": weight_bytes, "build_s": build_s, "capture_s": capture_s, "budget": budget,
+            "capture_error": capture_error,
             "n1": n1, "n2": n2, "rows": rows}
 
 
