@@ -1,26 +1,27 @@
 """The decode step under a CUDA graph: fixed buffers, one graph replay per token.
 
 A decode step launches hundreds of small kernels (per layer: norms, projections, RoPE, write_kv,
-decode attention, MLP); at batch 1 their launch overhead, not memory traffic, bounds plain eager
-decoding (architecture.md, "Performance model"). ``StaticDecodeStep`` captures one call of the
-decode graph in a CUDA graph and replays it every step.
+decode attention, MLP, and the runtime's slot and length bookkeeping); at batch 1 their launch
+overhead, not memory traffic, bounds eager decoding (architecture.md, "Performance model").
+``StaticDecodeStep`` captures the device work of one step, ``fn(*step_inputs)``, in a CUDA graph
+and replays it every step.
 
-Inputs of the decode graph fall in two kinds (insert_compressed_cache.py, ``decode``):
+* step inputs (the token ids [B] and positions [B, 1]) are new tensors every step: they are copied
+  into static buffers owned by the step before each replay;
+* persistent tensors (every layer's cache tensors: K, V, log-weights, lengths, positions, policy
+  slot metadata and state) are read and written in place at the addresses the graph was captured
+  with. Compression keeps them (``cache.load_into`` copies into the same buffers). When one of them
+  is a different tensor (a new ``generate`` call, a policy that replaced a buffer) or a step input
+  changes shape, the step re-captures (``capture_key``).
 
-* step inputs, new tensors every step: ``input_ids`` [B, 1], ``position_ids`` [B, 1] and each
-  layer's ``slot`` [B, Hkv]. They are copied into static buffers owned by the step before replay.
-* persistent inputs: each layer's cache buffers (``k_cache``, ``v_cache``, ``log_weight``, which
-  the graph writes in place) and the policy's ``decode_inputs``. The graph reads them at the
-  addresses it was captured with, so they must stay the same tensors: compression writes into them
-  with ``cache.load_into`` (it does). When one of them is a different tensor (a new ``generate``
-  call, a policy that replaced a buffer) or a step input changes shape, the step re-captures.
+Capture first runs ``fn`` once eagerly (warm-up: Triton compilation, library handles). That run
+writes this step's K, V into their slots, which the replay rewrites identically; the tensors it
+advances (``restore``: lengths, positions, log-weights, accumulated scores) are saved before the
+warm-up and put back after it, so the step is applied exactly once.
 
-The outputs are static tensors too: the next replay overwrites them. The logits are returned as a
-copy (callers keep them, e.g. ``output_logits``); the scores are returned as the static tensors,
-which the runtime adds into its column sums right away.
-
-On CPU, or with ``KVPASS_CUDA_GRAPH=0``, or if capture fails (an op that synchronises, say), the
-step runs the graph eagerly: same inputs, same outputs.
+The returned first output (the logits) is a copy; later outputs are the graph's static tensors,
+overwritten by the next replay. On CPU, with ``KVPASS_CUDA_GRAPH=0``, with ``enabled = False``, or if
+capture fails (an op that synchronises, say), ``fn`` runs eagerly: same inputs, same outputs.
 """
 
 from __future__ import annotations
@@ -37,24 +38,12 @@ log = logging.getLogger(__name__)
 Key = tuple
 
 
-def step_input_indices(n_inputs: int, per_layer: int) -> frozenset[int]:
-    """Indices of the step inputs in the decode graph's flat inputs: ids, positions, and the slot
-    (4th input) of every layer group of ``per_layer`` inputs."""
-    if (n_inputs - 2) % per_layer:
-        raise ValueError(f"{n_inputs} decode inputs do not split into 2 + layers x {per_layer}")
-    return frozenset([0, 1, *(2 + i * per_layer + 3 for i in range((n_inputs - 2) // per_layer))])
-
-
-def capture_key(args: Sequence[Tensor], step_idx: frozenset[int]) -> Key:
-    """What a captured graph depends on: shapes and dtypes of step inputs, and the identity (address,
-    shape, strides, dtype) of persistent inputs. A different key means the graph must be re-captured."""
-    parts = []
-    for i, x in enumerate(args):
-        if i in step_idx:
-            parts.append((i, tuple(x.shape), x.dtype, x.device))
-        else:
-            parts.append((i, x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, x.device))
-    return tuple(parts)
+def capture_key(step_inputs: Sequence[Tensor], persistent: Sequence[Tensor]) -> Key:
+    """What a captured graph depends on: shapes and dtypes of the step inputs, and the identity
+    (address, shape, strides, dtype) of the persistent tensors. A new key means re-capture."""
+    steps = tuple((tuple(x.shape), x.dtype, x.device) for x in step_inputs)
+    state = tuple((x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, x.device) for x in persistent)
+    return steps, state
 
 
 def graphs_enabled(device: torch.device) -> bool:
@@ -62,56 +51,75 @@ def graphs_enabled(device: torch.device) -> bool:
 
 
 class StaticDecodeStep:
-    """``step(ids, pos, *flat)`` = ``decode(ids, pos, *flat)``, replayed from a CUDA graph on CUDA.
+    """``step(fn, step_inputs, persistent, restore)`` = ``fn(*step_inputs)``, replayed from a CUDA
+    graph on CUDA. ``captures`` counts captures (tests and benchmarks read it)."""
 
-    decode: the decode GraphModule; per_layer: inputs per layer (4 + len(policy.decode_inputs)).
-    ``captures`` counts captures (tests and benchmarks read it); ``enabled`` turns graphs off."""
-
-    def __init__(self, decode: Callable[..., Sequence[Tensor]], per_layer: int, enabled: bool = True,
-                 warmup: int = 1) -> None:
-        self.decode, self.per_layer, self.enabled, self.warmup = decode, per_layer, enabled, warmup
+    def __init__(self, enabled: bool = True, warmup: int = 1) -> None:
+        self.enabled, self.warmup = enabled, warmup
         self.captures = 0
         self._key: Key | None = None
         self._graph = None
         self._static: list[Tensor] = []
-        self._outs: Sequence[Tensor] = ()
-        self._step_idx: frozenset[int] = frozenset()
+        self._outs: tuple[Tensor, ...] = ()
 
     def reset(self) -> None:
         """Drop the captured graph (and its memory pool)."""
         self._key, self._graph, self._static, self._outs = None, None, [], ()
 
-    def __call__(self, *args: Tensor) -> Sequence[Tensor]:
-        if not (self.enabled and graphs_enabled(args[0].device)):
-            return self.decode(*args)
-        step_idx = step_input_indices(len(args), self.per_layer)
-        key = capture_key(args, step_idx)
+    def __call__(self, fn: Callable[..., Sequence[Tensor]], step_inputs: Sequence[Tensor],
+                 persistent: Sequence[Tensor], restore: Sequence[Tensor] = ()) -> tuple[Tensor, ...]:
+        if not (self.enabled and graphs_enabled(step_inputs[0].device)):
+            return tuple(fn(*step_inputs))
+        key = capture_key(step_inputs, persistent)
         if key != self._key:
             try:
-                self._capture(args, step_idx, key)
+                self._capture(fn, step_inputs, restore, key)
             except Exception as exc:    # noqa: BLE001  (any capture failure: stay correct, run eagerly)
                 log.warning("CUDA graph capture of the decode step failed (%s); decoding eagerly", exc)
                 self.reset()
                 self.enabled = False
-                return self.decode(*args)
-        for i in self._step_idx:
-            self._static[i].copy_(args[i])
+                torch.cuda.synchronize()
+                return tuple(fn(*step_inputs))
+        for static, x in zip(self._static, step_inputs, strict=True):
+            static.copy_(x)
         self._graph.replay()
         return (self._outs[0].clone(), *self._outs[1:])
 
-    def _capture(self, args: Sequence[Tensor], step_idx: frozenset[int], key: Key) -> None:
+    def _capture(self, fn, step_inputs: Sequence[Tensor], restore: Sequence[Tensor], key: Key) -> None:
         self.reset()
-        static = [x.clone(memory_format=torch.contiguous_format) if i in step_idx else x
-                  for i, x in enumerate(args)]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):         # warm-up: compiles Triton kernels, sets up handles; a decode
-            for _ in range(self.warmup):      # step is idempotent (it writes this step's K, V at `slot`)
-                self.decode(*static)
-        torch.cuda.current_stream().wait_stream(side)
+        static = [x.clone(memory_format=torch.contiguous_format) for x in step_inputs]
+        self._warm_up(fn, static, restore)
+        graph, outs = self._record(fn, static)
+        self._graph, self._static, self._outs, self._key = graph, static, outs, key
+        self.captures += 1
+
+    def _warm_up(self, fn, static: Sequence[Tensor], restore: Sequence[Tensor]) -> None:
+        """Run ``fn`` ``warmup`` times (on a side stream on CUDA, as capture wants), then put back the
+        tensors it advanced, so that the step still happens exactly once (at the first replay)."""
+        saved = [t.clone() for t in restore]
+        cuda = static[0].device.type == "cuda"
+        side = torch.cuda.Stream() if cuda else None
+        if cuda:
+            side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side) if cuda else _null():
+            for _ in range(self.warmup):
+                fn(*static)
+                for t, s in zip(restore, saved, strict=True):
+                    t.copy_(s)
+        if cuda:
+            torch.cuda.current_stream().wait_stream(side)
+
+    def _record(self, fn, static: Sequence[Tensor]):
+        """Capture ``fn(*static)``: returns the graph (``.replay()``) and its static outputs."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            outs = self.decode(*static)
-        self._graph, self._static, self._outs = graph, static, tuple(outs)
-        self._step_idx, self._key = step_idx, key
-        self.captures += 1
+            outs = tuple(fn(*static))
+        return graph, outs
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

@@ -109,8 +109,8 @@ class KVPassModel(nn.Module):
         self.generation_config = getattr(model, "generation_config", None)
         self.last_report: GenerationReport | None = None
         self._all_logits_prefill = None
-        # The decode graph, replayed from a CUDA graph on CUDA (eager on CPU); see decode_step.py.
-        self.decode_step = StaticDecodeStep(graphs.decode, per_layer=4 + len(policy.decode_inputs))
+        # Each step's device work, replayed from a CUDA graph on CUDA (eager on CPU); see decode_step.py.
+        self.decode_step = StaticDecodeStep()
 
     @property
     def model(self) -> nn.Module:
@@ -255,7 +255,6 @@ class KVPassModel(nn.Module):
         pos = pos[:, -1:] + 1                                  # [B, 1] absolute position of the next token
         unfinished = torch.ones(b, dtype=torch.bool, device=ids.device)
         tokens, step_logits = [], []
-        score_layers = self.graphs.decode_scores
         for step in range(max_new_tokens):
             if output_logits:
                 step_logits.append(logits)
@@ -276,14 +275,9 @@ class KVPassModel(nn.Module):
                     lay.host_len = int(lay.cache.length.max())
                     compressions += 1
                     self._check_within_budget(lay)
-            slots = [self._slot(lay, pos) for lay in layers]
-            flat = [x for lay, slot in zip(layers, slots, strict=True) for x in self._decode_inputs(lay, slot)]
-            outs = self.decode_step(tok[:, None], pos, *flat)
-            logits = outs[0][:, -1].float()
-            for layer, scores in zip(score_layers, outs[1:], strict=True):
-                layers[layer].cache.slot_meta[Stat.COLUMN_SUM.value] += scores
-            for lay, slot in zip(layers, slots, strict=True):
-                self._advance(lay, slot, pos)
+            logits = self._decode_one(layers, tok, pos)
+            for lay in layers:
+                self._advance_host(lay)
             pos = pos + 1
         decode_seconds = time.perf_counter() - start
         if streamer is not None:
@@ -309,16 +303,38 @@ class KVPassModel(nn.Module):
             return (pos % lay.window).expand_as(lay.cache.length)
         return lay.cache.length.clone()
 
+    def _decode_one(self, layers: list[_Layer], tok: Tensor, pos: Tensor) -> Tensor:
+        """The device work of one decode step: slots, the decode graph (writes K, V, attends), score
+        accumulation, lengths and positions. tok: [B]; pos: [B, 1]. Returns logits [B, V] fp32.
+        Replayed from a CUDA graph on CUDA: it reads and writes only the layers' cache tensors."""
+        def step(tok: Tensor, pos: Tensor) -> tuple[Tensor]:
+            slots = [self._slot(lay, pos) for lay in layers]
+            flat = [x for lay, slot in zip(layers, slots, strict=True) for x in self._decode_inputs(lay, slot)]
+            outs = self.graphs.decode(tok[:, None], pos, *flat)
+            for layer, scores in zip(self.graphs.decode_scores, outs[1:], strict=True):
+                layers[layer].cache.slot_meta[Stat.COLUMN_SUM.value] += scores
+            for lay, slot in zip(layers, slots, strict=True):
+                self._advance(lay, slot, pos)
+            return (outs[0][:, -1].float(),)
+
+        persistent = [t for lay in layers for t in lay.cache.tensors()]
+        big = {id(lay.cache.k) for lay in layers} | {id(lay.cache.v) for lay in layers}
+        restore = [t for t in persistent if id(t) not in big]        # what a step advances (K, V: rewritten alike)
+        return self.decode_step(step, [tok, pos], persistent, restore)[0]
+
     @staticmethod
     def _advance(lay: _Layer, slot: Tensor, pos: Tensor) -> None:
         cache = lay.cache
         cache.position.scatter_(2, slot[:, :, None], pos[:, :, None].expand_as(slot[:, :, None]))
         if lay.window is not None:
             cache.length.clamp_(max=lay.window - 1).add_(1)
-            lay.host_len = min(lay.host_len + 1, lay.window)
         else:
             cache.length.add_(1)
-            lay.host_len += 1
+
+    @staticmethod
+    def _advance_host(lay: _Layer) -> None:
+        """The host copy of the step's length change (no device sync)."""
+        lay.host_len = min(lay.host_len + 1, lay.window) if lay.window is not None else lay.host_len + 1
 
     def _report(self, layers, b, prompt_tokens, new_tokens, budget, compressions, t_pre, t_dec) -> GenerationReport:
         full = sum(2 * b * s.n_kv_heads * s.head_dim * (prompt_tokens + new_tokens) * lay.cache.k.element_size()
