@@ -82,7 +82,7 @@ def _merge_weighted_kernel(
     k_acc = w[:, None] * k_self.to(tl.float32)
     v_acc = w[:, None] * v_self.to(tl.float32)
     tot = w
-    seg_max = tl.max(hi - lo, 0)
+    seg_max = tl.max(hi - lo, 0).to(tl.int32)
     for r in range(0, seg_max):
         live = (lo + r) < hi
         src = tl.load(ORDER + row + lo + r, mask=live, other=0)
