@@ -18,7 +18,9 @@ Traffic: reads 2*B*Hkv*C*D cache elements once per step; this is what bounds dec
 On CUDA the op runs ``decode_attention_triton``: split-K flash decoding. Each program owns one
 (batch row b, KV head g, split of the cache) and all G*T query rows of that KV head, so each K/V
 tile is read from memory once for the whole group; a combine kernel merges the splits by their
-log-sum-exp; ``want_scores`` is a second pass over K using the saved log-sum-exp.
+log-sum-exp; with ``want_scores`` the split kernel also stores its logits (G*T fp32 per slot, a
+few % of the K/V bytes) and a light second pass turns them into probabilities with the final
+log-sum-exp, so the cache is still read once.
 """
 
 from __future__ import annotations
@@ -54,8 +56,8 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, log_weight: Tens
 #     s2_mj = scale2 * q_m . k_j  (softcap c: log2e * c * tanh(scale * q_m . k_j / c))  + log2e * lw_j
 #     online softmax: m_m = max_j s2_mj, l_m = sum_j 2^(s2_mj - m_m), acc_m = sum_j 2^(s2_mj - m_m) v_j
 #     split output o_m = acc_m / l_m, split log-sum-exp lse_m = m_m + log2 l_m  (-inf: no live slot)
-# Combine: lse = log2 sum_s 2^lse_s; o = sum_s 2^(lse_s - lse) o_s.  Scores pass: p_mj = 2^(s2_mj - lse_m),
-# score_j = (1/G) sum_m p_mj. Empty slots (lw = -inf) and slots past the split end get p = 0.
+# Combine: lse = log2 sum_s 2^lse_s; o = sum_s 2^(lse_s - lse) o_s.  Scores: the split kernel stores
+# s2_mj; p_mj = 2^(s2_mj - lse_m), score_j = (1/G) sum_m p_mj. Empty slots (lw = -inf) get p = 0.
 
 _LOG2E = 1.4426950408889634
 
@@ -90,11 +92,11 @@ def _logits2(q, k, lw, scale, softcap, HAS_SOFTCAP: tl.constexpr, DOT: tl.conste
 
 @triton.jit
 def _decode_attention_split_kernel(
-    Q, K, V, LW, OUT, OPART, LSE,
+    Q, K, V, LW, OUT, OPART, LSE, LOGITS,
     sqb, sqh, sqt, sqd, skb, skh, skc, skd, svb, svh, svc, svd, slb, slh, slc, sob, soh, sot, sod,
     HKV, C, T, G, SPLIT_LEN, NUM_SPLITS, scale, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, DOT: tl.constexpr, DIRECT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, DOT: tl.constexpr, DIRECT: tl.constexpr, WANT_SCORES: tl.constexpr,
 ):
     pid_bg = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -124,6 +126,9 @@ def _decode_attention_split_kernel(
         k = tl.load(k_base + offs_n[:, None] * skc + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
         lw = tl.load(lw_base + offs_n * slc, mask=n_mask, other=float("-inf"))
         s = _logits2(q, k, lw, scale, softcap, HAS_SOFTCAP, DOT)
+        if WANT_SCORES:       # keep the logits (G*T x 4 bytes a slot, vs 4*D bytes of K and V) for the scores pass
+            l_ptrs = LOGITS + (pid_bg.to(tl.int64) * G * T + offs_m[:, None]) * C + offs_n[None, :]
+            tl.store(l_ptrs, s, mask=m_mask[:, None] & n_mask[None, :])
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
@@ -182,32 +187,21 @@ def _decode_attention_combine_kernel(
 
 @triton.jit
 def _decode_attention_scores_kernel(
-    Q, K, LW, LSE, S, sqb, sqh, sqt, sqd, skb, skh, skc, skd, slb, slh, slc,
-    HKV, C, T, G, scale, softcap,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, DOT: tl.constexpr,
+    LOGITS, LSE, S, C, T, G,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # score_j = (1/G) sum_m 2^(s2_mj - lse_m), from the logits the split kernel stored
     pid_bg = tl.program_id(0)
-    b = (pid_bg // HKV).to(tl.int64)                  # 64-bit offsets: B*Hkv*C*D may pass 2^31
-    g = pid_bg % HKV
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < G * T
-    d_mask = offs_d < HEAD_DIM
     n_mask = offs_n < C
-    head = g * G + offs_m // T
-    tok = offs_m % T
-    q = tl.load(Q + b * sqb + head[:, None] * sqh + tok[:, None] * sqt + offs_d[None, :] * sqd,
-                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-    k = tl.load(K + b * skb + g * skh + offs_n[:, None] * skc + offs_d[None, :] * skd,
-                mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-    lw = tl.load(LW + b * slb + g * slh + offs_n * slc, mask=n_mask, other=float("-inf"))
-    s = _logits2(q, k, lw, scale, softcap, HAS_SOFTCAP, DOT)
+    s = tl.load(LOGITS + (pid_bg.to(tl.int64) * G * T + offs_m[:, None]) * C + offs_n[None, :],
+                mask=m_mask[:, None] & n_mask[None, :], other=float("-inf"))
     lse = tl.load(LSE + pid_bg * BLOCK_M + offs_m, mask=m_mask, other=0.0)
     p = tl.where(m_mask[:, None], tl.exp2(s - lse[:, None]), 0.0)
     score = tl.sum(p, 0) / G
-    tl.store(S + pid_bg * C + offs_n, score, mask=n_mask)
+    tl.store(S + pid_bg.to(tl.int64) * C + offs_n, score, mask=n_mask)
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -293,12 +287,13 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor,
     part = o if direct else torch.empty(b * hkv * splits * block_m * block_d, device=q.device, dtype=torch.float32)
     dot = 1 if q.dtype == torch.float32 else (2 if q.device.type != "cuda" else 0)
     cap = float(softcap) if softcap is not None else 1.0
+    logits = torch.empty(b * hkv * rows * c if want_scores else 1, device=q.device, dtype=torch.float32)
     _decode_attention_split_kernel[(b * hkv, splits)](
-        q, k, v, log_weight, o, part, lse,
+        q, k, v, log_weight, o, part, lse, logits,
         *q.stride(), *k.stride(), *v.stride(), *log_weight.stride(), *o.stride(),
         hkv, c, t, group, split_len, splits, float(scale), cap,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        HAS_SOFTCAP=softcap is not None, DOT=dot, DIRECT=direct,
+        HAS_SOFTCAP=softcap is not None, DOT=dot, DIRECT=direct, WANT_SCORES=want_scores,
         num_warps=num_warps, num_stages=num_stages)
     if direct:
         lse_final = lse
@@ -310,12 +305,9 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor,
     if not want_scores:
         return o, q.new_empty(0, dtype=torch.float32)
     scores = torch.empty(b, hkv, c, device=q.device, dtype=torch.float32)
-    sblock = 64
+    sblock = 128
     _decode_attention_scores_kernel[(b * hkv, triton.cdiv(c, sblock))](
-        q, k, log_weight, lse_final, scores, *q.stride(), *k.stride(), *log_weight.stride(),
-        hkv, c, t, group, float(scale), cap,
-        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=sblock, BLOCK_D=block_d,
-        HAS_SOFTCAP=softcap is not None, DOT=dot, num_warps=4)
+        logits, lse_final, scores, c, t, group, BLOCK_M=block_m, BLOCK_N=sblock, num_warps=4)
     return o, scores
 
 
