@@ -179,8 +179,8 @@ def section_correctness(device: torch.device, smoke: bool, deadline: Deadline) -
     rows = []
     tol = 2e-2
 
-    def record(op, shape, errors):
-        rows.append({"op": op, "shape": shape, **{k: float(v) for k, v in errors.items()},
+    def record(op, shape, errors, info=None):
+        rows.append({"op": op, "shape": shape, **{k: float(v) for k, v in errors.items()}, **(info or {}),
                      "ok": all(math.isfinite(v) and v < tol for v in errors.values())})
 
     cases = [(1, 8, 2, 37, 16, None), (2, 12, 4, 50, 16, 30.0)] if smoke else \
@@ -221,8 +221,13 @@ def section_correctness(device: torch.device, smoke: bool, deadline: Deadline) -
         y = torch.randn(b, hkv, n, d, device=device, generator=gen).to(dtype)
         want_i, want_b = cosine_match_reference(x.float(), y.float(), None, chunk, chunk)
         got_i, got_b = cosine_match_triton(x, y, None, chunk, chunk)
+        # a near tie may pick another index (tf32 products): judge the exact similarity of the pick
+        xn = torch.nn.functional.normalize(x.float(), dim=-1)
+        yn = torch.nn.functional.normalize(y.float(), dim=-1)
+        picked = (xn * torch.gather(yn, 2, got_i.clamp(min=0)[..., None].expand(-1, -1, -1, d))).sum(-1)
         record("cosine_match", [b, hkv, s, n, d, chunk], {"abs_err_best": float((got_b - want_b).abs().max()),
-                                                          "index_mismatch": float((got_i != want_i).float().mean())})
+                                                          "abs_deficit_of_pick": float((want_b - picked).max())},
+               {"info_index_mismatch": float((got_i != want_i).float().mean())})
     return {"rows": rows, "tolerance": tol, "all_ok": all(r.get("ok", True) for r in rows)}
 
 
@@ -489,7 +494,7 @@ def markdown(results: dict) -> str:
     if corr:
         lines += ["## Correctness (bf16 vs fp32 reference)", "", "| op | shape | errors | ok |", "|---|---|---|---|"]
         for r in corr["rows"]:
-            errs = ", ".join(f"{k}={v:.2e}" for k, v in r.items() if k.startswith(("rel_", "abs_", "index_")))
+            errs = ", ".join(f"{k}={v:.2e}" for k, v in r.items() if k.startswith(("rel_", "abs_", "info_")))
             lines.append(f"| {r['op']} | {r['shape']} | {errs or r.get('skipped', '')} | {r.get('ok', '-')} |")
         lines.append("")
     ker = results.get("kernels")
