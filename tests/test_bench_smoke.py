@@ -38,3 +38,16 @@ def test_report_survives_failed_sections():
     assert "kernels: RuntimeError: boom" in md
     assert slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
     assert Deadline(10).allows(5) and not Deadline(1).allows(5)
+
+
+def test_speed_script_loads_kvpass_from_a_plain_checkout():
+    """The GPU machine has no kvpass installed: the script maps the source tree itself."""
+    code = ("import runpy, sys; sys.argv = ['speed.py', '--help']\n"
+            f"try: runpy.run_path({str(ROOT / 'benchmarks' / 'speed.py')!r}, run_name='__main__')\n"
+            "except SystemExit: pass\n"
+            "import kvpass.kernels, kvpass.rewrites, kvpass.bench\n"
+            "print(kvpass.kernels.__file__)\n")
+    env = dict(os.environ, KVPASS_FROM_SOURCE="1")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().endswith(str(Path("kernels") / "__init__.py"))
