@@ -575,7 +575,7 @@ def plot(results: dict, path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------ main
-def run(out: Path, smoke: bool = False, total_s: float = 480.0, sections: tuple[str, ...] = ("correctness", "kernels", "e2e"),
+def run(out: Path, smoke: bool = False, total_s: float = 450.0, sections: tuple[str, ...] = ("correctness", "kernels", "e2e"),
         prompts: list[int] | None = None, budget: float = 0.2) -> dict:
     """Run the benchmark, write JSON, Markdown and PNG under ``out``; returns the results."""
     start = time.monotonic()
@@ -616,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"), help="output folder")
     ap.add_argument("--smoke", action="store_true", help="tiny model and shapes on CPU (CI)")
-    ap.add_argument("--total-s", type=float, default=480.0, help="wall-clock budget for all sections")
+    ap.add_argument("--total-s", type=float, default=450.0, help="wall-clock budget for all sections")
     ap.add_argument("--sections", default="correctness,kernels,e2e")
     ap.add_argument("--prompts", default=None, help="comma-separated prompt lengths (default 16k,32k,64k)")
     ap.add_argument("--budget", type=float, default=0.2)
