@@ -88,9 +88,32 @@ def _keep_last_position(graph: Graph, logits: Node) -> None:
         logits.replace_all_uses_with(last, delete_user_cb=lambda u: u is not last)
 
 
+# Ops FX's dead-code elimination keeps because they are tagged random (dropout), though in an eval
+# graph they are pure: the replaced attention (SDPA, eager dropout) would otherwise still run, prefill
+# included, with its whole mask computation. Export's metadata asserts on dead tensors go with them.
+_DEAD_WHEN_UNUSED = (aten.scaled_dot_product_attention.default, aten.dropout.default)
+_ASSERT_METADATA = getattr(aten, "_assert_tensor_metadata", None)
+
+
+def _drop_replaced_attention(graph: Graph) -> None:
+    changed = True
+    while changed:
+        changed = False
+        for node in reversed(list(graph.nodes)):
+            if node.op != "call_function" or node.users:
+                continue
+            dead_assert = (_ASSERT_METADATA is not None and node.target == _ASSERT_METADATA.default
+                           and all(len(a.users) == 1 for a in node.all_input_nodes))
+            if node.target in _DEAD_WHEN_UNUSED or dead_assert:
+                graph.erase_node(node)
+                changed = True
+        graph.eliminate_dead_code()
+
+
 def _finish(graph: Graph, root: GraphModule, outputs: list[Node], name: str) -> GraphModule:
     graph.output(tuple(outputs))
     graph.eliminate_dead_code()
+    _drop_replaced_attention(graph)
     graph.lint()
     gm = GraphModule(root, graph, class_name=name)
     return gm

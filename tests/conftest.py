@@ -1,14 +1,22 @@
 """Shared fixtures: tiny random-config models of every architecture kvpass is tested on, and the
-real models shipped in PyPI packages (loaded once per session)."""
+real models shipped in PyPI packages (loaded once per session).
+
+Triton decides at ``@triton.jit`` time (when kvpass is imported) whether to interpret kernels, so
+TRITON_INTERPRET is set here, before any test module imports kvpass: without a GPU, Triton kernels
+run on the CPU through the interpreter."""
 
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
 import transformers
 from transformers import AutoModelForCausalLM
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
