@@ -361,7 +361,7 @@ def _measure(device, gen: Callable[[int], object], n1: int, n2: int, warm: Calla
 
 
 def section_e2e(device: torch.device, smoke: bool, deadline: Deadline, copy_bw: float,
-                prompts: list[int], budget: float) -> dict:
+                prompts: list[int], budget: float, methods_wanted: set[str] | None = None) -> dict:
     import kvpass
     from kvpass.rewrites import capture_causal_lm, insert_compressed_cache, match_attention
     from kvpass.runtime import KVPassModel
@@ -398,6 +398,9 @@ def section_e2e(device: torch.device, smoke: bool, deadline: Deadline, copy_bw: 
             if pname is not None and pname not in kvpass.POLICIES:
                 continue
             row = {"prompt": prompt, "batch": 1, "method": label}
+            if methods_wanted is not None and label.removeprefix("kvpass-") not in methods_wanted:
+                continue
+            print(f"[bench] e2e start {label} prompt={prompt}", flush=True)
             if not deadline.allows(est):
                 row["skipped"] = "time"
                 rows.append(row)
@@ -576,7 +579,7 @@ def plot(results: dict, path: Path) -> None:
 
 # ------------------------------------------------------------------------------------ main
 def run(out: Path, smoke: bool = False, total_s: float = 450.0, sections: tuple[str, ...] = ("correctness", "kernels", "e2e"),
-        prompts: list[int] | None = None, budget: float = 0.2) -> dict:
+        prompts: list[int] | None = None, budget: float = 0.2, methods: set[str] | None = None) -> dict:
     """Run the benchmark, write JSON, Markdown and PNG under ``out``; returns the results."""
     start = time.monotonic()
     device = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
@@ -597,7 +600,7 @@ def run(out: Path, smoke: bool = False, total_s: float = 450.0, sections: tuple[
         elif name == "kernels":
             guarded(results, name, lambda box=box: section_kernels(device, smoke, box, copy_bw))
         elif name == "e2e":
-            guarded(results, name, lambda box=box: section_e2e(device, smoke, box, copy_bw, prompts, budget))
+            guarded(results, name, lambda box=box: section_e2e(device, smoke, box, copy_bw, prompts, budget, methods))
     results["total_seconds"] = round(time.monotonic() - start, 1)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"speed-{slug(results.get('env', {}).get('device', 'unknown'))}"
@@ -620,9 +623,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sections", default="correctness,kernels,e2e")
     ap.add_argument("--prompts", default=None, help="comma-separated prompt lengths (default 16k,32k,64k)")
     ap.add_argument("--budget", type=float, default=0.2)
+    ap.add_argument("--methods", default=None,
+                    help="comma-separated end-to-end methods (transformers, full, streamingllm, ...; default all)")
     args = ap.parse_args(argv)
     prompts = [int(p) for p in args.prompts.split(",")] if args.prompts else None
-    run(Path(args.out), args.smoke, args.total_s, tuple(s for s in args.sections.split(",") if s), prompts, args.budget)
+    methods = set(args.methods.split(",")) if args.methods else None
+    run(Path(args.out), args.smoke, args.total_s, tuple(s for s in args.sections.split(",") if s), prompts, args.budget,
+        methods)
     return 0
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from policy_helpers import live_positions, random_cache
+from tests.policies.policy_helpers import live_positions, random_cache
 
 from kvpass.policies import get_policy
 from kvpass.policies.cam import CaM, hashed_uniform

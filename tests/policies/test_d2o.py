@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from policy_helpers import live_positions, random_cache
+from tests.policies.policy_helpers import live_positions, random_cache
 
 from kvpass.cache import LayerCache
 from kvpass.policies import get_policy

@@ -7,7 +7,7 @@ import functools
 
 import pytest
 import torch
-from policy_helpers import ARCHS, apply_cached, captured_model
+from tests.policies.policy_helpers import ARCHS, apply_cached, captured_model
 
 import kvpass
 from kvpass.policies import DEFAULT_POLICY, POLICIES

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from policy_helpers import random_cache
+from tests.policies.policy_helpers import random_cache
 
 from kvpass.policies import get_policy
 from kvpass.policies.pyramidkv import PyramidKV

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kvpass.kernels import attention_window_scores
-from policy_helpers import live_positions, random_cache
+from tests.policies.policy_helpers import live_positions, random_cache
 
 from kvpass.policies import Stat, get_policy
 from kvpass.policies.snapkv import SnapKV
