@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.policies.policy_helpers import live_positions, random_cache
 
 from kvpass.policies import get_policy
 from kvpass.policies.cam import CaM, hashed_uniform
+from tests.policies.policy_helpers import live_positions, random_cache
 
 
 def reference_cam(cache, keep: int, sinks: int, m: int, seed: int) -> dict:

@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
-from tests.policies.policy_helpers import live_positions, random_cache
 
 from kvpass.cache import LayerCache
 from kvpass.policies import get_policy
 from kvpass.policies.d2o import D2O, TAU
+from tests.policies.policy_helpers import live_positions, random_cache
 
 
 def reference_d2o(cache: LayerCache, keep: int, policy: D2O, tau_prev: list[float | None]):

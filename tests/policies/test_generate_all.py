@@ -7,10 +7,10 @@ import functools
 
 import pytest
 import torch
-from tests.policies.policy_helpers import ARCHS, apply_cached, captured_model
 
 import kvpass
 from kvpass.policies import DEFAULT_POLICY, POLICIES
+from tests.policies.policy_helpers import ARCHS, apply_cached, captured_model
 
 POLICIES_4 = ("d2o", "h2o", "snapkv", "pyramidkv", "cam")
 SMALL_WINDOW = {"snapkv": {"window": 4}, "pyramidkv": {"window": 4}}     # the official 32 exceeds these budgets

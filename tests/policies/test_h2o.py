@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.policies.policy_helpers import live_positions, random_cache
 
 from kvpass.policies import get_policy
 from kvpass.policies.h2o import H2O
+from tests.policies.policy_helpers import live_positions, random_cache
 
 
 def reference_h2o(acc: list[float], s: int, keep: int, recent_ratio: float) -> list[int]:

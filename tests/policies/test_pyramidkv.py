@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from tests.policies.policy_helpers import random_cache
 
 from kvpass.policies import get_policy
 from kvpass.policies.pyramidkv import PyramidKV
+from tests.policies.policy_helpers import random_cache
 
 
 def reference_budgets(c: int, w: int, n: int, n_layers: int, beta: float) -> list[int]:

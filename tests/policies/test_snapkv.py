@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from kvpass.kernels import attention_window_scores
-from tests.policies.policy_helpers import live_positions, random_cache
 
 from kvpass.policies import Stat, get_policy
 from kvpass.policies.snapkv import SnapKV
+from tests.policies.policy_helpers import live_positions, random_cache
 
 
 def reference_window_scores(q, k, pad, scale, w, kernel, pool):
