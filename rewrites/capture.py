@@ -55,12 +55,12 @@ def context_length(config) -> int:
 
 
 @contextlib.contextmanager
-def _traceable(model: nn.Module) -> Iterator[str]:
+def _traceable(model: nn.Module, prefer_sdpa: bool) -> Iterator[str]:
     """Eval mode and SDPA attention (where the model supports it) for the duration; restored after."""
     was_training = model.training
-    before = model.config._attn_implementation
+    before = getattr(model.config, "_attn_implementation", None) or "unknown"
     chosen = before
-    if before != "sdpa":
+    if prefer_sdpa and before != "sdpa" and hasattr(model, "set_attn_implementation"):
         try:
             model.set_attn_implementation("sdpa")
             chosen = "sdpa"
@@ -86,10 +86,12 @@ def _plain_positional(gm: GraphModule) -> GraphModule:
     return gm
 
 
-def capture_causal_lm(model: nn.Module, example_length: int = 16) -> CapturedModel:
+def capture_causal_lm(model: nn.Module, example_length: int = 16, prefer_sdpa: bool = True) -> CapturedModel:
     """Trace ``model`` (a transformers ``*ForCausalLM``) with torch.export, non-strict.
 
     The example batch is 2 x ``example_length`` tokens; batch and sequence length stay symbolic.
+    ``prefer_sdpa``: switch the model to SDPA attention while tracing where it supports it (the
+    model's own setting is restored); False traces the attention the model is set to.
     """
     config = model.config
     ctx = context_length(config)
@@ -98,7 +100,7 @@ def capture_causal_lm(model: nn.Module, example_length: int = 16) -> CapturedMod
     ids = torch.zeros(2, example_length, dtype=torch.long, device=device)
     pos = torch.arange(example_length, device=device).expand(2, -1)
     batch, seq = Dim("batch", min=1, max=4096), Dim("seq", min=1, max=ctx)
-    with _traceable(model) as impl, torch.no_grad():
+    with _traceable(model, prefer_sdpa) as impl, torch.no_grad():
         # Deferred runtime asserts: torch 2.11 on CUDA emits guards such as min(128*T, 512*T) == 128*T
         # that its solver cannot prove for the whole range and would otherwise reject.
         program = torch.export.export(
