@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from kvpass.policies.base import Attention, Policy, Stat
+from kvpass.policies.chelsea import Chelsea
 from kvpass.policies.full import Full
 from kvpass.policies.streamingllm import StreamingLLM
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Full, StreamingLLM)}
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Full, StreamingLLM, Chelsea)}
 DEFAULT_POLICY = "streamingllm"
 
 
