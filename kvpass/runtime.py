@@ -31,7 +31,9 @@ from kvpass.sampling import next_token
 @dataclass
 class GenerationReport:
     """What the last ``generate`` did. Bytes are real allocations: ``cache_bytes`` is every cache
-    tensor kvpass holds at the end (K, V, log-weights, lengths, positions, policy metadata);
+    tensor kvpass holds at the end on the model's device (K, V, log-weights, lengths, positions, policy
+    metadata), ``host_bytes`` those a recall policy keeps in host memory (``Policy.host_resident``;
+    0 when the model runs on the CPU, where every tensor counts as device-resident);
     ``full_cache_bytes`` is what a full cache of the same tokens holds (K and V of every token in
     every layer, in the model dtype), the number plain transformers would hold."""
 
@@ -47,6 +49,8 @@ class GenerationReport:
     prefill_seconds: float
     decode_seconds: float
     entries: dict[int, int] = field(default_factory=dict)   # layer -> live entries (max over rows/heads)
+    host_bytes: int = 0          # cache tensors kept in host memory while the model runs on an accelerator
+    policy_stats: dict[str, float] = field(default_factory=dict)   # Policy.report (e.g. a recall hit rate)
 
     @property
     def tokens_per_second(self) -> float:
@@ -73,6 +77,7 @@ class _Layer:
     compressible: bool
     budget: int
     host_len: int                # max live entries over rows/heads, tracked without a device sync
+    sliding: bool = False        # a sliding-window layer: dense decode op, no policy inputs, never prepared
 
 
 _GENERATE_ARGS = ("input_ids", "attention_mask", "max_new_tokens", "do_sample", "temperature", "top_k",
@@ -162,7 +167,7 @@ class KVPassModel(nn.Module):
         return fallback if got is None else got
 
     def _build_layers(self, kv: Sequence[Tensor], stats: dict[int, dict[str, Tensor]], pad: Tensor,
-                      total: int, budget: int) -> tuple[list[_Layer], int]:
+                      total: int, budget: int, recall_budget: int) -> tuple[list[_Layer], int]:
         layers: list[_Layer] = []
         prompt_len = int(kv[0].shape[2] - pad.min())
         compressions = 0
@@ -170,11 +175,11 @@ class KVPassModel(nn.Module):
             k, v = kv[2 * site.layer], kv[2 * site.layer + 1]
             if site.window is not None and site.window < total:
                 ring = ring_from_prompt(k, v, pad, site.window)
-                layers.append(_Layer(ring, site.window, False, site.window, int(ring.length.max())))
+                layers.append(_Layer(ring, site.window, False, site.window, int(ring.length.max()), True))
                 continue
             cache = entries_from_prompt(k, v, pad, stats.get(site.layer, {}))
             compressible = self.policy.compresses and site.window is None
-            layers.append(_Layer(cache, None, compressible, total, prompt_len))
+            layers.append(_Layer(cache, None, compressible, total, prompt_len, site.window is not None))
         compressed = [lay for lay in layers if lay.compressible]
         if compressed:
             budgets = self.policy.layer_budgets(budget, [lay.cache for lay in compressed])
@@ -190,6 +195,13 @@ class KVPassModel(nn.Module):
                 interval = getattr(self.policy, "interval", 1) if lay.compressible else 0
                 capacity = total if not lay.compressible else min(lay.budget + interval, total)
                 lay.cache = with_capacity(lay.cache, max(capacity, lay.host_len))
+        on_host = self.device.type != "cpu"
+        for site, lay in zip(self.graphs.sites, layers, strict=True):
+            if lay.sliding:
+                continue
+            lay.cache = self.policy.prepare(lay.cache, site.layer, lay.budget if lay.compressible else recall_budget)
+            for name in self.policy.host_resident if on_host else ():
+                setattr(lay.cache, name, getattr(lay.cache, name).to("cpu").pin_memory())
         return layers, compressions
 
     def _check_within_budget(self, lay: _Layer) -> None:
@@ -244,7 +256,7 @@ class KVPassModel(nn.Module):
         for (layer, stat), value in zip(self.graphs.prefill_stats, outs[1 + 2 * n_sites:], strict=True):
             stats.setdefault(layer, {})[stat.value] = value
         logits = outs[0][:, -1].float()
-        layers, compressions = self._build_layers(kv, stats, pad, total, budget)
+        layers, compressions = self._build_layers(kv, stats, pad, total, budget, budget_tokens(self.budget, total))
         del outs, kv, stats
         prefill_seconds = time.perf_counter() - start
 
@@ -281,6 +293,10 @@ class KVPassModel(nn.Module):
                 layers[layer].cache.slot_meta[Stat.COLUMN_SUM.value] += scores
             for lay, slot in zip(layers, slots, strict=True):
                 self._advance(lay, slot, pos)
+            if self.policy.maintenance_due(step + 1):
+                for site, lay in zip(self.graphs.sites, layers, strict=True):
+                    if not lay.sliding:
+                        load_into(lay.cache, self.policy.maintain(lay.cache, site.layer))
             pos = pos + 1
         decode_seconds = time.perf_counter() - start
         if streamer is not None:
@@ -296,6 +312,8 @@ class KVPassModel(nn.Module):
 
     def _decode_inputs(self, lay: _Layer, slot: Tensor) -> list[Tensor]:
         cache = lay.cache
+        if lay.sliding:                           # sliding-window layers always use the dense op
+            return [cache.k, cache.v, cache.log_weight, slot]
         extra = [cache.slot_meta[n] if n in cache.slot_meta else cache.state[n] for n in self.policy.decode_inputs]
         return [cache.k, cache.v, cache.log_weight, slot, *extra]
 
@@ -320,9 +338,14 @@ class KVPassModel(nn.Module):
     def _report(self, layers, b, prompt_tokens, new_tokens, budget, compressions, t_pre, t_dec) -> GenerationReport:
         full = sum(2 * b * s.n_kv_heads * s.head_dim * (prompt_tokens + new_tokens) * lay.cache.k.element_size()
                    for s, lay in zip(self.graphs.sites, layers, strict=True))
+        tensors = [t for lay in layers for t in lay.cache.tensors()]
+        on_host = [self.device.type != "cpu" and t.device.type == "cpu" for t in tensors]
+        host = sum(t.numel() * t.element_size() for t, h in zip(tensors, on_host, strict=True) if h)
+        device = sum(t.numel() * t.element_size() for t, h in zip(tensors, on_host, strict=True) if not h)
         return GenerationReport(
             policy=self.policy.name, batch=b, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
             budget_tokens=budget, layer_budgets={i: lay.budget for i, lay in enumerate(layers) if lay.compressible},
-            cache_bytes=sum(lay.cache.nbytes() for lay in layers), full_cache_bytes=full,
+            cache_bytes=device, full_cache_bytes=full, host_bytes=host,
+            policy_stats=self.policy.report([lay.cache for lay in layers if not lay.sliding]),
             compressions=compressions, prefill_seconds=t_pre, decode_seconds=t_dec,
             entries={i: lay.host_len for i, lay in enumerate(layers)})
