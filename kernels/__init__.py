@@ -8,6 +8,7 @@ registered for CUDA. Importing this package registers the ops under ``torch.ops.
 from kvpass.kernels.attention_column_sums import attention_column_sums, attention_column_sums_reference
 from kvpass.kernels.decode_attention import decode_attention, decode_attention_reference
 from kvpass.kernels.merge_weighted import merge_weighted, merge_weighted_reference
+from kvpass.kernels.page_recall_attention import page_recall_attention, page_recall_attention_reference
 from kvpass.kernels.prefill_attention import prefill_attention, prefill_attention_reference, prefill_mask
 from kvpass.kernels.write_kv import write_kv, write_kv_reference
 
@@ -18,6 +19,8 @@ __all__ = [
     "decode_attention_reference",
     "merge_weighted",
     "merge_weighted_reference",
+    "page_recall_attention",
+    "page_recall_attention_reference",
     "prefill_attention",
     "prefill_attention_reference",
     "prefill_mask",

@@ -33,7 +33,8 @@ aten = torch.ops.aten
 ops = torch.ops.kvpass
 
 # Attention variant -> decode op. New variants (cluster / page recall) add an entry here.
-DECODE_ATTENTION_OPS = {Attention.DENSE: ops.decode_attention.default}
+DECODE_ATTENTION_OPS = {Attention.DENSE: ops.decode_attention.default,
+                        Attention.PAGE_RECALL: ops.page_recall_attention.default}
 # Statistic -> prefill op computing it per layer (q, k, pad, scale, window, softcap) -> [B, Hkv, T] fp32.
 PREFILL_STAT_OPS = {Stat.COLUMN_SUM: ops.attention_column_sums.default}
 # Statistics accumulated from every decode step's attention row.

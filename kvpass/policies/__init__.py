@@ -5,9 +5,10 @@ from __future__ import annotations
 from kvpass.policies.base import Attention, Policy, Stat
 from kvpass.policies.chelsea import Chelsea
 from kvpass.policies.full import Full
+from kvpass.policies.quest import Quest
 from kvpass.policies.streamingllm import StreamingLLM
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Full, StreamingLLM, Chelsea)}
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Full, StreamingLLM, Chelsea, Quest)}
 DEFAULT_POLICY = "streamingllm"
 
 
