@@ -6,6 +6,10 @@ registered for CUDA. Importing this package registers the ops under ``torch.ops.
 """
 
 from kvpass.kernels.attention_column_sums import attention_column_sums, attention_column_sums_reference
+from kvpass.kernels.cluster_recall_attention import (
+    cluster_recall_attention,
+    cluster_recall_attention_reference,
+)
 from kvpass.kernels.decode_attention import decode_attention, decode_attention_reference
 from kvpass.kernels.merge_weighted import merge_weighted, merge_weighted_reference
 from kvpass.kernels.page_recall_attention import page_recall_attention, page_recall_attention_reference
@@ -15,6 +19,8 @@ from kvpass.kernels.write_kv import write_kv, write_kv_reference
 __all__ = [
     "attention_column_sums",
     "attention_column_sums_reference",
+    "cluster_recall_attention",
+    "cluster_recall_attention_reference",
     "decode_attention",
     "decode_attention_reference",
     "merge_weighted",

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from kvpass.policies.base import Attention, Policy, Stat
 from kvpass.policies.chelsea import Chelsea
+from kvpass.policies.clusterkv import ClusterKV
 from kvpass.policies.full import Full
 from kvpass.policies.quest import Quest
 from kvpass.policies.streamingllm import StreamingLLM
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Full, StreamingLLM, Chelsea, Quest)}
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Full, StreamingLLM, Chelsea, Quest, ClusterKV)}
 DEFAULT_POLICY = "streamingllm"
 
 
