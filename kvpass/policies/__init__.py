@@ -6,10 +6,11 @@ from kvpass.policies.base import Attention, Policy, Stat
 from kvpass.policies.chelsea import Chelsea
 from kvpass.policies.clusterkv import ClusterKV
 from kvpass.policies.full import Full
+from kvpass.policies.kvmerger import KVMerger
 from kvpass.policies.quest import Quest
 from kvpass.policies.streamingllm import StreamingLLM
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Full, StreamingLLM, Chelsea, Quest, ClusterKV)}
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Full, StreamingLLM, Chelsea, Quest, ClusterKV, KVMerger)}
 DEFAULT_POLICY = "streamingllm"
 
 
