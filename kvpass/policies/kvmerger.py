@@ -137,7 +137,8 @@ class KVMerger(Policy):
         k, v, log_weight = torch.ops.kvpass.merge_weighted(cache.k, cache.v, plan.gauss, cache.log_weight, target)
         is_pivot = grouped & (plan.pivot == torch.arange(cache.capacity, device=k.device))
         if self.value_scale == "set_size":
-            v = torch.where(is_pivot[..., None], v.float() * plan.size[..., None], v.float()).to(v.dtype)
+            acc = torch.promote_types(v.dtype, torch.float32)                     # fp32, or fp64 in tests
+            v = torch.where(is_pivot[..., None], v.to(acc) * plan.size[..., None].to(acc), v.to(acc)).to(v.dtype)
             log_weight = torch.where(is_pivot, cache.log_weight, log_weight)
         col = cache.slot_meta[Stat.COLUMN_SUM.value]
         col_sum = torch.zeros_like(col).scatter_add_(-1, target, col.masked_fill(~live, 0))
