@@ -10,7 +10,7 @@ import pytest
 import torch
 from kvpass.kernels import decode_attention_reference
 from kvpass.kernels.cluster_recall_attention import attend_selected, select_slots
-from merging_support import ARCHS, prompt, tiny_model
+from merging_support import ARCHS, full_output, prompt, tiny_model
 
 import kvpass
 from kvpass.policies.clusterkv import ClusterKV
@@ -157,8 +157,22 @@ def test_generate_exact_at_large_budget_and_changed_at_small():
     model = tiny_model("llama")
     ids = prompt(1, 80)
     kw = dict(SMALL, full_layers=0)
-    full = kvpass.apply(model, policy="full").generate(ids, max_new_tokens=16, eos_token_id=[])
+    full = full_output("llama", 1, 80, 16)
     big = kvpass.apply(model, policy="clusterkv", budget=96, **kw).generate(ids, max_new_tokens=16, eos_token_id=[])
     small = kvpass.apply(model, policy="clusterkv", budget=12, **kw).generate(ids, max_new_tokens=16, eos_token_id=[])
     assert torch.equal(big, full)
     assert not torch.equal(small, full)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: K, V are host-resident only on an accelerator")
+def test_host_resident_cache_is_reported_separately():
+    model = tiny_model("llama").to("cuda")
+    try:
+        km = kvpass.apply(model, policy="clusterkv", budget=32, **SMALL)
+        km.generate(prompt(1, 80).cuda(), max_new_tokens=8, eos_token_id=[])
+        report = km.last_report
+        assert report.host_bytes > 0 and report.cache_bytes > 0
+        assert report.host_bytes >= 2 * 2 * 2 * 88 * 16 * 4             # K and V of both layers, 2 KV heads
+    finally:
+        model.to("cpu")

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from merging_support import ARCHS, prompt, tiny_model
+from merging_support import ARCHS, full_output, prompt, tiny_model
 
 import kvpass
 from kvpass.cache import LayerCache
@@ -127,7 +127,7 @@ def test_generate_within_budget(arch):
 def test_budget_changes_output_and_large_budget_is_exact():
     model = tiny_model("llama")
     ids = prompt(1, 80)
-    full = kvpass.apply(model, policy="full").generate(ids, max_new_tokens=16, eos_token_id=[])
+    full = full_output("llama", 1, 80, 16)
     big = kvpass.apply(model, policy="kvmerger", budget=1.0).generate(ids, max_new_tokens=16, eos_token_id=[])
     small = kvpass.apply(model, policy="kvmerger", budget=24, interval=8).generate(ids, max_new_tokens=16, eos_token_id=[])
     assert torch.equal(big, full)

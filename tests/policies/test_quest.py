@@ -7,7 +7,7 @@ import pytest
 import torch
 from kvpass.kernels import decode_attention_reference, page_recall_attention_reference
 from kvpass.kernels.page_recall_attention import page_summaries
-from merging_support import ARCHS, prompt, tiny_model
+from merging_support import ARCHS, full_output, prompt, tiny_model
 
 import kvpass
 from kvpass.policies.quest import Quest
@@ -103,7 +103,7 @@ def test_generate(arch):
 def test_generate_exact_at_large_budget_and_changed_at_small():
     model = tiny_model("llama")
     ids = prompt(1, 80)
-    full = kvpass.apply(model, policy="full").generate(ids, max_new_tokens=16, eos_token_id=[])
+    full = full_output("llama", 1, 80, 16)
     big = kvpass.apply(model, policy="quest", budget=112, full_layers=0).generate(ids, max_new_tokens=16, eos_token_id=[])
     small = kvpass.apply(model, policy="quest", budget=16, full_layers=0).generate(ids, max_new_tokens=16, eos_token_id=[])
     assert torch.equal(big, full)
