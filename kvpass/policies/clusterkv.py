@@ -19,7 +19,7 @@ class ClusterKV(Policy):
     """Recallable compression (policies.md §2): nothing is evicted; the full K, V stay in host memory
     when the model runs on an accelerator (``host_resident``; pinned). After prefill the keys of
     every KV head past the ``sinks`` are clustered by cosine K-means into C0 = max(1, round(n /
-    cluster_ratio)) clusters (§2.4, §2.5); every ``window`` generated tokens are clustered into
+    cluster_ratio)) clusters, n the row's prompt tokens (§2.4, §2.5); every ``window`` generated tokens are clustered into
     ``window_clusters`` new clusters among themselves (§2.6 step 2). Each decode step, every query
     head ranks the centroids by q . mu and attends exactly to the sinks, the whole clusters taken in
     that order up to ``budget - sinks`` tokens (the last one trimmed to its lowest positions) and the
@@ -74,7 +74,8 @@ class ClusterKV(Policy):
         n0 = max(1, round(n / self.cluster_ratio)) if selecting else 1
         k_max = n0 + self.window_clusters * -(-(c - n) // self.window)
         valid = cache.live & (slot >= self.sinks) & selecting
-        found = cosine_kmeans(cache.k, valid, n0, self.kmeans_iters, self.seed + layer)
+        per_row = torch.clamp(torch.round(cache.length / self.cluster_ratio).long(), min=1)   # C0 of each row
+        found = cosine_kmeans(cache.k, valid, n0, self.kmeans_iters, self.seed + layer, per_row.clamp(max=n0))
         centroids = torch.zeros(b, hkv, k_max, d, device=dev)
         sizes = torch.zeros(b, hkv, k_max, dtype=torch.long, device=dev)
         centroids[:, :, :n0], sizes[:, :, :n0] = found.centroids, found.sizes
@@ -101,7 +102,7 @@ class ClusterKV(Policy):
         end = start + self.window_clusters
         if end > cache.state["centroids"].shape[2] or not bool(pending.any()):
             return cache
-        found = cosine_kmeans(cache.k, pending, self.window_clusters, self.kmeans_iters, self.seed + layer + start)
+        found = cosine_kmeans(cache.k, pending, self.window_clusters, self.kmeans_iters, self.seed + layer)
         state = dict(cache.state)
         state["centroids"] = state["centroids"].clone()
         state["cluster_size"] = state["cluster_size"].clone()

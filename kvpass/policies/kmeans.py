@@ -42,15 +42,19 @@ def member_rank(labels: Tensor, n_clusters: int) -> Tensor:
     return rank.masked_fill(labels < 0, 0)
 
 
-def cosine_kmeans(x: Tensor, valid: Tensor, n_clusters: int, iters: int = 20, seed: int = 0) -> Clusters:
+def cosine_kmeans(x: Tensor, valid: Tensor, n_clusters: int, iters: int = 20, seed: int = 0,
+                  row_clusters: Tensor | None = None) -> Clusters:
     """Cosine K-means of the valid slots of every (b, g) row (§2.4): centroids start as
     ``n_clusters`` distinct valid keys drawn uniformly at random (seeded); up to ``iters`` rounds of
     assign-by-cosine / centroid = mean of raw member keys, stopping when no label changes; an empty
     cluster keeps its previous centroid [OURS]. Rows with fewer valid slots than clusters leave the
-    surplus clusters empty (size 0). x: [B, Hkv, N, D]; valid: [B, Hkv, N] bool."""
+    surplus clusters empty (size 0). ``row_clusters`` [B, Hkv] int64 (<= n_clusters) limits the clusters
+    of each row. The random draw of a slot depends only on (seed, slot, head), so a row clusters the same
+    way whatever else is in the batch. x: [B, Hkv, N, D]; valid: [B, Hkv, N] bool."""
     b, hkv, n, d = x.shape
     gen = torch.Generator().manual_seed(seed)
-    draw = torch.rand(b, hkv, n, generator=gen).to(x.device).masked_fill(~valid, -1.0)
+    draw = torch.rand(n, hkv, generator=gen).T.to(x.device).expand(b, hkv, n)      # prefix-stable in n
+    draw = draw.masked_fill(~valid, -1.0)
     pick = draw.topk(min(n_clusters, n), dim=-1).indices                       # [B, Hkv, K]
     usable = torch.gather(valid, -1, pick)
     centroids = torch.gather(x.float(), 2, pick[..., None].expand(-1, -1, -1, d))
@@ -58,6 +62,8 @@ def cosine_kmeans(x: Tensor, valid: Tensor, n_clusters: int, iters: int = 20, se
         extra = n_clusters - pick.shape[-1]
         centroids = torch.cat([centroids, centroids.new_zeros(b, hkv, extra, d)], dim=2)
         usable = torch.cat([usable, usable.new_zeros(b, hkv, extra)], dim=2)
+    if row_clusters is not None:
+        usable = usable & (torch.arange(n_clusters, device=x.device) < row_clusters[..., None])
     labels = assign(x, valid, centroids, usable)
     for _ in range(iters):
         idx = labels.clamp(min=0)
