@@ -176,3 +176,23 @@ def test_host_resident_cache_is_reported_separately():
         assert report.host_bytes >= 2 * 2 * 2 * 88 * 16 * 4             # K and V of both layers, 2 KV heads
     finally:
         model.to("cpu")
+
+
+def test_maintain_clusters_pending_generated_tokens_among_themselves():
+    from kvpass.cache import entries_from_prompt, with_capacity
+    pol = ClusterKV(sinks=4, cluster_ratio=8, window=6, window_clusters=2, full_layers=0)
+    g = torch.Generator().manual_seed(2)
+    k, v = torch.randn(1, 2, 46, 8, generator=g), torch.randn(1, 2, 46, 8, generator=g)
+    cache = pol.prepare(with_capacity(entries_from_prompt(k[:, :, :40], v[:, :, :40], torch.tensor([0]), {}), 52),
+                        layer=0, budget=20)
+    cache.k[:, :, 40:46], cache.v[:, :, 40:46] = k[:, :, 40:], v[:, :, 40:]     # six generated tokens
+    cache.log_weight[:, :, 40:46] = 0.0
+    cache.length += 6
+    assert pol.maintenance_due(6) and not pol.maintenance_due(5)
+    before = cache.slot_meta["cluster"].clone()
+    out = pol.maintain(cache, layer=0)
+    labels = out.slot_meta["cluster"]
+    assert torch.equal(labels[:, :, :40], before[:, :, :40])                  # prompt clusters untouched
+    assert set(labels[:, :, 40:46].unique().tolist()) <= {6, 7}              # new clusters 5 and 6 (+1)
+    assert out.state["cluster_size"][:, :, 5:7].sum(-1).tolist() == [[6, 6]]
+    assert out.state["cluster_count"].tolist() == [[7, 7]]
