@@ -134,6 +134,7 @@ class Chelsea(Policy):
         by repeated CSM steps (§1.7); ``state['chelsea_step']`` [B, Hkv] counts the steps."""
         b, hkv = cache.length.shape
         step = cache.state.get(STEP, torch.zeros(b, hkv, dtype=torch.long, device=cache.k.device))
+        require(keep >= self.min_budget(), f"chelsea: keep={keep} is below sinks + recent + 1 = {self.min_budget()}")
         while bool((cache.length > keep).any()):
             cache, stepped = self.step(cache, keep, step)
             step = step + stepped.long()

@@ -145,6 +145,8 @@ def test_bad_hyperparameters_raise():
     for kwargs in ({"chunk": 1}, {"r_min": 0.0}, {"r_init": 0.7}, {"sinks": -1}, {"interval": 0}):
         with pytest.raises(ValueError):
             Chelsea(**kwargs)
+    with pytest.raises(ValueError):                                # would leave no middle to merge
+        Chelsea(sinks=4, recent=4).compress(random_cache(1, 1, 12, 4, [[12]]), 8)
 
 
 # ------------------------------------------------------------------ end to end
