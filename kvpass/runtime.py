@@ -32,7 +32,9 @@ from kvpass.sampling import next_token
 @dataclass
 class GenerationReport:
     """What the last ``generate`` did. Bytes are real allocations: ``cache_bytes`` is every cache
-    tensor kvpass holds at the end (K, V, log-weights, lengths, positions, policy metadata);
+    tensor kvpass holds at the end on the model's device (K, V, log-weights, lengths, positions, policy
+    metadata), ``host_bytes`` those a recall policy keeps in host memory (``Policy.host_resident``;
+    0 when the model runs on the CPU, where every tensor counts as device-resident);
     ``full_cache_bytes`` is what a full cache of the same tokens holds (K and V of every token in
     every layer, in the model dtype), the number plain transformers would hold."""
 
@@ -48,6 +50,8 @@ class GenerationReport:
     prefill_seconds: float
     decode_seconds: float
     entries: dict[int, int] = field(default_factory=dict)   # layer -> live entries (max over rows/heads)
+    host_bytes: int = 0          # cache tensors kept in host memory while the model runs on an accelerator
+    policy_stats: dict[str, float] = field(default_factory=dict)   # Policy.report (e.g. a recall hit rate)
 
     @property
     def tokens_per_second(self) -> float:
@@ -74,6 +78,7 @@ class _Layer:
     compressible: bool
     budget: int
     host_len: int                # max live entries over rows/heads, tracked without a device sync
+    sliding: bool = False        # a sliding-window layer: dense decode op, no policy inputs, never prepared
 
 
 _UNSET = object()          # an argument left out, as opposed to an explicit None
@@ -166,7 +171,7 @@ class KVPassModel(nn.Module):
         return fallback if got is None else got
 
     def _build_layers(self, kv: Sequence[Tensor], stats: dict[int, dict[str, Tensor]], pad: Tensor,
-                      total: int, budget: int) -> tuple[list[_Layer], int]:
+                      total: int, budget: int, recall_budget: int) -> tuple[list[_Layer], int]:
         layers: list[_Layer] = []
         prompt_len = int(kv[0].shape[2] - pad.min())
         compressions = 0
@@ -174,13 +179,13 @@ class KVPassModel(nn.Module):
             k, v = kv[2 * site.layer], kv[2 * site.layer + 1]
             if site.window is not None and site.window < total:
                 ring = ring_from_prompt(k, v, pad, site.window)
-                layers.append(_Layer(ring, site.window, False, site.window, int(ring.length.max())))
+                layers.append(_Layer(ring, site.window, False, site.window, int(ring.length.max()), True))
                 continue
             layer_stats = stats.get(site.layer, {})
             cache = entries_from_prompt(k, v, pad, {n: x for n, x in layer_stats.items() if Stat(n).per_slot})
             cache.state.update({n: x for n, x in layer_stats.items() if not Stat(n).per_slot})
             compressible = self.policy.compresses and site.window is None
-            layers.append(_Layer(cache, None, compressible, total, prompt_len))
+            layers.append(_Layer(cache, None, compressible, total, prompt_len, site.window is not None))
         compressed = [lay for lay in layers if lay.compressible]
         if compressed:
             budgets = self.policy.layer_budgets(budget, [lay.cache for lay in compressed])
@@ -196,6 +201,13 @@ class KVPassModel(nn.Module):
                 interval = getattr(self.policy, "interval", 1) if lay.compressible else 0
                 capacity = total if not lay.compressible else min(lay.budget + interval, total)
                 lay.cache = with_capacity(lay.cache, max(capacity, lay.host_len))
+        on_host = self.device.type != "cpu"
+        for site, lay in zip(self.graphs.sites, layers, strict=True):
+            if lay.sliding:
+                continue
+            lay.cache = self.policy.prepare(lay.cache, site.layer, lay.budget if lay.compressible else recall_budget)
+            for name in self.policy.host_resident if on_host else ():
+                setattr(lay.cache, name, getattr(lay.cache, name).to("cpu").pin_memory())
         return layers, compressions
 
     def _check_within_budget(self, lay: _Layer) -> None:
@@ -223,7 +235,7 @@ class KVPassModel(nn.Module):
         for (layer, stat), value in zip(self.graphs.prefill_stats, outs[1 + 2 * n_sites:], strict=True):
             stats.setdefault(layer, {})[stat.value] = value
         logits = outs[0][:, -1].float()
-        layers, compressions = self._build_layers(kv, stats, pad, total, budget)
+        layers, compressions = self._build_layers(kv, stats, pad, total, budget, budget_tokens(self.budget, total))
         del outs, kv, stats
         session = DecodeSession(self, layers, pos[:, -1:] + 1, logits, budget, int(t - pad.min()), compressions)
         session.prefill_seconds = time.perf_counter() - start
@@ -308,6 +320,10 @@ class DecodeSession:
             self._advance_host(lay)
         self.pos = self.pos + 1
         self.steps += 1
+        if self.policy.maintenance_due(self.steps):
+            for site, lay in zip(self.owner.graphs.sites, self.layers, strict=True):
+                if not lay.sliding:
+                    load_into(lay.cache, self.policy.maintain(lay.cache, site.layer))
         self.decode_seconds += time.perf_counter() - start
         return self.logits
 
@@ -344,6 +360,8 @@ class DecodeSession:
 
     def _decode_inputs(self, lay: _Layer, slot: Tensor) -> list[Tensor]:
         cache = lay.cache
+        if lay.sliding:                           # sliding-window layers always use the dense op
+            return [cache.k, cache.v, cache.log_weight, slot]
         extra = [cache.slot_meta[n] if n in cache.slot_meta else cache.state[n] for n in self.policy.decode_inputs]
         return [cache.k, cache.v, cache.log_weight, slot, *extra]
 
@@ -394,10 +412,15 @@ class DecodeSession:
         b, layers, new_tokens = self.batch, self.layers, self.steps + 1
         full = sum(2 * b * s.n_kv_heads * s.head_dim * (self.prompt_tokens + new_tokens) * lay.cache.k.element_size()
                    for s, lay in zip(self.owner.graphs.sites, layers, strict=True))
+        tensors = [t for lay in layers for t in lay.cache.tensors()]
+        on_host = [self.owner.device.type != "cpu" and t.device.type == "cpu" for t in tensors]
+        host = sum(t.numel() * t.element_size() for t, h in zip(tensors, on_host, strict=True) if h)
+        device = sum(t.numel() * t.element_size() for t, h in zip(tensors, on_host, strict=True) if not h)
         return GenerationReport(
             policy=self.policy.name, batch=b, prompt_tokens=self.prompt_tokens, new_tokens=new_tokens,
             budget_tokens=self.budget,
             layer_budgets={i: lay.budget for i, lay in enumerate(layers) if lay.compressible},
-            cache_bytes=sum(lay.cache.nbytes() for lay in layers), full_cache_bytes=full,
+            cache_bytes=device, full_cache_bytes=full, host_bytes=host,
+            policy_stats=self.policy.report([lay.cache for lay in layers if not lay.sliding]),
             compressions=self.compressions, prefill_seconds=self.prefill_seconds,
             decode_seconds=self.decode_seconds, entries={i: lay.host_len for i, lay in enumerate(layers)})

@@ -9,9 +9,10 @@ prefill(input_ids [B, T], position_ids [B, T], pad [B])
     stats: for each compressible layer, each statistic the policy asks for, [B, Hkv, T] fp32 (per slot)
     or [B, H] fp32 (per head, e.g. Stat.HEAD_VARIANCE).
 decode(input_ids [B, 1], position_ids [B, 1], then per layer: k_cache_l, v_cache_l, log_weight_l, slot_l,
-       and the policy's ``decode_inputs`` of that layer)
+       and, for full-attention layers, the policy's ``decode_inputs`` of that layer)
     -> (logits [B, 1, V], *scores)
-    writes the step's K, V into slot_l of the cache buffers in place, then attends over the cache;
+    writes the step's K, V into slot_l of the cache buffers in place, then attends over the cache with
+    the policy's decode op (sliding-window layers always with the dense op: a ring is never recalled);
     scores: [B, Hkv, C_l] fp32 per compressible layer when the policy accumulates attention.
 """
 
@@ -33,7 +34,9 @@ aten = torch.ops.aten
 ops = torch.ops.kvpass
 
 # Attention variant -> decode op. New variants (cluster / page recall) add an entry here.
-DECODE_ATTENTION_OPS = {Attention.DENSE: ops.decode_attention.default}
+DECODE_ATTENTION_OPS = {Attention.DENSE: ops.decode_attention.default,
+                        Attention.PAGE_RECALL: ops.page_recall_attention.default,
+                        Attention.CLUSTER_RECALL: ops.cluster_recall_attention.default}
 # Statistic -> prefill op computing it per layer (q, k, pad, scale, window, softcap, **policy.stat_options)
 # -> [B, Hkv, T] fp32 for per-slot statistics, [B, H] fp32 for per-head ones (Stat.per_slot).
 PREFILL_STAT_OPS = {Stat.COLUMN_SUM: ops.attention_column_sums.default,
@@ -159,14 +162,17 @@ def _final_logits(graph: Graph, out) -> Node:
 def build_decode(gm: GraphModule, sites: list[AttentionSite], policy: Policy) -> tuple[GraphModule, tuple[int, ...]]:
     if policy.attention not in DECODE_ATTENTION_OPS:
         raise NotImplementedError(f"decode attention variant {policy.attention.value} has no op yet")
-    attend = DECODE_ATTENTION_OPS[policy.attention]
+    dense = DECODE_ATTENTION_OPS[Attention.DENSE]
     graph, env, out = copy_graph(gm)
-    per_layer = ("k_cache", "v_cache", "log_weight", "slot", *policy.decode_inputs)
-    n = len(per_layer)
-    inputs = _add_inputs(graph, [f"{what}_{s.layer}" for s in sites for what in per_layer])
+    base, policy_inputs = ("k_cache", "v_cache", "log_weight", "slot"), tuple(policy.decode_inputs)
+    names = [f"{what}_{s.layer}" for s in sites
+             for what in base + (policy_inputs if s.window is None else ())]
+    inputs = iter(_add_inputs(graph, names))
     scores, score_layers = [], []
-    for i, site in enumerate(sites):
-        kc, vc, lw, slot, *extra = inputs[n * i: n * i + n]
+    for site in sites:
+        attend = dense if site.window is not None else DECODE_ATTENTION_OPS[policy.attention]
+        kc, vc, lw, slot = (next(inputs) for _ in base)
+        extra = [next(inputs) for _ in policy_inputs] if site.window is None else []
         target = env[site.output]
         want = bool(policy.stats & DECODE_STATS) and site.window is None and policy.compresses
         with graph.inserting_before(target):

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 from kvpass.policies.base import Attention, Policy, Stat
 from kvpass.policies.cam import CaM
+from kvpass.policies.chelsea import Chelsea
+from kvpass.policies.clusterkv import ClusterKV
 from kvpass.policies.d2o import D2O
 from kvpass.policies.full import Full
 from kvpass.policies.h2o import H2O
+from kvpass.policies.kvmerger import KVMerger
 from kvpass.policies.pyramidkv import PyramidKV
+from kvpass.policies.quest import Quest
 from kvpass.policies.snapkv import SnapKV
 from kvpass.policies.streamingllm import StreamingLLM
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Full, StreamingLLM, D2O, H2O, SnapKV, PyramidKV, CaM)}
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Full, StreamingLLM, D2O, H2O, SnapKV, PyramidKV, CaM,
+                                                          Chelsea, KVMerger, ClusterKV, Quest)}
 DEFAULT_POLICY = "d2o"
 
 

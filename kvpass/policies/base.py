@@ -63,6 +63,9 @@ class Policy:
     # Names of LayerCache.slot_meta / state tensors the decode attention op takes after log_weight
     # (e.g. cluster centroids for CLUSTER_RECALL); the runtime passes them, the rewrite adds the inputs.
     decode_inputs: ClassVar[tuple[str, ...]] = ()
+    # LayerCache fields ("k", "v") a recall policy keeps in host memory (pinned) when the model runs on
+    # an accelerator; its decode op gathers the selected entries to the device. Reported as host_bytes.
+    host_resident: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         interval = getattr(self, "interval", 1)
@@ -86,6 +89,28 @@ class Policy:
         """cache: one layer, capacity C, rows holding up to C entries. Returns a cache whose rows hold
         at most ``keep`` live entries (any capacity >= that), in sequence order."""
         raise NotImplementedError
+
+    def prepare(self, cache: LayerCache, layer: int, budget: int) -> LayerCache:
+        """Called once per full-attention layer after prefill (and after any compression): build the
+        decode-time tensors ``decode_inputs`` names (page summaries, cluster centroids...). ``layer`` is
+        the decoder layer index, ``budget`` the layer's token budget (for recall policies: the tokens
+        attended per step). Sliding-window layers are never prepared. Default: unchanged."""
+        return cache
+
+    def maintenance_due(self, new_tokens: int) -> bool:
+        """Whether ``maintain`` runs after the decode step that brought the generated tokens written
+        into the cache to ``new_tokens``. Default: never."""
+        return False
+
+    def maintain(self, cache: LayerCache, layer: int) -> LayerCache:
+        """Periodic decode-time upkeep of a full-attention layer's cache (e.g. clustering the newly
+        generated tokens); returns a cache of the same capacity. Default: unchanged."""
+        return cache
+
+    def report(self, caches: list[LayerCache]) -> dict[str, float]:
+        """Policy-specific numbers for ``GenerationReport.policy_stats`` from the final full-attention
+        layer caches (e.g. a recall hit rate). Default: none."""
+        return {}
 
     @classmethod
     def defaults(cls) -> dict[str, object]:

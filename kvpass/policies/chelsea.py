@@ -1,0 +1,142 @@
+"""Chelsea / CentroidKV (Hu et al. 2025): KV cache clustering by Chunked Soft Matching (policies.md §1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
+from kvpass.cache import EMPTY, LayerCache, keep_slots, with_capacity
+from kvpass.policies.base import Policy, require
+
+STEP = "chelsea_step"   # LayerCache.state: [B, Hkv] int64 clustering steps done (the i of the r schedule)
+
+
+@dataclass(frozen=True)
+class CSMPlan:
+    """One Chunked Soft Matching step of every (b, g) row (§1.5).
+
+    sim: [B, Hkv, E] fp32 best cosine of each A-set entry (-inf where it has no edge); src, dst:
+    [B, Hkv, E] int64 slot of the A-set entry and of its B-set partner; n_rm: [B, Hkv] int64 edges
+    kept; target: [B, Hkv, C] int64 slot each entry merges into (itself when it is not merged)."""
+
+    sim: Tensor
+    src: Tensor
+    dst: Tensor
+    n_rm: Tensor
+    target: Tensor
+
+
+@dataclass(frozen=True)
+class Chelsea(Policy):
+    """Chunked Soft Matching (policies.md §1, Llama-2-7B-32K schedule of §1.2).
+
+    While a row holds more than ``keep`` entries: split the middle region [sinks, s - recent) into
+    chunks of ``chunk`` entries, A-set = even local indices, B-set = odd ones (§1.5 step 2); each
+    A-set entry draws an edge to its most cosine-similar B-set entry of its chunk; the n_rm = min(
+    floor(r M), s - keep, edges) globally best edges are kept and every such A-set entry merges into
+    its partner by the degree-weighted mean (§1.6, ``kvpass::merge_entries``), the merged entry
+    taking the partner's place. The degree N lives in the cache's log-weight (log N), which the dense
+    decode op adds to the logits (§1.8). r follows r_i = max(r_init - alpha * min(m, i), r_min) with
+    i a per-row step counter shared by prefill and decode (§1.7, [OURS] global). Clustering re-runs
+    once a layer has grown ``interval`` = g entries past its budget (§1.4).
+
+    Parameters
+    ----------
+    sinks, recent: n1 = 16 and n2 = 64 entries never merged. chunk: c = 256.
+    r_init, alpha, m, r_min: the r schedule (Llama-2: 0.45, 0.05, 3; r_min = 0.05 [OURS]).
+    interval: g = 64 [OURS].
+    Outlier heads (§1.10) are not implemented: every KV head is compressed.
+    """
+
+    name: ClassVar[str] = "chelsea"
+    section: ClassVar[str] = "§1"
+    summary: ClassVar[str] = "chunked soft matching: merge similar keys into degree-weighted centroids"
+    sinks: int = 16
+    recent: int = 64
+    chunk: int = 256
+    r_init: float = 0.45
+    alpha: float = 0.05
+    m: int = 3
+    r_min: float = 0.05
+    interval: int = 64
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("sinks", "recent", "m"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and value >= 0, f"chelsea: {name} must be an int >= 0, got {value!r}")
+        require(isinstance(self.chunk, int) and self.chunk >= 2, f"chelsea: chunk must be an int >= 2, got {self.chunk!r}")
+        require(0.0 < self.r_min <= 0.5, f"chelsea: r_min must lie in (0, 0.5], got {self.r_min!r}")
+        require(0.0 < self.r_init <= 0.5, f"chelsea: r_init must lie in (0, 0.5], got {self.r_init!r}")
+        require(self.alpha >= 0.0, f"chelsea: alpha must be >= 0, got {self.alpha!r}")
+
+    def min_budget(self) -> int:
+        return self.sinks + self.recent + 1
+
+    def ratio(self, step: Tensor) -> Tensor:
+        """r of the schedule (§1.7) for step counters ``step`` (any shape, int64) -> float64."""
+        r = self.r_init - self.alpha * step.clamp(max=self.m).double()
+        return r.clamp(min=self.r_min, max=0.5)
+
+    def plan(self, cache: LayerCache, keep: int, step: Tensor) -> CSMPlan:
+        """The merges of one CSM step (§1.5, §1.7) for every row holding more than ``keep`` entries."""
+        b, hkv, c_slots, d = cache.k.shape
+        n1, n2, c = self.sinks, self.recent, self.chunk
+        s = cache.length                                                      # [B, Hkv]
+        n_chunks = max(-(-(c_slots - n1) // c), 1)
+        span = n_chunks * c
+        x = cache.k[:, :, n1:n1 + span].float()
+        x = torch.nn.functional.pad(x, (0, 0, 0, span - x.shape[2]))           # [B, Hkv, span, D]
+        slot = n1 + torch.arange(span, device=x.device)                       # [span]
+        middle = slot < (s - n2)[..., None]                                   # [B, Hkv, span]
+        x = x.reshape(b, hkv, n_chunks, c, d)
+        mid = middle.reshape(b, hkv, n_chunks, c)
+        a, bset = x[..., 0::2, :], x[..., 1::2, :]                            # [B, Hkv, n_chunks, c/2, D]
+        norm_a, norm_b = a.norm(dim=-1), bset.norm(dim=-1)
+        cos = a @ bset.transpose(-1, -2) / (norm_a[..., :, None] * norm_b[..., None, :] + 1e-6)
+        cos = cos.masked_fill(~mid[..., None, 1::2], EMPTY)                   # only B-set entries of the middle
+        sim, arg = cos.max(dim=-1)                                            # ties: lowest index
+        sim = sim.masked_fill(~mid[..., 0::2], EMPTY).reshape(b, hkv, -1)     # [B, Hkv, E]
+        base = (n1 + c * torch.arange(n_chunks, device=x.device))[:, None]    # [n_chunks, 1]
+        src = (base + 2 * torch.arange(a.shape[3], device=x.device)).reshape(-1).expand_as(sim)
+        dst = (base[None, None] + 2 * arg + 1).reshape(b, hkv, -1)
+        n_avail = torch.isfinite(sim).sum(-1)
+        mid_len = (s - n1 - n2).clamp(min=0)
+        n_rm = torch.minimum(torch.floor(self.ratio(step) * mid_len).long(), (s - keep).clamp(min=0))
+        n_rm = torch.minimum(n_rm.clamp(min=1), n_avail).masked_fill(s <= keep, 0)
+        order = torch.sort(sim, dim=-1, descending=True, stable=True).indices
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(sim.shape[-1], device=x.device).expand_as(order))
+        chosen = (rank < n_rm[..., None]) & torch.isfinite(sim)
+        target = torch.arange(max(c_slots, n1 + span), device=x.device).repeat(b, hkv, 1)
+        target = target.scatter(2, src, torch.where(chosen, dst, src))[..., :c_slots]   # src are distinct
+        return CSMPlan(sim=sim, src=src, dst=dst, n_rm=n_rm, target=target)
+
+    def step(self, cache: LayerCache, keep: int, step: Tensor) -> tuple[LayerCache, Tensor]:
+        """One CSM step: merge the planned edges and drop the merged A-set entries. Returns the new
+        cache (same capacity) and the rows that stepped [B, Hkv] bool."""
+        plan = self.plan(cache, keep, step)
+        k, v, log_weight = torch.ops.kvpass.merge_entries(cache.k, cache.v, cache.log_weight.exp(),
+                                                           cache.log_weight, plan.target)
+        slots = torch.arange(cache.capacity, device=k.device)
+        gone = plan.target != slots                                           # merged away
+        log_weight = log_weight.masked_fill(gone, EMPTY)
+        merged = LayerCache(k=k, v=v, log_weight=log_weight, length=cache.length, position=cache.position,
+                            slot_meta=cache.slot_meta, state=cache.state)
+        idx = torch.sort((log_weight == EMPTY).to(torch.int8), dim=-1, stable=True).indices  # live first, in order
+        return keep_slots(merged, idx), plan.n_rm > 0
+
+    def compress(self, cache: LayerCache, keep: int) -> LayerCache:
+        """cache: [B, Hkv, C, ...] -> rows of at most ``keep`` entries (capacity max(keep, ...)),
+        by repeated CSM steps (§1.7); ``state['chelsea_step']`` [B, Hkv] counts the steps."""
+        b, hkv = cache.length.shape
+        step = cache.state.get(STEP, torch.zeros(b, hkv, dtype=torch.long, device=cache.k.device))
+        require(keep >= self.min_budget(), f"chelsea: keep={keep} is below sinks + recent + 1 = {self.min_budget()}")
+        while bool((cache.length > keep).any()):
+            cache, stepped = self.step(cache, keep, step)
+            step = step + stepped.long()
+        cache.state = {**cache.state, STEP: step}
+        return with_capacity(cache, max(keep, int(cache.length.max())))

@@ -1,0 +1,90 @@
+"""EMS (Li et al. 2024) prefill evict-then-merge planning (policies.md §4.3, §4.6 steps 2-6).
+
+Building blocks only: the EMS policy itself (the shared-entry expansion decode op of §4.7, the slot
+look-up table and the decode-time bookkeeping of §4.8) is not written yet, so nothing here is
+registered. Everything is vectorised over [B, Hkv] rows and works on ragged rows (live masks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+EVICTED, CENTER, TBM, LOCAL = 0, 1, 2, 3
+
+
+def global_local_score(s_glo: Tensor, s_loc: Tensor, candidate: Tensor, live: Tensor, pool: int = 7) -> Tensor:
+    """s_hat = mean_pool_7( max(s_Glo * (sum s_Loc / sum s_Glo), s_Loc) ) over the candidate slots (§4.3;
+    sums over every live slot, pooling with zero padding, count_include_pad as SnapKV).
+    s_glo, s_loc: [B, Hkv, C] fp32; candidate, live: [B, Hkv, C] bool (candidates are a prefix of the
+    live slots). Returns [B, Hkv, C] fp32, -inf outside the candidates."""
+    glo, loc = s_glo.float().masked_fill(~live, 0), s_loc.float().masked_fill(~live, 0)
+    factor = loc.sum(-1, keepdim=True) / glo.sum(-1, keepdim=True).clamp(min=1e-30)
+    gl = torch.maximum(glo * factor, loc).masked_fill(~candidate, 0)
+    b, hkv, c = gl.shape
+    pooled = torch.nn.functional.avg_pool1d(gl.reshape(b * hkv, 1, c), pool, stride=1, padding=pool // 2)
+    return pooled.reshape(b, hkv, c).masked_fill(~candidate, float("-inf"))
+
+
+def partition(s_hat: Tensor, candidate: Tensor, local: Tensor, n_imp: int, n_tbm: int) -> Tensor:
+    """Level-1 partition (§4.6 step 4): the top ``n_imp`` candidates by s_hat are class centres, the
+    next ``n_tbm`` are to be merged, the other candidates are evicted; ``local`` slots are LOCAL.
+    Ties: lower slot first. Returns [B, Hkv, C] int64 of EVICTED / CENTER / TBM / LOCAL."""
+    order = torch.sort(s_hat, dim=-1, descending=True, stable=True).indices
+    slot = torch.arange(s_hat.shape[-1], device=s_hat.device)
+    rank = torch.empty_like(order).scatter_(-1, order, slot.expand_as(order))
+    cls = torch.where(rank < n_imp, CENTER, torch.where(rank < n_imp + n_tbm, TBM, EVICTED))
+    cls = cls.masked_fill(~candidate, EVICTED)
+    return cls.masked_fill(local, LOCAL)
+
+
+def destinations(ks: Tensor, v: Tensor, cls: Tensor, tau: float) -> tuple[Tensor, Tensor]:
+    """Merge destination of every TBM slot (§4.6 step 5): d_i = argmax_d R[i, d] over the centres,
+    R = cos(ks_i, ks_d) * cos(v_i, v_d) (ties: lowest slot); -1 (the zero class) when R < tau or the slot
+    is not TBM. ks: [B, Hkv, C, D] keys used for similarity; v: [B, Hkv, C, D]. Returns (dest [B, Hkv, C]
+    int64, best R [B, Hkv, C] fp32)."""
+    def unit(x: Tensor) -> Tensor:
+        return x.float() / (x.float().norm(dim=-1, keepdim=True) + 1e-6)
+
+    r = (unit(ks) @ unit(ks).transpose(-1, -2)) * (unit(v) @ unit(v).transpose(-1, -2))     # [B, Hkv, C, C]
+    r = r.masked_fill((cls != CENTER)[:, :, None, :], float("-inf"))
+    best, dest = r.max(-1)
+    keep = (cls == TBM) & (best >= tau)
+    return torch.where(keep, dest, -1), best
+
+
+@dataclass(frozen=True)
+class CenterMerge:
+    """khat: [B, Hkv, C, D] unit key direction of every centre (members' unit keys, weighted, then
+    renormalised); vent: [B, Hkv, C, D] weighted mean value; knorm: [B, Hkv, C] every slot's own
+    ||k||; entry: [B, Hkv, C] int64 the centre slot each slot reads (itself for centres and locals,
+    -1 for evicted and zero-class slots)."""
+
+    khat: Tensor
+    vent: Tensor
+    knorm: Tensor
+    entry: Tensor
+
+
+def merge_into_centers(k: Tensor, v: Tensor, s_hat: Tensor, cls: Tensor, dest: Tensor) -> CenterMerge:
+    """§4.6 step 6: for centre d with members M_d = {d} ∪ {i : dest_i = d}, w_j = s_hat_j / sum s_hat,
+    Khat_d = normalize(sum w_j k_j / ||k_j||), Vent_d = sum w_j v_j; members keep their own ||k_j||."""
+    acc = torch.promote_types(k.dtype, torch.float32)
+    own = (cls == CENTER) | (cls == LOCAL)
+    slot = torch.arange(k.shape[2], device=k.device)
+    entry = torch.where(own, slot, dest)                                               # -1: no slot
+    src = entry >= 0
+    tgt = entry.clamp(min=0)
+    w = torch.where(src & (cls != LOCAL), s_hat.to(acc).clamp(min=1e-12), 0.0)
+    w = torch.where(cls == LOCAL, 1.0, w)
+    knorm = k.to(acc).norm(dim=-1)
+    unit = k.to(acc) / (knorm[..., None] + 1e-6)
+    wsum = torch.zeros_like(w).scatter_add_(-1, tgt, w)
+    idx = tgt[..., None].expand_as(unit)
+    ksum = torch.zeros_like(unit).scatter_add_(2, idx, w[..., None] * unit)
+    vsum = torch.zeros_like(unit).scatter_add_(2, idx, w[..., None] * v.to(acc))
+    khat = ksum / (ksum.norm(dim=-1, keepdim=True) + 1e-12)
+    vent = vsum / wsum.clamp(min=torch.finfo(acc).tiny)[..., None]
+    return CenterMerge(khat=khat, vent=vent, knorm=knorm, entry=entry)

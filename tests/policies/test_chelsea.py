@@ -1,0 +1,177 @@
+"""Chelsea (policies.md §1) against a direct float64 reference written from the spec, the §8.2
+exactness property, and generate on every tiny architecture."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from kvpass.kernels import decode_attention_reference, merge_entries_reference
+from merging_support import ARCHS, full_output, prompt, tiny_model
+
+import kvpass
+from kvpass.cache import EMPTY, LayerCache
+from kvpass.policies.chelsea import Chelsea
+
+
+def random_cache(b: int, hkv: int, c: int, d: int, lengths: list[list[int]], seed: int = 0,
+                 dtype=torch.float64) -> LayerCache:
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(b, hkv, c, d, generator=g, dtype=dtype)
+    v = torch.randn(b, hkv, c, d, generator=g, dtype=dtype)
+    length = torch.tensor(lengths)
+    live = torch.arange(c)[None, None] < length[..., None]
+    log_weight = torch.where(live, torch.rand(b, hkv, c, generator=g).mul(2).log1p(), EMPTY).float()
+    position = torch.where(live, torch.arange(c), -1)
+    return LayerCache(k=k.masked_fill(~live[..., None], 0), v=v.masked_fill(~live[..., None], 0),
+                      log_weight=log_weight, length=length, position=position)
+
+
+# ------------------------------------------------------------------ merge_entries op
+def test_merge_entries_matches_loop_reference():
+    cache = random_cache(2, 2, 12, 4, [[12, 9], [7, 12]])
+    g = torch.Generator().manual_seed(1)
+    w = torch.rand(2, 2, 12, generator=g, dtype=torch.float64) + 0.1
+    target = torch.arange(12).repeat(2, 2, 1)
+    target[0, 0, 3], target[0, 0, 5], target[1, 1, 0], target[0, 1, 8] = 4, 4, 11, -1
+    k, v, lw = merge_entries_reference(cache.k, cache.v, w, cache.log_weight, target)
+    for b in range(2):
+        for h in range(2):
+            for j in range(12):
+                srcs = [i for i in range(12) if int(target[b, h, i]) == j]
+                if not srcs:
+                    assert torch.equal(k[b, h, j], cache.k[b, h, j])
+                    continue
+                if all(i >= int(cache.length[b, h]) for i in srcs):     # an empty slot stays empty
+                    assert float(lw[b, h, j]) == EMPTY
+                    continue
+                ws = torch.tensor([float(w[b, h, i]) for i in srcs], dtype=torch.float64)
+                want_k = sum(ws[n] * cache.k[b, h, i] for n, i in enumerate(srcs)) / ws.sum()
+                want_v = sum(ws[n] * cache.v[b, h, i] for n, i in enumerate(srcs)) / ws.sum()
+                deg = sum(math.exp(float(cache.log_weight[b, h, i])) for i in srcs)
+                torch.testing.assert_close(k[b, h, j], want_k)
+                torch.testing.assert_close(v[b, h, j], want_v)
+                assert float(lw[b, h, j]) == pytest.approx(math.log(deg), rel=1e-6)
+    assert not torch.equal(k[0, 0, 4], cache.k[0, 0, 4])       # the merge did something
+
+
+# ------------------------------------------------------------------ one CSM step, from the spec
+def csm_reference(k, s, keep, step, pol: Chelsea):
+    """§1.5/§1.7 for one row, written with loops: returns {A slot: B slot} of the kept edges."""
+    n1, n2, c = pol.sinks, pol.recent, pol.chunk
+    mid = list(range(n1, s - n2))
+    edges = []                                                     # (sim, a, b)
+    for start in range(0, len(mid), c):
+        chunk = mid[start:start + c]
+        aset, bset = chunk[0::2], chunk[1::2]
+        for a in aset:
+            best, arg = -math.inf, None
+            for b in bset:
+                cos = float(k[a] @ k[b]) / (float(k[a].norm()) * float(k[b].norm()) + 1e-6)
+                if cos > best:
+                    best, arg = cos, b
+            if arg is not None:
+                edges.append((best, a, arg))
+    r = max(pol.r_init - pol.alpha * min(pol.m, step), pol.r_min)
+    n_rm = max(min(math.floor(r * len(mid)), s - keep, len(edges)), 1)
+    edges.sort(key=lambda e: (-e[0], e[1]))
+    return {a: b for _, a, b in edges[:n_rm]}
+
+
+@pytest.mark.parametrize("chunk", [4, 5, 16])
+def test_csm_step_matches_reference(chunk):
+    pol = Chelsea(sinks=2, recent=3, chunk=chunk, r_init=0.3, alpha=0.1, m=2, r_min=0.05)
+    cache = random_cache(2, 2, 30, 8, [[30, 30], [23, 23]], seed=chunk)
+    step = torch.tensor([[0, 0], [3, 3]])
+    plan = pol.plan(cache, 17, step)
+    for b in range(2):
+        for h in range(2):
+            s = int(cache.length[b, h])
+            want = csm_reference(cache.k[b, h], s, 17, int(step[b, h]), pol)
+            got = {j: int(plan.target[b, h, j]) for j in range(30) if int(plan.target[b, h, j]) != j}
+            assert got == want
+            assert int(plan.n_rm[b, h]) == len(want) > 0
+
+
+def test_compress_merges_degree_weighted_and_keeps_order():
+    pol = Chelsea(sinks=2, recent=3, chunk=6, r_init=0.5, alpha=0.0)
+    cache = random_cache(1, 1, 20, 4, [[20]], seed=3)
+    cache.log_weight.zero_()
+    out = pol.compress(cache, 16)
+    edges = csm_reference(cache.k[0, 0], 20, 16, 0, pol)
+    assert len(edges) == 4 and int(out.length[0, 0]) == 16
+    kept = [j for j in range(20) if j not in edges]
+    assert out.position[0, 0, :16].tolist() == kept                 # merged entry at the B slot, in order
+    for b in set(edges.values()):
+        members = [b] + [x for x, y in edges.items() if y == b]
+        i = kept.index(b)
+        torch.testing.assert_close(out.k[0, 0, i], cache.k[0, 0, members].mean(0))
+        assert float(out.log_weight[0, 0, i]) == pytest.approx(math.log(len(members)))
+    assert int(out.state["chelsea_step"][0, 0]) == 1
+
+
+def test_schedule_clamps_to_r_min():
+    pol = Chelsea(r_init=0.2, alpha=0.1, m=2)                       # the Qwen2 schedule of §1.2
+    r = pol.ratio(torch.arange(5)).tolist()
+    assert r == pytest.approx([0.2, 0.1, 0.05, 0.05, 0.05])
+
+
+# ------------------------------------------------------------------ §8.2 exactness
+def test_centroids_with_log_degree_equal_exact_attention():
+    """Duplicated middle keys (x1, x1, x2, x2, ...): one step with n_rm = M / 2 merges every copy
+    into its twin and attention with the log N bias equals attention over the original tokens."""
+    n1, n2, pairs, d = 4, 4, 12, 8
+    g = torch.Generator().manual_seed(0)
+    sinks, recent = torch.randn(2, n1, d, generator=g, dtype=torch.float64), torch.randn(2, n2, d, generator=g, dtype=torch.float64)
+    mid = torch.randn(2, pairs, d, generator=g, dtype=torch.float64).repeat_interleave(2, dim=1)
+    k = torch.cat([sinks[0], mid[0], recent[0]])[None, None]
+    v = torch.cat([sinks[1], mid[1], recent[1]])[None, None]
+    s = k.shape[2]
+    cache = LayerCache(k=k, v=v, log_weight=torch.zeros(1, 1, s), length=torch.tensor([[s]]),
+                       position=torch.arange(s)[None, None])
+    pol = Chelsea(sinks=n1, recent=n2, chunk=8, r_init=0.5, alpha=0.0)
+    out = pol.compress(cache, s - pairs)
+    assert int(out.length) == s - pairs and float(out.log_weight.exp().sum()) == pytest.approx(s)
+    q = torch.randn(1, 2, 1, d, generator=g, dtype=torch.float64)   # two query heads (GQA group of 2)
+    exact, _ = decode_attention_reference(q, cache.k, cache.v, cache.log_weight, 0.3)
+    merged, _ = decode_attention_reference(q, out.k, out.v, out.log_weight, 0.3)
+    torch.testing.assert_close(merged, exact)
+    unbiased, _ = decode_attention_reference(q, out.k, out.v, torch.zeros_like(out.log_weight), 0.3)
+    assert not torch.allclose(unbiased, exact)                      # the check can fail without the bias
+
+
+def test_bad_hyperparameters_raise():
+    for kwargs in ({"chunk": 1}, {"r_min": 0.0}, {"r_init": 0.7}, {"sinks": -1}, {"interval": 0}):
+        with pytest.raises(ValueError):
+            Chelsea(**kwargs)
+    with pytest.raises(ValueError):                                # would leave no middle to merge
+        Chelsea(sinks=4, recent=4).compress(random_cache(1, 1, 12, 4, [[12]]), 8)
+
+
+# ------------------------------------------------------------------ end to end
+SMALL = dict(sinks=4, recent=8, chunk=16, interval=8)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_generate_within_budget(arch):
+    model = tiny_model(arch)
+    ids = prompt(2, 80)
+    km = kvpass.apply(model, policy="chelsea", budget=32, **SMALL)
+    out = km.generate(ids, max_new_tokens=12, eos_token_id=[])
+    assert out.shape == (2, 92)
+    report = km.last_report
+    for layer, budget in report.layer_budgets.items():
+        assert budget == 32 and report.entries[layer] <= budget + SMALL["interval"]
+    if report.layer_budgets:
+        assert report.compressions > 0
+
+
+def test_budget_changes_output_and_large_budget_is_exact():
+    model = tiny_model("llama")
+    ids = prompt(1, 80)
+    full = full_output("llama", 1, 80, 16)
+    big = kvpass.apply(model, policy="chelsea", budget=1.0, **SMALL).generate(ids, max_new_tokens=16, eos_token_id=[])
+    small = kvpass.apply(model, policy="chelsea", budget=24, **SMALL).generate(ids, max_new_tokens=16, eos_token_id=[])
+    assert torch.equal(big, full)
+    assert not torch.equal(small, full)
