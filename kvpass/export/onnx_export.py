@@ -1,0 +1,218 @@
+"""``kvpass.export.onnx``: a KVPassModel -> prefill, decode-step and compress ONNX files + metadata.
+
+Shapes: the batch B and the prompt length T are dynamic; every cache buffer has a fixed capacity
+per layer, C_l = budget_l + interval for a compressing policy and ``max_length`` for ``full``. The
+compress graph of a layer budget takes any input capacity N (the prompt's T after prefill, C_l
+during decode) and returns C_l slots. All graphs are functional and use standard ONNX ops only
+(the kvpass ops are exported through their explicit torch forms), and each file is checked
+against the TensorRT ONNX parser's operator limits (``check_tensorrt``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from torch.export import Dim
+
+from kvpass.budget import budget_tokens
+from kvpass.export.graphs import CompressGraph, DecodeGraph, PrefillGraph, from_flat, state_names, to_capacity, to_flat
+from kvpass.export.tensorrt_check import check_tensorrt
+from kvpass.rewrites.functional_graphs import functional_decode, functional_prefill
+from kvpass.runtime import KVPassModel
+
+log = logging.getLogger(__name__)
+METADATA = "kvpass_export.json"
+_CHECK_MODES = ("warn", "error", "off")
+
+
+def _layer_meta(model: KVPassModel) -> dict[int, tuple[str, ...]]:
+    meta: dict[int, list[str]] = {}
+    for layer, stat in model.graphs.prefill_stats:
+        meta.setdefault(layer, []).append(stat.value)
+    return {layer: tuple(names) for layer, names in meta.items()}
+
+
+def _io(path: Path) -> dict[str, list[dict]]:
+    """Names, shapes (ints or symbolic names) and element types of an ONNX file's inputs and outputs."""
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+
+    def describe(values) -> list[dict]:
+        return [{"name": v.name, "dtype": onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name,
+                 "shape": [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]} for v in values]
+
+    return {"inputs": describe(proto.graph.input), "outputs": describe(proto.graph.output)}
+
+
+def _export(module: torch.nn.Module, args: tuple, path: Path, input_names: list[str], output_names: list[str],
+            dynamic_shapes: tuple, opset: int) -> None:
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(module, args, dynamo=True, input_names=input_names, output_names=output_names,
+                                    dynamic_shapes=dynamic_shapes, opset_version=opset, verbose=False,
+                                    optimize=True)
+    program.save(str(path))
+
+
+def _validate(model: KVPassModel, max_length: int, check: str, example_length: int) -> None:
+    if not isinstance(model, KVPassModel):
+        raise ValueError(f"kvpass.export.onnx needs a KVPassModel (from kvpass.apply), got {type(model).__name__}")
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
+        raise ValueError(f"max_length must be an int >= 2 (prompt + new tokens), got {max_length!r}")
+    if max_length > model.captured.context_length:
+        raise ValueError(f"max_length {max_length} exceeds the model's context of {model.captured.context_length}")
+    if check not in _CHECK_MODES:
+        raise ValueError(f"tensorrt_check must be one of {', '.join(_CHECK_MODES)}, got {check!r}")
+    if not 2 <= example_length < max_length:
+        raise ValueError(f"example_length must lie in [2, max_length), got {example_length}")
+    windowed = [s.layer for s in model.graphs.sites if s.window is not None]
+    if windowed:
+        raise ValueError(f"layers {windowed} use sliding-window attention; ONNX export does not support "
+                         "sliding-window rings yet")
+
+
+@dataclass
+class GraphSpec:
+    """One exportable graph: the module, example inputs, I/O names and dynamic shapes (torch.export form)."""
+
+    key: str                        # "prefill", "decode", "compress_{keep}"
+    file: str
+    module: torch.nn.Module
+    args: tuple[Tensor, ...]
+    input_names: list[str]
+    output_names: list[str]
+    dynamic_shapes: tuple
+
+
+@dataclass
+class ExportPlan:
+    """What ``graph_specs`` decided: per-layer budgets, capacities and slot-metadata names."""
+
+    specs: list[GraphSpec]
+    budget: int
+    interval: int
+    budgets: list[int]
+    capacities: list[int]
+    meta: dict[int, tuple[str, ...]]
+    compress_files: dict[int, str] = field(default_factory=dict)
+
+
+def graph_specs(model: KVPassModel, max_length: int, budget: int | None = None,
+                example_length: int = 8) -> ExportPlan:
+    """Build the prefill, decode and compress modules of ``model`` with example inputs (on its device)."""
+    _validate(model, max_length, "off", example_length)
+    policy = model.policy
+    budget = budget_tokens(model.budget if budget is None else budget, max_length)
+    if policy.compresses and budget < policy.min_budget():
+        raise ValueError(f"budget {budget} is below {policy.name}'s minimum of {policy.min_budget()}")
+    sites = list(model.graphs.sites)
+    n = len(sites)
+    meta = _layer_meta(model)
+    device = model.device
+
+    prefill = PrefillGraph(functional_prefill(model.graphs.prefill), n,
+                           tuple((layer, stat.value) for layer, stat in model.graphs.prefill_stats), meta)
+    t = example_length
+    ids = torch.randint(0, int(model.config.vocab_size), (2, t), device=device)
+    pad = torch.tensor([0, 1], device=device)
+    pos = (torch.arange(t, device=device)[None] - pad[:, None]).clamp(min=0)
+    batch, seq = Dim("batch", min=1, max=1024), Dim("prompt", min=1, max=max_length - 1)
+    present = [name for layer in range(n) for name in state_names(layer, meta.get(layer, ()), "present")]
+    past = [name for layer in range(n) for name in state_names(layer, meta.get(layer, ()), "past")]
+    specs = [GraphSpec("prefill", "prefill.onnx", prefill, (ids, pos, pad), ["input_ids", "position_ids", "pad"],
+                       ["logits", *present], ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch}))]
+
+    with torch.no_grad():
+        flat = prefill(ids, pos, pad)
+    caches = [from_flat(_layer_slice(flat, meta, layer), meta.get(layer, ())) for layer in range(n)]
+    interval = int(getattr(policy, "interval", 1)) if policy.compresses else 0
+    if policy.compresses:
+        budgets = [int(b) for b in policy.layer_budgets(budget, caches)]
+        capacities = [b + interval for b in budgets]
+    else:
+        budgets, capacities = [max_length] * n, [max_length] * n
+
+    decode = DecodeGraph(functional_decode(model.captured.gm, sites, policy, meta))
+    state = [x for layer in range(n) for x in to_flat(to_capacity(caches[layer], capacities[layer]), meta.get(layer, ()))]
+    specs.append(GraphSpec("decode", "decode.onnx", decode, (ids[:, :1], pos[:, -1:] + 1, *state),
+                           ["input_ids", "position_ids", *past], ["logits", *present],
+                           ({0: batch}, {0: batch}, tuple({0: batch} for _ in state))))
+
+    plan = ExportPlan(specs, budget, interval, budgets, capacities, meta)
+    if policy.compresses:
+        for keep in sorted(set(budgets)):
+            layer = budgets.index(keep)
+            names = meta.get(layer, ())
+            example = to_flat(to_capacity(caches[layer], keep + interval + 5), names)
+            slots = Dim("slots", min=2, max=max_length)
+            dims = tuple({0: batch, 2: slots} if x.dim() >= 3 else {0: batch} for x in example)
+            fname = "compress.onnx" if len(set(budgets)) == 1 else f"compress_{keep}.onnx"
+            specs.append(GraphSpec(f"compress_{keep}", fname, CompressGraph(policy, keep, keep + interval, names),
+                                   tuple(example), state_names(0, names, "past"), state_names(0, names, "present"),
+                                   (dims,)))
+            plan.compress_files[keep] = fname
+    return plan
+
+
+def onnx(model: KVPassModel, out_dir: str | Path, max_length: int = 512, budget: int | None = None,
+         opset: int = 18, tensorrt_check: str = "warn", example_length: int = 8) -> dict:
+    """Export ``model``'s prefill, decode step and compress graphs to ``out_dir`` and return the metadata
+    (also written to ``out_dir/kvpass_export.json``).
+
+    max_length: the most tokens (prompt + new) a sequence may reach; the ``full`` cache holds this many.
+    budget: entries per compressed layer (int); default: the model's budget (a float fraction is taken of
+        ``max_length``). Match the budget ``KVPassModel.generate`` resolves for identical tokens.
+    tensorrt_check: "warn" (log and record findings), "error" (raise ValueError on any), "off".
+    """
+    _validate(model, max_length, tensorrt_check, example_length)
+    plan = graph_specs(model, max_length, budget, example_length)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    findings = {}
+    for spec in plan.specs:
+        _export(spec.module, spec.args, out / spec.file, spec.input_names, spec.output_names,
+                spec.dynamic_shapes, opset)
+        if tensorrt_check == "off":
+            continue
+        found = check_tensorrt(out / spec.file)
+        findings[spec.file] = [asdict(f) for f in found]
+        for f in found:
+            log.warning("TensorRT: %s: %s", spec.file, f)
+        if found and tensorrt_check == "error":
+            raise ValueError(f"{spec.file}: {len(found)} node(s) the TensorRT ONNX parser rejects or restricts: "
+                             + "; ".join(str(f) for f in found[:5]))
+
+    policy = model.policy
+    metadata = {
+        "format": "kvpass-onnx/1",
+        "model_type": model.config.model_type,
+        "vocab_size": int(model.config.vocab_size),
+        "policy": {"name": policy.name, **{f.name: getattr(policy, f.name) for f in fields(policy)}},
+        "budget": plan.budget, "interval": plan.interval, "max_length": max_length,
+        "compresses": policy.compresses, "opset": opset,
+        "layers": [{"layer": s.layer, "n_kv_heads": s.n_kv_heads, "head_dim": s.head_dim, "budget": b,
+                    "capacity": c, "compressible": policy.compresses, "meta": list(plan.meta.get(s.layer, ())),
+                    "compress": plan.compress_files.get(b)}
+                   for s, b, c in zip(model.graphs.sites, plan.budgets, plan.capacities, strict=True)],
+        "files": {spec.key: {"path": spec.file, **_io(out / spec.file)} for spec in plan.specs},
+        "tensorrt_findings": findings,
+    }
+    (out / METADATA).write_text(json.dumps(metadata, indent=1))
+    log.info("exported %s (%s, %d layers) to %s", model.config.model_type, policy.name, len(plan.budgets), out)
+    return metadata
+
+
+def _layer_slice(flat: tuple[Tensor, ...], meta: dict[int, tuple[str, ...]], layer: int) -> list[Tensor]:
+    """Layer ``layer``'s state tensors from the prefill outputs (after the logits)."""
+    start = 1 + sum(5 + len(meta.get(i, ())) for i in range(layer))
+    return list(flat[start: start + 5 + len(meta.get(layer, ()))])
+
+
+__all__ = ["METADATA", "onnx"]
