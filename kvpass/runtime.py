@@ -197,6 +197,33 @@ class KVPassModel(nn.Module):
             raise RuntimeError(f"policy {self.policy.name} left {lay.host_len} entries for a budget of {lay.budget}")
 
     @torch.no_grad()
+    def start(self, input_ids: Tensor, attention_mask: Tensor | None = None, max_new_tokens: int = 0) -> DecodeSession:
+        """Prefill ``input_ids`` [B, T] (left-padded with ``attention_mask``) and build the caches,
+        compressed to the budget for ``T + max_new_tokens`` tokens. Returns the session to step.
+
+        ``max_new_tokens`` counts every token that will go through ``step``/``feed`` afterwards."""
+        ids, pad, pos = self._prepare(input_ids, attention_mask, max_new_tokens)
+        t = ids.shape[1]
+        total = t + max_new_tokens
+        budget = total if not self.policy.compresses else budget_tokens(self.budget, total)
+        if self.policy.compresses and budget < self.policy.min_budget():
+            raise ValueError(f"budget of {budget} tokens (from {self.budget!r} of {total}) is smaller than "
+                             f"{self.policy.name}'s minimum of {self.policy.min_budget()} (sinks + window)")
+        start = time.perf_counter()
+        outs = self.graphs.prefill(ids, pos, pad)
+        n_sites = len(self.graphs.sites)
+        kv = outs[1:1 + 2 * n_sites]
+        stats: dict[int, dict[str, Tensor]] = {}
+        for (layer, stat), value in zip(self.graphs.prefill_stats, outs[1 + 2 * n_sites:], strict=True):
+            stats.setdefault(layer, {})[stat.value] = value
+        logits = outs[0][:, -1].float()
+        layers, compressions = self._build_layers(kv, stats, pad, total, budget)
+        del outs, kv, stats
+        session = DecodeSession(self, layers, pos[:, -1:] + 1, logits, budget, int(t - pad.min()), compressions)
+        session.prefill_seconds = time.perf_counter() - start
+        return session
+
+    @torch.no_grad()
     def generate(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                  max_new_tokens: int | None = None, do_sample: bool | None = None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
@@ -216,47 +243,91 @@ class KVPassModel(nn.Module):
         max_new_tokens = int(self._gen_default("max_new_tokens", max_new_tokens, 20))
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        do_sample = bool(self._gen_default("do_sample", do_sample, False))
-        temperature = float(self._gen_default("temperature", temperature, 1.0))
-        top_k = self._gen_default("top_k", top_k, None)
-        top_p = self._gen_default("top_p", top_p, None)
+        sampling = dict(do_sample=bool(self._gen_default("do_sample", do_sample, False)),
+                        temperature=float(self._gen_default("temperature", temperature, 1.0)),
+                        top_k=self._gen_default("top_k", top_k, None), top_p=self._gen_default("top_p", top_p, None),
+                        generator=generator)
         eos = self._gen_default("eos_token_id", eos_token_id, None)
         eos_ids = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), device=self.device)
         pad_id = self._gen_default("pad_token_id", pad_token_id, None)
         if pad_id is None:
             pad_id = int(eos_ids[0]) if len(eos_ids) else 0
 
-        ids, pad, pos = self._prepare(input_ids, attention_mask, max_new_tokens)
-        b, t = ids.shape
-        total = t + max_new_tokens
-        budget = total if not self.policy.compresses else budget_tokens(self.budget, total)
-        if self.policy.compresses and budget < self.policy.min_budget():
-            raise ValueError(f"budget of {budget} tokens (from {self.budget!r} of {total}) is smaller than "
-                             f"{self.policy.name}'s minimum of {self.policy.min_budget()} (sinks + window)")
+        session = self.start(input_ids, attention_mask, max_new_tokens)
+        ids = torch.as_tensor(input_ids, device=self.device).reshape(session.batch, -1)
         if streamer is not None:
             streamer.put(ids.cpu())
+        new, step_logits = session.sample(max_new_tokens, eos_ids, pad_id, streamer, output_logits, **sampling)
+        if streamer is not None:
+            streamer.end()
+        self.last_report = session.report()
+        sequences = torch.cat([ids, new], dim=1)
+        if return_dict_in_generate:
+            return GenerateOutput(sequences, step_logits, self.last_report)
+        return sequences
 
-        start = time.perf_counter()
-        outs = self.graphs.prefill(ids, pos, pad)
-        n_sites = len(self.graphs.sites)
-        kv = outs[1:1 + 2 * n_sites]
-        stats: dict[int, dict[str, Tensor]] = {}
-        for (layer, stat), value in zip(self.graphs.prefill_stats, outs[1 + 2 * n_sites:], strict=True):
-            stats.setdefault(layer, {})[stat.value] = value
-        logits = outs[0][:, -1].float()
-        layers, compressions = self._build_layers(kv, stats, pad, total, budget)
-        del outs, kv, stats
-        prefill_seconds = time.perf_counter() - start
 
+class DecodeSession:
+    """The caches of one batch after prefill, stepped one token at a time.
+
+    ``logits`` [B, V] (fp32) always holds the prediction for the next position; ``step(tokens)``
+    appends tokens [B] at absolute positions ``pos`` [B, 1] and updates it. A layer is compressed
+    before a step whenever its buffer is full (decided from host-side lengths: no device sync)."""
+
+    def __init__(self, owner: KVPassModel, layers: list[_Layer], pos: Tensor, logits: Tensor, budget: int,
+                 prompt_tokens: int, compressions: int) -> None:
+        self.owner, self.policy, self.layers = owner, owner.policy, layers
+        self.pos, self.logits, self.budget = pos, logits, budget
+        self.prompt_tokens, self.compressions = prompt_tokens, compressions
+        self.steps = 0
+        self.prefill_seconds = self.decode_seconds = 0.0
+
+    @property
+    def batch(self) -> int:
+        return self.logits.shape[0]
+
+    @torch.no_grad()
+    def step(self, tokens: Tensor) -> Tensor:
+        """tokens: [B] int64 -> logits [B, V] for the position after them."""
         start = time.perf_counter()
-        pos = pos[:, -1:] + 1                                  # [B, 1] absolute position of the next token
-        unfinished = torch.ones(b, dtype=torch.bool, device=ids.device)
+        for lay in self.layers:
+            if lay.compressible and lay.host_len >= lay.cache.capacity:
+                load_into(lay.cache, self.policy.compress(lay.cache, lay.budget))
+                lay.host_len = int(lay.cache.length.max())
+                self.compressions += 1
+                self.owner._check_within_budget(lay)
+        slots = [self._slot(lay) for lay in self.layers]
+        flat = [x for lay, slot in zip(self.layers, slots, strict=True) for x in self._decode_inputs(lay, slot)]
+        outs = self.owner.graphs.decode(tokens[:, None], self.pos, *flat)
+        self.logits = outs[0][:, -1].float()
+        for layer, scores in zip(self.owner.graphs.decode_scores, outs[1:], strict=True):
+            self.layers[layer].cache.slot_meta[Stat.COLUMN_SUM.value] += scores
+        for lay, slot in zip(self.layers, slots, strict=True):
+            self._advance(lay, slot)
+        self.pos = self.pos + 1
+        self.steps += 1
+        self.decode_seconds += time.perf_counter() - start
+        return self.logits
+
+    @torch.no_grad()
+    def feed(self, tokens: Tensor) -> Tensor:
+        """Teacher forcing: tokens [B, n] -> [B, n + 1, V], the logits held before the call followed
+        by the logits after each fed token."""
+        out = [self.logits]
+        for i in range(tokens.shape[1]):
+            out.append(self.step(tokens[:, i]))
+        return torch.stack(out, dim=1)
+
+    @torch.no_grad()
+    def sample(self, max_new_tokens: int, eos_ids: Tensor, pad_id: int, streamer=None, output_logits: bool = False,
+               **sampling) -> tuple[Tensor, tuple[Tensor, ...] | None]:
+        """Sample up to ``max_new_tokens`` tokens -> ([B, n] tokens, per-step logits or None)."""
+        unfinished = torch.ones(self.batch, dtype=torch.bool, device=self.logits.device)
         tokens, step_logits = [], []
-        score_layers = self.graphs.decode_scores
-        for step in range(max_new_tokens):
+        for i in range(max_new_tokens):
             if output_logits:
-                step_logits.append(logits)
-            tok = next_token(logits, do_sample, temperature, top_k, top_p, generator)
+                step_logits.append(self.logits)
+            tok = next_token(self.logits, **sampling)
             tok = torch.where(unfinished, tok, torch.full_like(tok, pad_id))
             tokens.append(tok)
             if streamer is not None:
@@ -265,51 +336,24 @@ class KVPassModel(nn.Module):
                 unfinished &= ~torch.isin(tok, eos_ids)
                 if not bool(unfinished.any()):
                     break
-            if step == max_new_tokens - 1:
-                break
-            for lay in layers:
-                if lay.compressible and lay.host_len >= lay.cache.capacity:
-                    load_into(lay.cache, self.policy.compress(lay.cache, lay.budget))
-                    lay.host_len = int(lay.cache.length.max())
-                    compressions += 1
-                    self._check_within_budget(lay)
-            slots = [self._slot(lay, pos) for lay in layers]
-            flat = [x for lay, slot in zip(layers, slots, strict=True) for x in self._decode_inputs(lay, slot)]
-            outs = self.graphs.decode(tok[:, None], pos, *flat)
-            logits = outs[0][:, -1].float()
-            for layer, scores in zip(score_layers, outs[1:], strict=True):
-                layers[layer].cache.slot_meta[Stat.COLUMN_SUM.value] += scores
-            for lay, slot in zip(layers, slots, strict=True):
-                self._advance(lay, slot, pos)
-            pos = pos + 1
-        decode_seconds = time.perf_counter() - start
-        if streamer is not None:
-            streamer.end()
-
-        new = torch.stack(tokens, dim=1)
-        self.last_report = self._report(layers, b, int(t - pad.min()), new.shape[1], budget, compressions,
-                                        prefill_seconds, decode_seconds)
-        sequences = torch.cat([ids, new], dim=1)
-        if return_dict_in_generate:
-            return GenerateOutput(sequences, tuple(step_logits) if output_logits else None, self.last_report)
-        return sequences
+            if i < max_new_tokens - 1:
+                self.step(tok)
+        return torch.stack(tokens, dim=1), (tuple(step_logits) if output_logits else None)
 
     def _decode_inputs(self, lay: _Layer, slot: Tensor) -> list[Tensor]:
         cache = lay.cache
         extra = [cache.slot_meta[n] if n in cache.slot_meta else cache.state[n] for n in self.policy.decode_inputs]
         return [cache.k, cache.v, cache.log_weight, slot, *extra]
 
-    @staticmethod
-    def _slot(lay: _Layer, pos: Tensor) -> Tensor:
+    def _slot(self, lay: _Layer) -> Tensor:
         """Where this step's K, V go: [B, Hkv] int64."""
         if lay.window is not None:
-            return (pos % lay.window).expand_as(lay.cache.length)
+            return (self.pos % lay.window).expand_as(lay.cache.length)
         return lay.cache.length.clone()
 
-    @staticmethod
-    def _advance(lay: _Layer, slot: Tensor, pos: Tensor) -> None:
+    def _advance(self, lay: _Layer, slot: Tensor) -> None:
         cache = lay.cache
-        cache.position.scatter_(2, slot[:, :, None], pos[:, :, None].expand_as(slot[:, :, None]))
+        cache.position.scatter_(2, slot[:, :, None], self.pos[:, :, None].expand_as(slot[:, :, None]))
         if lay.window is not None:
             cache.length.clamp_(max=lay.window - 1).add_(1)
             lay.host_len = min(lay.host_len + 1, lay.window)
@@ -317,12 +361,15 @@ class KVPassModel(nn.Module):
             cache.length.add_(1)
             lay.host_len += 1
 
-    def _report(self, layers, b, prompt_tokens, new_tokens, budget, compressions, t_pre, t_dec) -> GenerationReport:
-        full = sum(2 * b * s.n_kv_heads * s.head_dim * (prompt_tokens + new_tokens) * lay.cache.k.element_size()
-                   for s, lay in zip(self.graphs.sites, layers, strict=True))
+    def report(self) -> GenerationReport:
+        """Cache bytes and timings now; ``new_tokens`` counts the positions after the prompt (steps + 1)."""
+        b, layers, new_tokens = self.batch, self.layers, self.steps + 1
+        full = sum(2 * b * s.n_kv_heads * s.head_dim * (self.prompt_tokens + new_tokens) * lay.cache.k.element_size()
+                   for s, lay in zip(self.owner.graphs.sites, layers, strict=True))
         return GenerationReport(
-            policy=self.policy.name, batch=b, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
-            budget_tokens=budget, layer_budgets={i: lay.budget for i, lay in enumerate(layers) if lay.compressible},
+            policy=self.policy.name, batch=b, prompt_tokens=self.prompt_tokens, new_tokens=new_tokens,
+            budget_tokens=self.budget,
+            layer_budgets={i: lay.budget for i, lay in enumerate(layers) if lay.compressible},
             cache_bytes=sum(lay.cache.nbytes() for lay in layers), full_cache_bytes=full,
-            compressions=compressions, prefill_seconds=t_pre, decode_seconds=t_dec,
-            entries={i: lay.host_len for i, lay in enumerate(layers)})
+            compressions=self.compressions, prefill_seconds=self.prefill_seconds,
+            decode_seconds=self.decode_seconds, entries={i: lay.host_len for i, lay in enumerate(layers)})
