@@ -26,7 +26,13 @@ import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
 import torch
 from kvpass.kernels.decode_attention import decode_attention_reference
 from kvpass.rewrites.attention_sites import AttentionSite
-from kvpass.rewrites.insert_compressed_cache import DECODE_STATS, _add_inputs, _finish, _logits_node, copy_graph
+from kvpass.rewrites.insert_compressed_cache import (
+    DECODE_STATS,
+    _add_inputs,
+    _finish,
+    _logits_node,
+    copy_graph,
+)
 from torch import Tensor
 from torch.fx import GraphModule
 

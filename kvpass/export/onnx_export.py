@@ -21,7 +21,15 @@ from torch import Tensor
 from torch.export import Dim
 
 from kvpass.budget import budget_tokens
-from kvpass.export.graphs import CompressGraph, DecodeGraph, PrefillGraph, from_flat, state_names, to_capacity, to_flat
+from kvpass.export.graphs import (
+    CompressGraph,
+    DecodeGraph,
+    PrefillGraph,
+    from_flat,
+    state_names,
+    to_capacity,
+    to_flat,
+)
 from kvpass.export.tensorrt_check import check_tensorrt
 from kvpass.rewrites.functional_graphs import functional_decode, functional_prefill
 from kvpass.runtime import KVPassModel
@@ -197,6 +205,8 @@ def onnx(model: KVPassModel, out_dir: str | Path, max_length: int = 512, budget:
         "policy": {"name": policy.name, **{f.name: getattr(policy, f.name) for f in fields(policy)}},
         "budget": plan.budget, "interval": plan.interval, "max_length": max_length,
         "compresses": policy.compresses, "opset": opset,
+        "eos_token_id": getattr(model.generation_config, "eos_token_id", None),
+        "pad_token_id": getattr(model.generation_config, "pad_token_id", None),
         "layers": [{"layer": s.layer, "n_kv_heads": s.n_kv_heads, "head_dim": s.head_dim, "budget": b,
                     "capacity": c, "compressible": policy.compresses, "meta": list(plan.meta.get(s.layer, ())),
                     "compress": plan.compress_files.get(b)}

@@ -71,7 +71,9 @@ class OnnxRunner:
     def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 20,
                  eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None) -> np.ndarray:
         """Greedy generation. input_ids: [B, T] int (numpy or torch); attention_mask: [B, T] 0/1 with left
-        padding. Returns sequences [B, T + new] int64 (rows that finished are filled with pad_token_id)."""
+        padding. eos / pad ids default to the exported model's generation config, as in
+        ``KVPassModel.generate``. Returns sequences [B, T + new] int64 (rows that finished early are filled
+        with the pad id; generation stops when every row has finished)."""
         ids = np.asarray(input_ids.cpu() if hasattr(input_ids, "cpu") else input_ids, dtype=np.int64)
         if ids.ndim == 1:
             ids = ids[None]
@@ -90,8 +92,12 @@ class OnnxRunner:
             raise ValueError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the exported "
                              f"max_length of {self.meta['max_length']}")
         pos = np.clip(np.cumsum(mask, -1) - 1, 0, None).astype(np.int64)
-        eos = set([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or []))
-        pad_id = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
+        if eos_token_id is None:
+            eos_token_id = self.meta.get("eos_token_id")
+        if pad_token_id is None:
+            pad_token_id = self.meta.get("pad_token_id")
+        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+        pad_id = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
 
         outs = self.sessions["prefill"].run(None, {"input_ids": ids, "position_ids": pos, "pad": pad})
         logits, flat = outs[0], outs[1:]
@@ -119,7 +125,7 @@ class OnnxRunner:
             tok = np.where(unfinished, tok, pad_id)
             tokens.append(tok)
             if eos:
-                unfinished &= ~np.isin(tok, list(eos))
+                unfinished &= ~np.isin(tok, eos)
                 if not unfinished.any():
                     break
             if step == max_new_tokens - 1:

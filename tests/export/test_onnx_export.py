@@ -1,0 +1,98 @@
+"""kvpass.export.onnx + OnnxRunner on a tiny Llama: greedy tokens equal the PyTorch runtime's."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx as onnx_lib
+import pytest
+import torch
+from conftest import BUDGET, INTERVAL, MAX_LENGTH
+
+from kvpass.export import METADATA, OnnxRunner, check_tensorrt
+from kvpass.export import onnx as export_onnx
+
+POLICIES = ["full", "streamingllm", "d2o"]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_onnx_greedy_tokens_equal_runtime(exported, policy):
+    model, out, _ = exported(policy)
+    ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(1))
+    want = model.generate(ids, max_new_tokens=30)
+    if model.policy.compresses:
+        assert model.last_report.compressions > 1           # the prompt and the decode loop both compress
+    got = OnnxRunner(out).generate(ids, max_new_tokens=30)
+    np.testing.assert_array_equal(got, want.numpy())
+
+
+def test_compression_changes_tokens(exported):
+    """The equality above is not vacuous: the compressed cache decodes differently from the full one."""
+    ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(1))
+    full = OnnxRunner(exported("full")[1]).generate(ids, max_new_tokens=30)
+    streaming = OnnxRunner(exported("streamingllm")[1]).generate(ids, max_new_tokens=30)
+    assert not np.array_equal(full, streaming)
+
+
+def test_onnx_left_padded_batch(exported):
+    model, out, _ = exported("streamingllm")
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 128, (2, 18), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=20)
+    got = OnnxRunner(out).generate(ids, attention_mask=mask, max_new_tokens=20)
+    np.testing.assert_array_equal(got, want.numpy())
+
+
+def test_metadata_names_and_shapes(exported):
+    model, out, meta = exported("streamingllm")
+    assert json.loads((out / METADATA).read_text()) == meta
+    capacity = BUDGET + INTERVAL
+    assert [layer["capacity"] for layer in meta["layers"]] == [capacity, capacity]
+    decode = meta["files"]["decode"]
+    inputs = {i["name"]: i for i in decode["inputs"]}
+    outputs = {o["name"]: o for o in decode["outputs"]}
+    for name in ("past_key_values.0.key", "past_key_values.1.value", "past_log_weight.0", "past_length.1",
+                 "past_position.0"):
+        assert name in inputs
+    for name in ("logits", "present.0.key", "present.1.value", "present_log_weight.0", "present_length.1"):
+        assert name in outputs
+    key = inputs["past_key_values.0.key"]["shape"]
+    assert isinstance(key[0], str) and key[1:] == [2, capacity, 16]        # dynamic batch, fixed C
+    prefill_ids = {i["name"]: i for i in meta["files"]["prefill"]["inputs"]}["input_ids"]["shape"]
+    assert all(isinstance(d, str) for d in prefill_ids)                     # dynamic batch and prompt length
+    compress = meta["files"][f"compress_{BUDGET}"]
+    assert {o["name"]: o for o in compress["outputs"]}["present.0.key"]["shape"][2] == capacity
+
+
+@pytest.mark.parametrize("policy", ["full", "streamingllm"])
+def test_exported_files_use_standard_ops_and_pass_tensorrt_check(exported, policy):
+    _, out, meta = exported(policy)
+    assert meta["tensorrt_findings"] and all(v == [] for v in meta["tensorrt_findings"].values())
+    for f in meta["files"].values():
+        model = onnx_lib.load(str(out / f["path"]), load_external_data=False)
+        assert {n.domain for n in model.graph.node} <= {"", "ai.onnx"}
+        assert not {"ScatterElements", "ScatterND"} & {n.op_type for n in model.graph.node}
+        assert check_tensorrt(out / f["path"]) == []
+
+
+def test_onnx_export_rejects_bad_options(exported, llama, tmp_path):
+    model, _, _ = exported("full")
+    with pytest.raises(ValueError, match="KVPassModel"):
+        export_onnx(llama, tmp_path)
+    with pytest.raises(ValueError, match="max_length"):
+        export_onnx(model, tmp_path, max_length=1)
+    with pytest.raises(ValueError, match="context"):
+        export_onnx(model, tmp_path, max_length=10**6)
+    with pytest.raises(ValueError, match="tensorrt_check"):
+        export_onnx(model, tmp_path, max_length=MAX_LENGTH, tensorrt_check="maybe")
+
+
+def test_runner_rejects_too_long_and_missing_dir(exported, tmp_path):
+    _, out, _ = exported("full")
+    with pytest.raises(ValueError, match="max_length"):
+        OnnxRunner(out).generate(np.zeros((1, 40), dtype=np.int64), max_new_tokens=30)
+    with pytest.raises(ValueError, match="kvpass_export.json"):
+        OnnxRunner(tmp_path)
