@@ -60,12 +60,17 @@ def _io(path: Path) -> dict[str, list[dict]]:
 
 
 def _export(module: torch.nn.Module, args: tuple, path: Path, input_names: list[str], output_names: list[str],
-            dynamic_shapes: tuple, opset: int) -> None:
+            dynamic_shapes: tuple, opset: int, optimize: bool) -> None:
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(module, args, dynamo=True, input_names=input_names, output_names=output_names,
                                     dynamic_shapes=dynamic_shapes, opset_version=opset, verbose=False,
-                                    optimize=True)
+                                    optimize=optimize)
+    if not optimize:          # shape/axes constants only (Constant -> Reshape -> axes), so TensorRT sees initializers
+        from onnxscript.optimizer import basic_constant_propagation, fold_constants
+
+        fold_constants(program.model, input_size_limit=1024, output_size_limit=1024)
+        basic_constant_propagation(program.model.graph)
     program.save(str(path))
 
 
@@ -170,7 +175,7 @@ def graph_specs(model: KVPassModel, max_length: int, budget: int | None = None,
 
 
 def onnx(model: KVPassModel, out_dir: str | Path, max_length: int = 512, budget: int | None = None,
-         opset: int = 18, tensorrt_check: str = "warn", example_length: int = 8) -> dict:
+         opset: int = 18, tensorrt_check: str = "warn", example_length: int = 8, optimize: bool = False) -> dict:
     """Export ``model``'s prefill, decode step and compress graphs to ``out_dir`` and return the metadata
     (also written to ``out_dir/kvpass_export.json``).
 
@@ -178,6 +183,8 @@ def onnx(model: KVPassModel, out_dir: str | Path, max_length: int = 512, budget:
     budget: entries per compressed layer (int); default: the model's budget (a float fraction is taken of
         ``max_length``). Match the budget ``KVPassModel.generate`` resolves for identical tokens.
     tensorrt_check: "warn" (log and record findings), "error" (raise ValueError on any), "off".
+    optimize: run the onnxscript optimizer on each file (about a minute per graph on SmolLM2-135M; off by
+        default since onnxruntime and TensorRT optimise the graph themselves).
     """
     _validate(model, max_length, tensorrt_check, example_length)
     plan = graph_specs(model, max_length, budget, example_length)
@@ -186,7 +193,7 @@ def onnx(model: KVPassModel, out_dir: str | Path, max_length: int = 512, budget:
     findings = {}
     for spec in plan.specs:
         _export(spec.module, spec.args, out / spec.file, spec.input_names, spec.output_names,
-                spec.dynamic_shapes, opset)
+                spec.dynamic_shapes, opset, optimize)
         if tensorrt_check == "off":
             continue
         found = check_tensorrt(out / spec.file)
