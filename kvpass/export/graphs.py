@@ -21,25 +21,38 @@ from torch import Tensor, nn
 from torch.fx import GraphModule
 
 from kvpass.cache import LayerCache, entries_from_prompt, keep_slots
-from kvpass.policies.base import Policy
+from kvpass.policies.base import Policy, Stat
 
 BASE = ("key", "value", "log_weight", "length", "position")
 
 
-def state_names(layer: int, meta: tuple[str, ...], prefix: str) -> list[str]:
-    """I/O names of one layer's state; prefix is "past" or "present"."""
+def state_names(layer: int, meta: tuple[str, ...], prefix: str, state: tuple[str, ...] = ()) -> list[str]:
+    """I/O names of one layer's cache tensors, slot metadata, then per-layer policy state;
+    prefix is "past" or "present"."""
     kv = "past_key_values" if prefix == "past" else "present"
     names = [f"{kv}.{layer}.key", f"{kv}.{layer}.value"]
-    return names + [f"{prefix}_{what}.{layer}" for what in (*BASE[2:], *meta)]
+    return names + [f"{prefix}_{what}.{layer}" for what in (*BASE[2:], *meta, *state)]
 
 
-def to_flat(cache: LayerCache, meta: tuple[str, ...]) -> list[Tensor]:
-    return [cache.k, cache.v, cache.log_weight, cache.length, cache.position, *(cache.slot_meta[m] for m in meta)]
+def to_flat(cache: LayerCache, meta: tuple[str, ...], state: tuple[str, ...] = ()) -> list[Tensor]:
+    return [cache.k, cache.v, cache.log_weight, cache.length, cache.position,
+            *(cache.slot_meta[m] for m in meta), *(cache.state[s] for s in state)]
 
 
-def from_flat(flat: list[Tensor] | tuple[Tensor, ...], meta: tuple[str, ...]) -> LayerCache:
+def from_flat(flat: list[Tensor] | tuple[Tensor, ...], meta: tuple[str, ...], state: tuple[str, ...] = ()) -> LayerCache:
     k, v, lw, length, position, *rest = flat
-    return LayerCache(k=k, v=v, log_weight=lw, length=length, position=position, slot_meta=dict(zip(meta, rest, strict=True)))
+    n = len(meta)
+    return LayerCache(k=k, v=v, log_weight=lw, length=length, position=position,
+                      slot_meta=dict(zip(meta, rest[:n], strict=True)), state=dict(zip(state, rest[n:], strict=True)))
+
+
+def per_slot(stat_name: str) -> bool:
+    """Whether a prefill statistic is per cache slot ([B, Hkv, T], kept in slot_meta) or per layer / head
+    (kept in LayerCache.state). Policies' Stat members may say so with a ``per_slot`` attribute."""
+    try:
+        return bool(getattr(Stat(stat_name), "per_slot", True))
+    except ValueError:
+        return True
 
 
 def to_capacity(cache: LayerCache, capacity: int) -> LayerCache:
@@ -64,12 +77,13 @@ def to_capacity(cache: LayerCache, capacity: int) -> LayerCache:
 
 class PrefillGraph(nn.Module):
     """input_ids, position_ids: [B, T] int64; pad: [B] int64 -> logits [B, 1, V], then per layer the
-    prompt's cache entries (capacity T). ``prefill`` is the functional prefill graph."""
+    prompt's cache entries (capacity T), its per-slot statistics, then its per-layer statistics (state).
+    ``prefill`` is the functional prefill graph."""
 
     def __init__(self, prefill: GraphModule, n_layers: int, stats: tuple[tuple[int, str], ...],
-                 meta: dict[int, tuple[str, ...]]) -> None:
+                 meta: dict[int, tuple[str, ...]], state: dict[int, tuple[str, ...]]) -> None:
         super().__init__()
-        self.prefill, self.n_layers, self.stats, self.meta = prefill, n_layers, stats, meta
+        self.prefill, self.n_layers, self.stats, self.meta, self.state = prefill, n_layers, stats, meta, state
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, pad: Tensor) -> tuple[Tensor, ...]:
         outs = self.prefill(input_ids, position_ids, pad)
@@ -79,8 +93,11 @@ class PrefillGraph(nn.Module):
             stat_values.setdefault(layer, {})[name] = value
         flat = [outs[0]]
         for layer in range(n):
-            cache = entries_from_prompt(outs[1 + 2 * layer], outs[2 + 2 * layer], pad, stat_values.get(layer, {}))
-            flat += to_flat(cache, self.meta.get(layer, ()))
+            values = stat_values.get(layer, {})
+            cache = entries_from_prompt(outs[1 + 2 * layer], outs[2 + 2 * layer], pad,
+                                        {n: values[n] for n in self.meta.get(layer, ())})
+            cache.state = {n: values[n] for n in self.state.get(layer, ())}
+            flat += to_flat(cache, self.meta.get(layer, ()), self.state.get(layer, ()))
         return tuple(flat)
 
 
@@ -97,14 +114,18 @@ class DecodeGraph(nn.Module):
 
 class CompressGraph(nn.Module):
     """One layer's ``policy.compress(cache, keep)`` followed by a resize to ``capacity`` slots.
-    Inputs: that layer's state with any capacity N; outputs: the same tensors with ``capacity`` slots."""
+    Inputs: that layer's cache tensors with any capacity N, slot metadata, then ``state`` (per-layer policy
+    data such as an EMA threshold [B]); outputs: the same tensors, ``capacity`` slots."""
 
-    def __init__(self, policy: Policy, keep: int, capacity: int, meta: tuple[str, ...]) -> None:
+    def __init__(self, policy: Policy, keep: int, capacity: int, meta: tuple[str, ...],
+                 state: tuple[str, ...] = ()) -> None:
         super().__init__()
-        self.policy, self.keep, self.capacity, self.meta = policy, keep, capacity, meta
+        self.policy, self.keep, self.capacity, self.meta, self.state = policy, keep, capacity, meta, state
 
-    def forward(self, *state: Tensor) -> tuple[Tensor, ...]:
-        out = self.policy.compress(from_flat(state, self.meta), self.keep)
-        if out.state:
-            raise NotImplementedError(f"{self.policy.name} keeps per-layer state; export does not carry it yet")
-        return tuple(to_flat(to_capacity(out, self.capacity), self.meta))
+    def forward(self, *tensors: Tensor) -> tuple[Tensor, ...]:
+        out = self.policy.compress(from_flat(tensors, self.meta, self.state), self.keep)
+        extra = set(out.state) - set(self.state)
+        if extra:
+            raise NotImplementedError(f"{self.policy.name}.compress created state {sorted(extra)} the export did not "
+                                      "discover; seed it in the example (see graph_specs)")
+        return tuple(to_flat(to_capacity(out, self.capacity), self.meta, self.state))

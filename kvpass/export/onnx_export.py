@@ -26,6 +26,7 @@ from kvpass.export.graphs import (
     DecodeGraph,
     PrefillGraph,
     from_flat,
+    per_slot,
     state_names,
     to_capacity,
     to_flat,
@@ -39,11 +40,13 @@ METADATA = "kvpass_export.json"
 _CHECK_MODES = ("warn", "error", "off")
 
 
-def _layer_meta(model: KVPassModel) -> dict[int, tuple[str, ...]]:
+def _layer_meta(model: KVPassModel) -> tuple[dict[int, tuple[str, ...]], dict[int, tuple[str, ...]]]:
+    """Per layer: the names of its per-slot prefill statistics and of its per-layer ones (policy state)."""
     meta: dict[int, list[str]] = {}
+    state: dict[int, list[str]] = {}
     for layer, stat in model.graphs.prefill_stats:
-        meta.setdefault(layer, []).append(stat.value)
-    return {layer: tuple(names) for layer, names in meta.items()}
+        (meta if per_slot(stat.value) else state).setdefault(layer, []).append(stat.value)
+    return ({layer: tuple(v) for layer, v in meta.items()}, {layer: tuple(v) for layer, v in state.items()})
 
 
 def _io(path: Path) -> dict[str, list[dict]]:
@@ -113,8 +116,11 @@ class ExportPlan:
     interval: int
     budgets: list[int]
     capacities: list[int]
-    meta: dict[int, tuple[str, ...]]
+    meta: dict[int, tuple[str, ...]]                   # layer -> per-slot statistics (slot_meta)
+    prefill_state: dict[int, tuple[str, ...]]          # layer -> per-layer statistics from prefill (state)
     compress_files: dict[int, str] = field(default_factory=dict)
+    state: dict[int, tuple[str, ...]] = field(default_factory=dict)          # budget -> compress state names
+    seeds: dict[int, dict[str, dict]] = field(default_factory=dict)          # budget -> state compress creates
 
 
 def graph_specs(model: KVPassModel, max_length: int, budget: int | None = None,
@@ -127,24 +133,31 @@ def graph_specs(model: KVPassModel, max_length: int, budget: int | None = None,
         raise ValueError(f"budget {budget} is below {policy.name}'s minimum of {policy.min_budget()}")
     sites = list(model.graphs.sites)
     n = len(sites)
-    meta = _layer_meta(model)
+    meta, pstate = _layer_meta(model)
     device = model.device
 
     prefill = PrefillGraph(functional_prefill(model.graphs.prefill), n,
-                           tuple((layer, stat.value) for layer, stat in model.graphs.prefill_stats), meta)
+                           tuple((layer, stat.value) for layer, stat in model.graphs.prefill_stats), meta, pstate)
     t = example_length
     ids = torch.randint(0, int(model.config.vocab_size), (2, t), device=device)
     pad = torch.tensor([0, 1], device=device)
     pos = (torch.arange(t, device=device)[None] - pad[:, None]).clamp(min=0)
     batch, seq = Dim("batch", min=1, max=1024), Dim("prompt", min=1, max=max_length - 1)
-    present = [name for layer in range(n) for name in state_names(layer, meta.get(layer, ()), "present")]
-    past = [name for layer in range(n) for name in state_names(layer, meta.get(layer, ()), "past")]
+    m = [meta.get(layer, ()) for layer in range(n)]
+    s0 = [pstate.get(layer, ()) for layer in range(n)]
+    prefill_out = [name for layer in range(n) for name in state_names(layer, m[layer], "present", s0[layer])]
+    present = [name for layer in range(n) for name in state_names(layer, m[layer], "present")]
+    past = [name for layer in range(n) for name in state_names(layer, m[layer], "past")]
     specs = [GraphSpec("prefill", "prefill.onnx", prefill, (ids, pos, pad), ["input_ids", "position_ids", "pad"],
-                       ["logits", *present], ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch}))]
+                       ["logits", *prefill_out], ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch}))]
 
     with torch.no_grad():
         flat = prefill(ids, pos, pad)
-    caches = [from_flat(_layer_slice(flat, meta, layer), meta.get(layer, ())) for layer in range(n)]
+    caches, start = [], 1
+    for layer in range(n):
+        width = 5 + len(m[layer]) + len(s0[layer])
+        caches.append(from_flat(flat[start: start + width], m[layer], s0[layer]))
+        start += width
     interval = int(getattr(policy, "interval", 1)) if policy.compresses else 0
     if policy.compresses:
         budgets = [int(b) for b in policy.layer_budgets(budget, caches)]
@@ -153,23 +166,32 @@ def graph_specs(model: KVPassModel, max_length: int, budget: int | None = None,
         budgets, capacities = [max_length] * n, [max_length] * n
 
     decode = DecodeGraph(functional_decode(model.captured.gm, sites, policy, meta))
-    state = [x for layer in range(n) for x in to_flat(to_capacity(caches[layer], capacities[layer]), meta.get(layer, ()))]
+    state = [x for layer in range(n) for x in to_flat(to_capacity(caches[layer], capacities[layer]), m[layer])]
     specs.append(GraphSpec("decode", "decode.onnx", decode, (ids[:, :1], pos[:, -1:] + 1, *state),
                            ["input_ids", "position_ids", *past], ["logits", *present],
                            ({0: batch}, {0: batch}, tuple({0: batch} for _ in state))))
 
-    plan = ExportPlan(specs, budget, interval, budgets, capacities, meta)
+    plan = ExportPlan(specs, budget, interval, budgets, capacities, meta, pstate)
     if policy.compresses:
         for keep in sorted(set(budgets)):
             layer = budgets.index(keep)
-            names = meta.get(layer, ())
-            example = to_flat(to_capacity(caches[layer], keep + interval + 5), names)
+            example_cache = to_capacity(caches[layer], keep + interval + 5)
+            with torch.no_grad():                       # discover the state compress creates (e.g. an EMA)
+                created = policy.compress(example_cache, keep).state
+            seeds = {k: v for k, v in created.items() if k not in example_cache.state}
+            example_cache.state.update({k: torch.zeros_like(v) for k, v in seeds.items()})
+            keys = (*s0[layer], *seeds)
+            plan.state[keep] = keys
+            plan.seeds[keep] = {k: {"shape": list(v.shape[1:]), "dtype": str(v.dtype).removeprefix("torch.")}
+                                for k, v in seeds.items()}
+            example = to_flat(example_cache, m[layer], keys)
             slots = Dim("slots", min=2, max=max_length)
-            dims = tuple({0: batch, 2: slots} if x.dim() >= 3 else {0: batch} for x in example)
+            dims = tuple({0: batch, 2: slots} if i < 5 + len(m[layer]) and x.dim() >= 3 else
+                         ({0: batch} if x.dim() >= 1 else {}) for i, x in enumerate(example))
             fname = "compress.onnx" if len(set(budgets)) == 1 else f"compress_{keep}.onnx"
-            specs.append(GraphSpec(f"compress_{keep}", fname, CompressGraph(policy, keep, keep + interval, names),
-                                   tuple(example), state_names(0, names, "past"), state_names(0, names, "present"),
-                                   (dims,)))
+            specs.append(GraphSpec(f"compress_{keep}", fname, CompressGraph(policy, keep, keep + interval, m[layer], keys),
+                                   tuple(example), state_names(0, m[layer], "past", keys),
+                                   state_names(0, m[layer], "present", keys), (dims,)))
             plan.compress_files[keep] = fname
     return plan
 
@@ -216,7 +238,9 @@ def onnx(model: KVPassModel, out_dir: str | Path, max_length: int = 512, budget:
         "pad_token_id": getattr(model.generation_config, "pad_token_id", None),
         "layers": [{"layer": s.layer, "n_kv_heads": s.n_kv_heads, "head_dim": s.head_dim, "budget": b,
                     "capacity": c, "compressible": policy.compresses, "meta": list(plan.meta.get(s.layer, ())),
-                    "compress": plan.compress_files.get(b)}
+                    "compress": plan.compress_files.get(b),
+                    "prefill_state": list(plan.prefill_state.get(s.layer, ())), "state": list(plan.state.get(b, ())),
+                    "state_seed": plan.seeds.get(b, {})}
                    for s, b, c in zip(model.graphs.sites, plan.budgets, plan.capacities, strict=True)],
         "files": {spec.key: {"path": spec.file, **_io(out / spec.file)} for spec in plan.specs},
         "tensorrt_findings": findings,
@@ -224,12 +248,6 @@ def onnx(model: KVPassModel, out_dir: str | Path, max_length: int = 512, budget:
     (out / METADATA).write_text(json.dumps(metadata, indent=1))
     log.info("exported %s (%s, %d layers) to %s", model.config.model_type, policy.name, len(plan.budgets), out)
     return metadata
-
-
-def _layer_slice(flat: tuple[Tensor, ...], meta: dict[int, tuple[str, ...]], layer: int) -> list[Tensor]:
-    """Layer ``layer``'s state tensors from the prefill outputs (after the logits)."""
-    start = 1 + sum(5 + len(meta.get(i, ())) for i in range(layer))
-    return list(flat[start: start + 5 + len(meta.get(layer, ()))])
 
 
 __all__ = ["METADATA", "onnx"]

@@ -62,10 +62,19 @@ class OnnxRunner:
             out.append(np.concatenate([t, np.full(shape, fill, dtype=t.dtype)], axis=2))
         return out
 
-    def _compress(self, layer: dict, state: list[np.ndarray]) -> list[np.ndarray]:
+    def _compress(self, layer: dict, tensors: list[np.ndarray], policy_state: dict[str, np.ndarray]
+                  ) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
+        """Run the layer's compress graph: (cache tensors + slot metadata, per-layer state) -> the same.
+        State the policy creates on its first compression starts as zeros (its documented default)."""
         sess = self.sessions[f"compress_{layer['budget']}"]
         names = [i.name for i in sess.get_inputs()]
-        return sess.run(None, dict(zip(names, state, strict=True)))
+        b = tensors[0].shape[0]
+        seeds = layer.get("state_seed", {})
+        state = [policy_state[k] if k in policy_state else
+                 np.zeros((b, *seeds[k]["shape"]), dtype=np.dtype(seeds[k]["dtype"])) for k in layer.get("state", [])]
+        outs = sess.run(None, dict(zip(names, tensors + state, strict=True)))
+        width = len(tensors)
+        return list(outs[:width]), dict(zip(layer.get("state", []), outs[width:], strict=True))
 
     # ------------------------------------------------------------------ generate
     def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 20,
@@ -101,18 +110,20 @@ class OnnxRunner:
 
         outs = self.sessions["prefill"].run(None, {"input_ids": ids, "position_ids": pos, "pad": pad})
         logits, flat = outs[0], outs[1:]
-        states, host_len, start = [], [], 0
+        states, policy_states, host_len, start = [], [], [], 0
         for layer in self.layers:
-            width = 5 + len(layer["meta"])
+            width, extra = 5 + len(layer["meta"]), layer.get("prefill_state", [])
             state = list(flat[start: start + width])
-            start += width
+            policy_state = dict(zip(extra, flat[start + width: start + width + len(extra)], strict=True))
+            start += width + len(extra)
             length = longest
             if layer["compressible"] and length > layer["budget"]:
-                state = self._compress(layer, state)
+                state, policy_state = self._compress(layer, state, policy_state)
                 length = int(state[3].max())
             else:
                 state = self._pad_to(state, layer["capacity"], layer["meta"])
             states.append(state)
+            policy_states.append(policy_state)
             host_len.append(length)
 
         decode = self.sessions["decode"]
@@ -132,7 +143,7 @@ class OnnxRunner:
                 break
             for i, layer in enumerate(self.layers):
                 if layer["compressible"] and host_len[i] >= layer["capacity"]:
-                    states[i] = self._compress(layer, states[i])
+                    states[i], policy_states[i] = self._compress(layer, states[i], policy_states[i])
                     host_len[i] = int(states[i][3].max())
             feed = [tok[:, None], pos] + [x for s in states for x in s]
             outs = decode.run(None, dict(zip(in_names, feed, strict=True)))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import onnx as onnx_lib
@@ -10,8 +12,11 @@ import pytest
 import torch
 from conftest import BUDGET, INTERVAL, MAX_LENGTH
 
+import kvpass
+from kvpass.cache import LayerCache
 from kvpass.export import METADATA, OnnxRunner, check_tensorrt
 from kvpass.export import onnx as export_onnx
+from kvpass.policies.streamingllm import StreamingLLM
 
 POLICIES = ["full", "streamingllm", "d2o"]
 
@@ -96,3 +101,41 @@ def test_runner_rejects_too_long_and_missing_dir(exported, tmp_path):
         OnnxRunner(out).generate(np.zeros((1, 40), dtype=np.int64), max_new_tokens=30)
     with pytest.raises(ValueError, match="kvpass_export.json"):
         OnnxRunner(tmp_path)
+
+
+@dataclass(frozen=True)
+class AlternatingSinks(StreamingLLM):
+    """Test policy with per-layer state: StreamingLLM whose odd-numbered compressions keep no sinks. The
+    call count lives in ``LayerCache.state`` (created by the first compression, zeros before), so the tokens
+    depend on the export carrying policy state between compress calls."""
+
+    name: ClassVar[str] = "alternating_sinks_test"
+
+    def compress(self, cache: LayerCache, keep: int) -> LayerCache:
+        calls = cache.state.get("calls", torch.zeros(cache.k.shape[0], dtype=torch.int64, device=cache.k.device))
+        plain = StreamingLLM(sinks=self.sinks, interval=self.interval).compress(cache, keep)
+        sinkless = StreamingLLM(sinks=0, interval=self.interval).compress(cache, keep)
+        odd = calls % 2 == 1                                                      # [B]
+
+        def pick(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return torch.where(odd.reshape(-1, *[1] * (a.dim() - 1)), b, a)
+
+        return LayerCache(k=pick(plain.k, sinkless.k), v=pick(plain.v, sinkless.v),
+                          log_weight=pick(plain.log_weight, sinkless.log_weight),
+                          length=pick(plain.length, sinkless.length), position=pick(plain.position, sinkless.position),
+                          slot_meta={}, state={"calls": calls + 1})
+
+
+def test_policy_state_is_carried_through_compress(llama, tmp_path):
+    policy = AlternatingSinks(sinks=2, interval=INTERVAL)
+    model = kvpass.apply(llama, policy=policy, budget=BUDGET)
+    ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(1))
+    want = model.generate(ids, max_new_tokens=30)
+    assert model.last_report.compressions > 2
+    plain = kvpass.apply(llama, policy="streamingllm", budget=BUDGET, sinks=2, interval=INTERVAL)
+    assert not torch.equal(want, plain.generate(ids, max_new_tokens=30))     # the state matters
+    meta = export_onnx(model, tmp_path, max_length=MAX_LENGTH)
+    assert meta["layers"][0]["state"] == ["calls"]
+    assert meta["layers"][0]["state_seed"] == {"calls": {"shape": [], "dtype": "int64"}}
+    got = OnnxRunner(tmp_path).generate(ids, max_new_tokens=30)
+    np.testing.assert_array_equal(got, want.numpy())
