@@ -28,8 +28,31 @@ def tensorrt_available() -> bool:
     return importlib.util.find_spec("torch_tensorrt") is not None
 
 
+def _flat_dims(spec) -> list[dict]:
+    """The spec's dynamic_shapes flattened to one {axis: Dim} per positional tensor."""
+    out: list[dict] = []
+    for item in spec.dynamic_shapes:
+        out.extend(item if isinstance(item, tuple) else [item])
+    return out
+
+
+def _trt_inputs(spec, max_batch: int, max_length: int) -> list:
+    """torch_tensorrt.Input ranges: batch 1..max_batch, prompt / slot axes up to max_length, the rest static."""
+    import torch_tensorrt
+
+    inputs = []
+    for x, dims in zip(spec.args, _flat_dims(spec), strict=True):
+        lo, opt, hi = list(x.shape), list(x.shape), list(x.shape)
+        for axis, dim in dims.items():
+            top = max_batch if dim.__name__ == "batch" else max_length
+            lo[axis], hi[axis] = 1, top
+            opt[axis] = min(max(x.shape[axis], 1), top)
+        inputs.append(torch_tensorrt.Input(min_shape=lo, opt_shape=opt, max_shape=hi, dtype=x.dtype))
+    return inputs
+
+
 def tensorrt(model: KVPassModel, out_dir: str | Path, max_length: int = 512, budget: int | None = None,
-             precision: str = "fp16") -> dict[str, str]:
+             precision: str = "fp16", max_batch: int = 8) -> dict[str, str]:
     """Build one serialized TensorRT engine per graph (prefill, decode, compress) into ``out_dir``.
 
     The graphs are the ones ``kvpass.export.onnx`` writes, at the same fixed capacities; dynamic batch and
@@ -37,6 +60,8 @@ def tensorrt(model: KVPassModel, out_dir: str | Path, max_length: int = 512, bud
     torch-tensorrt is not installed, ValueError for a bad precision. Returns {graph key: engine file}."""
     if precision not in _PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(_PRECISIONS)}, got {precision!r}")
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
     if not tensorrt_available():
         raise TensorRTUnavailable(
             "kvpass.export.tensorrt needs torch-tensorrt (with TensorRT and a CUDA GPU), which is not installed. "
@@ -54,7 +79,8 @@ def tensorrt(model: KVPassModel, out_dir: str | Path, max_length: int = 512, bud
         with torch.no_grad():
             exported = torch.export.export(spec.module, spec.args, dynamic_shapes=spec.dynamic_shapes, strict=False)
         engine = torch_tensorrt.dynamo.convert_exported_program_to_serialized_trt_engine(
-            exported, arg_inputs=list(spec.args), enabled_precisions={_PRECISIONS[precision]})
+            exported, arg_inputs=_trt_inputs(spec, max_batch, max_length),
+            enabled_precisions={_PRECISIONS[precision]})
         path = out / spec.file.replace(".onnx", ".engine")
         path.write_bytes(engine)
         engines[spec.key] = path.name
