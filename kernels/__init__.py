@@ -6,15 +6,27 @@ registered for CUDA. Importing this package registers the ops under ``torch.ops.
 """
 
 from kvpass.kernels.attention_column_sums import attention_column_sums, attention_column_sums_reference
+from kvpass.kernels.attention_head_variance import attention_head_variance, attention_head_variance_reference
+from kvpass.kernels.attention_window_scores import attention_window_scores, attention_window_scores_reference
+from kvpass.kernels.cosine_match import cosine_match, cosine_match_reference
 from kvpass.kernels.decode_attention import decode_attention, decode_attention_reference
+from kvpass.kernels.merge_weighted import merge_weighted, merge_weighted_reference
 from kvpass.kernels.prefill_attention import prefill_attention, prefill_attention_reference, prefill_mask
 from kvpass.kernels.write_kv import write_kv, write_kv_reference
 
 __all__ = [
     "attention_column_sums",
     "attention_column_sums_reference",
+    "attention_head_variance",
+    "attention_head_variance_reference",
+    "attention_window_scores",
+    "attention_window_scores_reference",
+    "cosine_match",
+    "cosine_match_reference",
     "decode_attention",
     "decode_attention_reference",
+    "merge_weighted",
+    "merge_weighted_reference",
     "prefill_attention",
     "prefill_attention_reference",
     "prefill_mask",

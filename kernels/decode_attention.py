@@ -14,11 +14,19 @@ which eviction policies accumulate. Otherwise ``scores`` is an empty tensor.
 
 Shapes: q: [B, Hq, T, D]; k, v: [B, Hkv, C, D]; log_weight: [B, Hkv, C] fp32. o: [B, Hq, T, D].
 Traffic: reads 2*B*Hkv*C*D cache elements once per step; this is what bounds decode speed.
+
+On CUDA the op runs ``decode_attention_triton``: split-K flash decoding. Each program owns one
+(batch row b, KV head g, split of the cache) and all G*T query rows of that KV head, so each K/V
+tile is read from memory once for the whole group; a combine kernel merges the splits by their
+log-sum-exp; with ``want_scores`` the split kernel also stores its logits (G*T fp32 per slot, a
+few % of the K/V bytes) and a light second pass turns them into probabilities with the final
+log-sum-exp, so the cache is still read once.
 """
 
 from __future__ import annotations
 
 import torch
+from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
 from torch import Tensor
 
 
@@ -27,16 +35,279 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, log_weight: Tens
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
-    qg = q.reshape(b, hkv, group * t, d).float()                     # heads g*G..g*G+G-1 share KV head g
-    s = torch.matmul(qg, k.float().transpose(-1, -2)) * scale         # [B, Hkv, G*T, C]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32   # float64 inputs: a float64 reference
+    qg = q.reshape(b, hkv, group * t, d).to(acc)                     # heads g*G..g*G+G-1 share KV head g
+    s = torch.matmul(qg, k.to(acc).transpose(-1, -2)) * scale         # [B, Hkv, G*T, C]
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
-    p = torch.softmax(s + log_weight[:, :, None, :].float(), dim=-1)
-    o = torch.matmul(p, v.float()).reshape(b, hq, t, d).to(q.dtype)
+    p = torch.softmax(s + log_weight[:, :, None, :].to(acc), dim=-1)
+    o = torch.matmul(p, v.to(acc)).reshape(b, hq, t, d).to(q.dtype)
     if want_scores:
         scores = p.reshape(b, hkv, group, t, -1).sum(dim=3).mean(dim=2)
+        scores = scores if acc == torch.float64 else scores.float()
     else:
         scores = q.new_empty(0, dtype=torch.float32)
+    return o, scores
+
+
+# --------------------------------------------------------------------------------------- Triton
+# Math of one program (b, g, split s), rows m = gi*T + t (query head g*G + gi, token t), slots
+# j in [s*L, min((s+1)*L, C)), all in base 2 (x2 = x * log2 e):
+#     s2_mj = scale2 * q_m . k_j  (softcap c: log2e * c * tanh(scale * q_m . k_j / c))  + log2e * lw_j
+#     online softmax: m_m = max_j s2_mj, l_m = sum_j 2^(s2_mj - m_m), acc_m = sum_j 2^(s2_mj - m_m) v_j
+#     split output o_m = acc_m / l_m, split log-sum-exp lse_m = m_m + log2 l_m  (-inf: no live slot)
+# Combine: lse = log2 sum_s 2^lse_s; o = sum_s 2^(lse_s - lse) o_s.  Scores: the split kernel stores
+# s2_mj; p_mj = 2^(s2_mj - lse_m), score_j = (1/G) sum_m p_mj. Empty slots (lw = -inf) get p = 0.
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _tanh(x):
+    # tanh through the sigmoid (tl has no tanh on every backend): tanh x = 2 sigmoid(2x) - 1
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _dot(a, b, DOT: tl.constexpr):
+    """a @ b with fp32 accumulation. DOT 0: native (tensor cores for 16-bit inputs); 1: exact fp32
+    (fp32 inputs; no tf32); 2: operands upcast to fp32 first (the CPU interpreter, whose bf16 dot is
+    wrong in triton 3.9; the operands are already rounded to their dtype, so the math is the same)."""
+    if DOT == 1:
+        return tl.dot(a, b, input_precision="ieee")
+    elif DOT == 2:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _logits2(q, k, lw, scale, softcap, HAS_SOFTCAP: tl.constexpr, DOT: tl.constexpr):
+    """q [BM, BD], k [BN, BD], lw [BN] fp32 -> base-2 logits [BM, BN] fp32 (with the bias)."""
+    s = _dot(q, tl.trans(k), DOT) * scale
+    if HAS_SOFTCAP:
+        s = softcap * _tanh(s / softcap)
+    return (s + lw[None, :]) * 1.4426950408889634
+
+
+@triton.jit
+def _decode_attention_split_kernel(
+    Q, K, V, LW, OUT, OPART, LSE, LOGITS,
+    sqb, sqh, sqt, sqd, skb, skh, skc, skd, svb, svh, svc, svd, slb, slh, slc, sob, soh, sot, sod,
+    HKV, C, T, G, SPLIT_LEN, NUM_SPLITS, scale, softcap,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, DOT: tl.constexpr, DIRECT: tl.constexpr, WANT_SCORES: tl.constexpr,
+):
+    pid_bg = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    b = (pid_bg // HKV).to(tl.int64)                  # 64-bit offsets: B*Hkv*C*D may pass 2^31
+    g = pid_bg % HKV
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < G * T
+    d_mask = offs_d < HEAD_DIM
+    head = g * G + offs_m // T
+    tok = offs_m % T
+    q_ptrs = Q + b * sqb + head[:, None] * sqh + tok[:, None] * sqt + offs_d[None, :] * sqd
+    q = tl.load(q_ptrs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+
+    start = pid_s * SPLIT_LEN
+    end = tl.minimum(start + SPLIT_LEN, C)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    k_base = K + b * skb + g * skh
+    v_base = V + b * svb + g * svh
+    lw_base = LW + b * slb + g * slh
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_base + offs_n[:, None] * skc + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
+        lw = tl.load(lw_base + offs_n * slc, mask=n_mask, other=float("-inf"))
+        s = _logits2(q, k, lw, scale, softcap, HAS_SOFTCAP, DOT)
+        if WANT_SCORES:       # keep the logits (G*T x 4 bytes a slot, vs 4*D bytes of K and V) for the scores pass
+            l_ptrs = LOGITS + (pid_bg.to(tl.int64) * G * T + offs_m[:, None]) * C + offs_n[None, :]
+            tl.store(l_ptrs, s, mask=m_mask[:, None] & n_mask[None, :])
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + offs_n[:, None] * svc + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT)
+        m_i = m_new
+
+    lse = tl.where(l_i > 0.0, m_i + tl.log2(l_i), float("-inf"))
+    lse_ptrs = LSE + (pid_bg * NUM_SPLITS + pid_s) * BLOCK_M + offs_m
+    tl.store(lse_ptrs, lse, mask=m_mask)
+    if DIRECT:
+        o = acc / l_i[:, None]
+        o_ptrs = OUT + b * sob + head[:, None] * soh + tok[:, None] * sot + offs_d[None, :] * sod
+        tl.store(o_ptrs, o.to(OUT.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+    else:
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        part = OPART + ((pid_bg * NUM_SPLITS + pid_s) * BLOCK_M + offs_m[:, None]) * BLOCK_D + offs_d[None, :]
+        tl.store(part, o, mask=m_mask[:, None])
+
+
+@triton.jit
+def _decode_attention_combine_kernel(
+    OUT, OPART, LSE, LSE_OUT, sob, soh, sot, sod, HKV, T, G, NUM_SPLITS,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_bg = tl.program_id(0)
+    b = (pid_bg // HKV).to(tl.int64)                  # 64-bit offsets: B*Hkv*C*D may pass 2^31
+    g = pid_bg % HKV
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < G * T
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for s in range(0, NUM_SPLITS):
+        row = (pid_bg * NUM_SPLITS + s) * BLOCK_M + offs_m
+        lse_s = tl.load(LSE + row, mask=m_mask, other=float("-inf"))
+        o_s = tl.load(OPART + row[:, None] * BLOCK_D + offs_d[None, :], mask=m_mask[:, None], other=0.0)
+        m_new = tl.maximum(m_i, lse_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        w = tl.exp2(lse_s - m_safe)
+        l_i = l_i * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * o_s
+        m_i = m_new
+    o = acc / l_i[:, None]
+    head = g * G + offs_m // T
+    tok = offs_m % T
+    o_ptrs = OUT + b * sob + head[:, None] * soh + tok[:, None] * sot + offs_d[None, :] * sod
+    tl.store(o_ptrs, o.to(OUT.dtype.element_ty), mask=m_mask[:, None] & (offs_d < HEAD_DIM)[None, :])
+    lse = tl.where(l_i > 0.0, m_i + tl.log2(l_i), float("-inf"))
+    tl.store(LSE_OUT + pid_bg * BLOCK_M + offs_m, lse, mask=m_mask)
+
+
+@triton.jit
+def _decode_attention_scores_kernel(
+    LOGITS, LSE, S, C, T, G,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # score_j = (1/G) sum_m 2^(s2_mj - lse_m), from the logits the split kernel stored
+    pid_bg = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < G * T
+    n_mask = offs_n < C
+    s = tl.load(LOGITS + (pid_bg.to(tl.int64) * G * T + offs_m[:, None]) * C + offs_n[None, :],
+                mask=m_mask[:, None] & n_mask[None, :], other=float("-inf"))
+    lse = tl.load(LSE + pid_bg * BLOCK_M + offs_m, mask=m_mask, other=0.0)
+    p = tl.where(m_mask[:, None], tl.exp2(s - lse[:, None]), 0.0)
+    score = tl.sum(p, 0) / G
+    tl.store(S + pid_bg.to(tl.int64) * C + offs_n, score, mask=n_mask)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def decode_splits(b: int, hkv: int, c: int, block_n: int, device: torch.device, min_split: int = 128,
+                  waves: int = 8) -> int:
+    """How many splits of the cache: about ``waves`` programs per multiprocessor (several are resident
+    at once, so many small programs also shrink the tail of the last wave), each split at least
+    ``min_split`` slots (rounded to BLOCK_N). The combine step reads splits x G x D fp32 per (b, g),
+    small next to the C x D cache. The benchmark sweeps 0.5x and 2x of this choice."""
+    want = max(1, -(-waves * _sm_count(device) // (b * hkv)))
+    return max(1, min(want, -(-c // max(min_split, block_n))))
+
+
+def check_decode_inputs(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor, scale: float,
+                        softcap: float | None) -> None:
+    """ValueError naming the tensor, the expected and the actual shape/dtype."""
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, Hq, T, D], got shape {tuple(q.shape)}")
+    b, hq, t, d = q.shape
+    if k.dim() != 4 or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k must be [B={b}, Hkv, C, D={d}], got shape {tuple(k.shape)}")
+    hkv, c = k.shape[1], k.shape[2]
+    if v.shape != k.shape:
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"Hq={hq} must be a multiple of Hkv={hkv}")
+    if tuple(log_weight.shape) != (b, hkv, c):
+        raise ValueError(f"log_weight must be [B, Hkv, C] = {(b, hkv, c)}, got {tuple(log_weight.shape)}")
+    if log_weight.dtype != torch.float32:
+        raise ValueError(f"log_weight must be float32, got {log_weight.dtype}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if t < 1 or c < 1 or d < 1:
+        raise ValueError(f"T, C and D must be >= 1, got T={t}, C={c}, D={d}")
+    if not (scale > 0 and scale < float("inf")):
+        raise ValueError(f"scale must be a positive finite float, got {scale}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("log_weight", log_weight)):
+        check_device(name, x, q.device)
+
+
+def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor, scale: float,
+                            softcap: float | None = None, want_scores: bool = False, *,
+                            num_splits: int | None = None, block_n: int | None = None,
+                            num_warps: int | None = None, num_stages: int | None = None) -> tuple[Tensor, Tensor]:
+    """The Triton decode attention (same contract as ``decode_attention_reference``). The keyword
+    arguments override the launch heuristics (tests and the benchmark sweep use them)."""
+    require_triton()
+    check_decode_inputs(q, k, v, log_weight, scale, softcap)
+    b, hq, t, d = q.shape
+    hkv, c = k.shape[1], k.shape[2]
+    group = hq // hkv
+    rows = group * t
+    block_m = max(16, next_pow2(rows))
+    block_d = max(16, next_pow2(d))
+    if block_n is None:
+        block_n = 64 if block_d <= 128 else 32
+    on_gpu = q.device.type == "cuda"
+    if num_warps is None:
+        num_warps = 4
+    if num_stages is None:
+        num_stages = 3 if on_gpu else 1
+    splits = num_splits if num_splits is not None else decode_splits(b, hkv, c, block_n, q.device)
+    split_len = triton.cdiv(triton.cdiv(c, max(1, splits)), block_n) * block_n   # ceil(C / splits), whole tiles
+    splits = triton.cdiv(c, split_len)
+    direct = splits == 1
+    o = torch.empty_like(q)
+    lse = torch.empty(b * hkv * splits * block_m, device=q.device, dtype=torch.float32)
+    part = o if direct else torch.empty(b * hkv * splits * block_m * block_d, device=q.device, dtype=torch.float32)
+    dot = 1 if q.dtype == torch.float32 else (2 if q.device.type != "cuda" else 0)
+    cap = float(softcap) if softcap is not None else 1.0
+    logits = torch.empty(b * hkv * rows * c if want_scores else 1, device=q.device, dtype=torch.float32)
+    _decode_attention_split_kernel[(b * hkv, splits)](
+        q, k, v, log_weight, o, part, lse, logits,
+        *q.stride(), *k.stride(), *v.stride(), *log_weight.stride(), *o.stride(),
+        hkv, c, t, group, split_len, splits, float(scale), cap,
+        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        HAS_SOFTCAP=softcap is not None, DOT=dot, DIRECT=direct, WANT_SCORES=want_scores,
+        num_warps=num_warps, num_stages=num_stages)
+    if direct:
+        lse_final = lse
+    else:
+        lse_final = torch.empty(b * hkv * block_m, device=q.device, dtype=torch.float32)
+        _decode_attention_combine_kernel[(b * hkv,)](
+            o, part, lse, lse_final, *o.stride(), hkv, t, group, splits,
+            HEAD_DIM=d, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)
+    if not want_scores:
+        return o, q.new_empty(0, dtype=torch.float32)
+    scores = torch.empty(b, hkv, c, device=q.device, dtype=torch.float32)
+    sblock = 128
+    _decode_attention_scores_kernel[(b * hkv, triton.cdiv(c, sblock))](
+        logits, lse_final, scores, c, t, group, BLOCK_M=block_m, BLOCK_N=sblock, num_warps=4)
     return o, scores
 
 
@@ -50,3 +321,9 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor, scale:
 def _(q, k, v, log_weight, scale, softcap=None, want_scores=False):
     scores = log_weight.new_empty(log_weight.shape if want_scores else (0,), dtype=torch.float32)
     return torch.empty_like(q), scores
+
+
+if HAS_TRITON:
+    @decode_attention.register_kernel("cuda")
+    def _(q, k, v, log_weight, scale, softcap=None, want_scores=False):
+        return decode_attention_triton(q, k, v, log_weight, scale, softcap, want_scores)

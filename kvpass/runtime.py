@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from kvpass.budget import budget_tokens, check_budget
 from kvpass.cache import LayerCache, entries_from_prompt, load_into, ring_from_prompt, with_capacity
+from kvpass.decode_step import StaticDecodeStep
 from kvpass.policies.base import Policy, Stat
 from kvpass.rewrites import CapturedModel, RewrittenGraphs
 from kvpass.sampling import next_token
@@ -75,6 +76,7 @@ class _Layer:
     host_len: int                # max live entries over rows/heads, tracked without a device sync
 
 
+_UNSET = object()          # an argument left out, as opposed to an explicit None
 _GENERATE_ARGS = ("input_ids", "attention_mask", "max_new_tokens", "do_sample", "temperature", "top_k",
                   "top_p", "eos_token_id", "pad_token_id", "streamer", "generator", "return_dict_in_generate",
                   "output_logits")
@@ -108,6 +110,8 @@ class KVPassModel(nn.Module):
         self.generation_config = getattr(model, "generation_config", None)
         self.last_report: GenerationReport | None = None
         self._all_logits_prefill = None
+        # Each decode step's device work, replayed from a CUDA graph on CUDA (eager on CPU); decode_step.py.
+        self.decode_step = StaticDecodeStep()
 
     @property
     def model(self) -> nn.Module:
@@ -172,7 +176,9 @@ class KVPassModel(nn.Module):
                 ring = ring_from_prompt(k, v, pad, site.window)
                 layers.append(_Layer(ring, site.window, False, site.window, int(ring.length.max())))
                 continue
-            cache = entries_from_prompt(k, v, pad, stats.get(site.layer, {}))
+            layer_stats = stats.get(site.layer, {})
+            cache = entries_from_prompt(k, v, pad, {n: x for n, x in layer_stats.items() if Stat(n).per_slot})
+            cache.state.update({n: x for n, x in layer_stats.items() if not Stat(n).per_slot})
             compressible = self.policy.compresses and site.window is None
             layers.append(_Layer(cache, None, compressible, total, prompt_len))
         compressed = [lay for lay in layers if lay.compressible]
@@ -226,15 +232,16 @@ class KVPassModel(nn.Module):
     @torch.no_grad()
     def generate(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                  max_new_tokens: int | None = None, do_sample: bool | None = None, temperature: float | None = None,
-                 top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
-                 pad_token_id: int | None = None, streamer=None, generator: torch.Generator | None = None,
+                 top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = _UNSET,
+                 pad_token_id: int | None = _UNSET, streamer=None, generator: torch.Generator | None = None,
                  return_dict_in_generate: bool = False, output_logits: bool = False, **unsupported):
         """Generate like transformers' ``generate`` (greedy or sampling), with the compressed cache.
 
         input_ids: [B, T]; attention_mask: [B, T], left padding for B > 1. Returns the sequences
         [B, T + new] (rows that finished early are filled with ``pad_token_id``), or a
         ``GenerateOutput`` with ``return_dict_in_generate``. ``self.last_report`` holds cache bytes
-        and timings."""
+        and timings. As in transformers, ``eos_token_id`` / ``pad_token_id`` left out come from the
+        model's generation config, and an explicit None means none."""
         if unsupported:
             raise TypeError(f"generate() got unsupported argument(s) {', '.join(sorted(unsupported))}; "
                             f"supported: {', '.join(_GENERATE_ARGS)}")
@@ -247,9 +254,9 @@ class KVPassModel(nn.Module):
                         temperature=float(self._gen_default("temperature", temperature, 1.0)),
                         top_k=self._gen_default("top_k", top_k, None), top_p=self._gen_default("top_p", top_p, None),
                         generator=generator)
-        eos = self._gen_default("eos_token_id", eos_token_id, None)
+        eos = self._gen_default("eos_token_id", None, None) if eos_token_id is _UNSET else eos_token_id
         eos_ids = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), device=self.device)
-        pad_id = self._gen_default("pad_token_id", pad_token_id, None)
+        pad_id = self._gen_default("pad_token_id", None, None) if pad_token_id is _UNSET else pad_token_id
         if pad_id is None:
             pad_id = int(eos_ids[0]) if len(eos_ids) else 0
 
@@ -296,14 +303,9 @@ class DecodeSession:
                 lay.host_len = int(lay.cache.length.max())
                 self.compressions += 1
                 self.owner._check_within_budget(lay)
-        slots = [self._slot(lay) for lay in self.layers]
-        flat = [x for lay, slot in zip(self.layers, slots, strict=True) for x in self._decode_inputs(lay, slot)]
-        outs = self.owner.graphs.decode(tokens[:, None], self.pos, *flat)
-        self.logits = outs[0][:, -1].float()
-        for layer, scores in zip(self.owner.graphs.decode_scores, outs[1:], strict=True):
-            self.layers[layer].cache.slot_meta[Stat.COLUMN_SUM.value] += scores
-        for lay, slot in zip(self.layers, slots, strict=True):
-            self._advance(lay, slot)
+        self.logits = self._device_step(tokens)
+        for lay in self.layers:
+            self._advance_host(lay)
         self.pos = self.pos + 1
         self.steps += 1
         self.decode_seconds += time.perf_counter() - start
@@ -345,21 +347,47 @@ class DecodeSession:
         extra = [cache.slot_meta[n] if n in cache.slot_meta else cache.state[n] for n in self.policy.decode_inputs]
         return [cache.k, cache.v, cache.log_weight, slot, *extra]
 
-    def _slot(self, lay: _Layer) -> Tensor:
+    def _device_step(self, tokens: Tensor) -> Tensor:
+        """The device work of one step: slots, the decode graph (writes K, V, attends), score
+        accumulation, lengths and positions. tokens: [B] -> logits [B, V] fp32. On CUDA it is replayed
+        from a CUDA graph (decode_step.py): it reads and writes only the layers' cache tensors."""
+        layers, graphs = self.layers, self.owner.graphs
+
+        def step(tokens: Tensor, pos: Tensor) -> tuple[Tensor]:
+            slots = [self._slot(lay, pos) for lay in layers]
+            flat = [x for lay, slot in zip(layers, slots, strict=True) for x in self._decode_inputs(lay, slot)]
+            outs = graphs.decode(tokens[:, None], pos, *flat)
+            for layer, scores in zip(graphs.decode_scores, outs[1:], strict=True):
+                layers[layer].cache.slot_meta[Stat.COLUMN_SUM.value] += scores
+            for lay, slot in zip(layers, slots, strict=True):
+                self._advance(lay, slot, pos)
+            return (outs[0][:, -1].float(),)
+
+        persistent = [t for lay in layers for t in lay.cache.tensors()]
+        big = {id(lay.cache.k) for lay in layers} | {id(lay.cache.v) for lay in layers}
+        restore = [t for t in persistent if id(t) not in big]        # what a step advances (K, V: rewritten alike)
+        return self.owner.decode_step(step, [tokens, self.pos], persistent, restore)[0]
+
+    @staticmethod
+    def _slot(lay: _Layer, pos: Tensor) -> Tensor:
         """Where this step's K, V go: [B, Hkv] int64."""
         if lay.window is not None:
-            return (self.pos % lay.window).expand_as(lay.cache.length)
+            return (pos % lay.window).expand_as(lay.cache.length)
         return lay.cache.length.clone()
 
-    def _advance(self, lay: _Layer, slot: Tensor) -> None:
+    @staticmethod
+    def _advance(lay: _Layer, slot: Tensor, pos: Tensor) -> None:
         cache = lay.cache
-        cache.position.scatter_(2, slot[:, :, None], self.pos[:, :, None].expand_as(slot[:, :, None]))
+        cache.position.scatter_(2, slot[:, :, None], pos[:, :, None].expand_as(slot[:, :, None]))
         if lay.window is not None:
             cache.length.clamp_(max=lay.window - 1).add_(1)
-            lay.host_len = min(lay.host_len + 1, lay.window)
         else:
             cache.length.add_(1)
-            lay.host_len += 1
+
+    @staticmethod
+    def _advance_host(lay: _Layer) -> None:
+        """The host copy of the step's length change (no device sync)."""
+        lay.host_len = min(lay.host_len + 1, lay.window) if lay.window is not None else lay.host_len + 1
 
     def report(self) -> GenerationReport:
         """Cache bytes and timings now; ``new_tokens`` counts the positions after the prompt (steps + 1)."""

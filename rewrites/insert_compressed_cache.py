@@ -6,7 +6,8 @@ replaced by a ``kvpass.kernels`` op.
 prefill(input_ids [B, T], position_ids [B, T], pad [B])
     -> (logits [B, 1, V] (or [B, T, V]), k_0, v_0, ..., k_{L-1}, v_{L-1}, *stats)
     k_l, v_l: [B, Hkv, T, D] post-RoPE KV-head tensors; pad = left pads per row;
-    stats: for each compressible layer, each statistic the policy asks for, [B, Hkv, T] fp32.
+    stats: for each compressible layer, each statistic the policy asks for, [B, Hkv, T] fp32 (per slot)
+    or [B, H] fp32 (per head, e.g. Stat.HEAD_VARIANCE).
 decode(input_ids [B, 1], position_ids [B, 1], then per layer: k_cache_l, v_cache_l, log_weight_l, slot_l,
        and the policy's ``decode_inputs`` of that layer)
     -> (logits [B, 1, V], *scores)
@@ -33,8 +34,11 @@ ops = torch.ops.kvpass
 
 # Attention variant -> decode op. New variants (cluster / page recall) add an entry here.
 DECODE_ATTENTION_OPS = {Attention.DENSE: ops.decode_attention.default}
-# Statistic -> prefill op computing it per layer (q, k, pad, scale, window, softcap) -> [B, Hkv, T] fp32.
-PREFILL_STAT_OPS = {Stat.COLUMN_SUM: ops.attention_column_sums.default}
+# Statistic -> prefill op computing it per layer (q, k, pad, scale, window, softcap, **policy.stat_options)
+# -> [B, Hkv, T] fp32 for per-slot statistics, [B, H] fp32 for per-head ones (Stat.per_slot).
+PREFILL_STAT_OPS = {Stat.COLUMN_SUM: ops.attention_column_sums.default,
+                    Stat.WINDOW_SCORES: ops.attention_window_scores.default,
+                    Stat.HEAD_VARIANCE: ops.attention_head_variance.default}
 # Statistics accumulated from every decode step's attention row.
 DECODE_STATS = frozenset({Stat.COLUMN_SUM})
 
@@ -84,9 +88,32 @@ def _keep_last_position(graph: Graph, logits: Node) -> None:
         logits.replace_all_uses_with(last, delete_user_cb=lambda u: u is not last)
 
 
+# Ops FX's dead-code elimination keeps because they are tagged random (dropout), though in an eval
+# graph they are pure: the replaced attention (SDPA, eager dropout) would otherwise still run, prefill
+# included, with its whole mask computation. Export's metadata asserts on dead tensors go with them.
+_DEAD_WHEN_UNUSED = (aten.scaled_dot_product_attention.default, aten.dropout.default)
+_ASSERT_METADATA = getattr(aten, "_assert_tensor_metadata", None)
+
+
+def _drop_replaced_attention(graph: Graph) -> None:
+    changed = True
+    while changed:
+        changed = False
+        for node in reversed(list(graph.nodes)):
+            if node.op != "call_function" or node.users:
+                continue
+            dead_assert = (_ASSERT_METADATA is not None and node.target == _ASSERT_METADATA.default
+                           and all(len(a.users) == 1 for a in node.all_input_nodes))
+            if node.target in _DEAD_WHEN_UNUSED or dead_assert:
+                graph.erase_node(node)
+                changed = True
+        graph.eliminate_dead_code()
+
+
 def _finish(graph: Graph, root: GraphModule, outputs: list[Node], name: str) -> GraphModule:
     graph.output(tuple(outputs))
     graph.eliminate_dead_code()
+    _drop_replaced_attention(graph)
     graph.lint()
     gm = GraphModule(root, graph, class_name=name)
     return gm
@@ -111,7 +138,8 @@ def build_prefill(gm: GraphModule, sites: list[AttentionSite], policy: Policy,
                 for stat in sorted(policy.stats, key=lambda s: s.value):
                     if stat not in PREFILL_STAT_OPS:
                         raise NotImplementedError(f"no prefill op computes {stat} yet")
-                    stat_outputs.append(graph.call_function(PREFILL_STAT_OPS[stat], (q, k, pad), dict(opts)))
+                    kwargs = {**opts, **policy.stat_options(stat)}
+                    stat_outputs.append(graph.call_function(PREFILL_STAT_OPS[stat], (q, k, pad), kwargs))
                     stat_keys.append((site.layer, stat))
         target.replace_all_uses_with(attn)
         kv_outputs += [k, v]

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from kvpass.policies.base import Attention, Policy, Stat
+from kvpass.policies.cam import CaM
+from kvpass.policies.d2o import D2O
 from kvpass.policies.full import Full
+from kvpass.policies.h2o import H2O
+from kvpass.policies.pyramidkv import PyramidKV
+from kvpass.policies.snapkv import SnapKV
 from kvpass.policies.streamingllm import StreamingLLM
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Full, StreamingLLM)}
-DEFAULT_POLICY = "streamingllm"
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Full, StreamingLLM, D2O, H2O, SnapKV, PyramidKV, CaM)}
+DEFAULT_POLICY = "d2o"
 
 
 def get_policy(name: str | Policy, **kwargs) -> Policy:

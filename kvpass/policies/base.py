@@ -21,6 +21,16 @@ class Stat(Enum):
 
     COLUMN_SUM = "col_sum"            # accumulated attention per entry: prefill column sums + every decode row
     WINDOW_SCORES = "window_scores"   # attention of the last prompt queries (observation window), prefill only
+    HEAD_VARIANCE = "attn_var"        # per query head variance of the prefill column sums [B, Hq] (D2O §5.4)
+
+    @property
+    def per_slot(self) -> bool:
+        """True: one value per cache slot [B, Hkv, T] (lands in ``slot_meta``); False: one value per
+        head [B, H] (lands in ``LayerCache.state``, carried unchanged through compressions)."""
+        return self not in _PER_HEAD_STATS
+
+
+_PER_HEAD_STATS = frozenset({Stat.HEAD_VARIANCE})
 
 
 class Attention(Enum):
@@ -57,6 +67,11 @@ class Policy:
     def __post_init__(self) -> None:
         interval = getattr(self, "interval", 1)
         require(isinstance(interval, int) and interval >= 1, f"{self.name}: interval must be an int >= 1, got {interval!r}")
+
+    def stat_options(self, stat: Stat) -> dict[str, object]:
+        """Extra keyword arguments of the prefill op computing ``stat`` (e.g. SnapKV's observation
+        window and pooling kernel). The rewrite passes them through without interpreting them."""
+        return {}
 
     def min_budget(self) -> int:
         """The fewest entries per layer the policy can work with (e.g. sinks + recent window)."""

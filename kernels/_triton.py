@@ -1,0 +1,53 @@
+"""Guarded Triton import shared by the kernel files.
+
+kvpass must import on machines without Triton (CPU-only installs): ``HAS_TRITON`` says whether
+it is there, and ``triton`` / ``tl`` are stand-ins whose ``jit`` returns the function unchanged,
+so kernel definitions still parse. Launchers call ``require_triton()`` first.
+"""
+
+from __future__ import annotations
+
+import os
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only on installs without triton
+    HAS_TRITON = False
+
+    class _Stub:
+        constexpr = object
+
+        @staticmethod
+        def jit(fn=None, **_):
+            return fn if fn is not None else (lambda f: f)
+
+        def __getattr__(self, name):
+            raise ImportError("this kvpass kernel needs triton (pip install 'kvpass[triton]')")
+
+    triton = _Stub()  # type: ignore[assignment]
+    tl = _Stub()      # type: ignore[assignment]
+
+
+def require_triton() -> None:
+    if not HAS_TRITON:
+        raise ImportError("this kvpass kernel needs triton (pip install 'kvpass[triton]')")
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run on the CPU through the interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_device(name: str, t, device) -> None:
+    """Triton runs on CUDA, or anywhere under the interpreter. ValueError otherwise."""
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} like the other inputs")
+    if t.device.type != "cuda" and not interpreting():
+        raise ValueError(f"{name} is on {t.device}: the Triton kernel needs CUDA (or TRITON_INTERPRET=1 on CPU)")
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())

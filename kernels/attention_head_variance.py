@@ -1,0 +1,63 @@
+"""Per-query-head variance of the prefill attention column sums (D2O's layer density metric,
+policies.md §5.4 step 1, code form).
+
+For batch row b with real columns R_b = {j : j >= pad[b]} (n_b = |R_b|) and query head h:
+
+    c[b, h, j]  = sum_i A_h[i, j]                       (causal prefill attention, fp32 softmax)
+    var[b, h]   = sum_{j in R_b} (c[b, h, j] - mean_{R_b} c)^2 / (n_b - 1)     (unbiased; 0 if n_b = 1)
+
+Query heads are NOT averaged over their group: D2O min-max normalises the per-head variances of a
+layer first. Computed in blocks of query rows (never the T x T matrix of all heads).
+Shapes: q: [B, Hq, T, D]; k: [B, Hkv, T, D]; pad: [B] int64 -> [B, Hq] fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+from kvpass.kernels.prefill_attention import prefill_mask
+from torch import Tensor
+
+
+def head_column_sums(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
+                     softcap: float | None = None, block: int = 256) -> Tensor:
+    """c[b, h, j] = sum over real query rows i of A_h[i, j]: [B, Hq, T] fp32."""
+    b, hq, t, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    mask = prefill_mask(pad, t, window)                                  # [B, 1, T, T]
+    real_row = torch.arange(t, device=q.device)[None, :] >= pad[:, None]  # [B, T]
+    kf = k.float()
+    out = torch.zeros(b, hq, t, dtype=torch.float32, device=q.device)
+    for start in range(0, t, block):
+        rows = slice(start, start + block)
+        nrows = q[:, :, rows].shape[2]
+        qb = q[:, :, rows].float().reshape(b, hkv, group * nrows, d)
+        s = torch.matmul(qb, kf.transpose(-1, -2)) * scale            # [B, Hkv, G*rows, T]
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        s = s.reshape(b, hkv, group, nrows, t).masked_fill(~mask[:, :, None, rows], float("-inf"))
+        p = torch.softmax(s, dim=-1) * real_row[:, None, None, rows, None]
+        out += p.sum(dim=3).reshape(b, hq, t)
+    return out
+
+
+def attention_head_variance_reference(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
+                                      softcap: float | None = None) -> Tensor:
+    t = q.shape[2]
+    c = head_column_sums(q, k, pad, scale, window, softcap)               # [B, Hq, T]
+    real = (torch.arange(t, device=q.device)[None, :] >= pad[:, None]).float()[:, None, :]   # [B, 1, T]
+    n = real.sum(-1)                                                      # [B, 1]
+    mean = (c * real).sum(-1) / n
+    ss = (((c - mean[..., None]) * real) ** 2).sum(-1)
+    return ss / (n - 1).clamp(min=1)
+
+
+@torch.library.custom_op("kvpass::attention_head_variance", mutates_args=())
+def attention_head_variance(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
+                            softcap: float | None = None) -> Tensor:
+    return attention_head_variance_reference(q, k, pad, scale, window, softcap)
+
+
+@attention_head_variance.register_fake
+def _(q, k, pad, scale, window=None, softcap=None):
+    return q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)

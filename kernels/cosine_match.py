@@ -1,0 +1,169 @@
+"""Most cosine-similar candidate for each source row (Chelsea §1.5 chunked soft matching, D2O's
+nearest-neighbour matching of evicted to kept keys, KVMerger/EMS similarity searches).
+
+For each (b, g) and source row i, over the candidate rows j that are valid and, with chunking,
+in the same chunk (i // src_chunk == j // dst_chunk):
+
+    sim(i, j) = x_i . y_j / (max(|x_i|, eps) max(|y_j|, eps))          (eps = 1e-12, as F.normalize)
+    index_i   = argmax_j sim(i, j)    (ties: the lowest j; -1 when i has no candidate)
+    best_i    = max_j sim(i, j)       (-inf when i has no candidate)
+
+Chelsea: x = the A-set (even local indices of each chunk of c), y = the B-set (odd), both laid out
+chunk by chunk, src_chunk = ceil(c / 2), dst_chunk = floor(c / 2) (pad so every chunk is full).
+D2O: x = evicted keys, y = kept keys, dst_valid = kept slots that are live, no chunking (0).
+
+Shapes: src: [B, Hkv, S, D]; dst: [B, Hkv, N, D] (same float dtype); dst_valid: [B, Hkv, N] bool or
+None (all valid). Returns index [B, Hkv, S] int64 and best [B, Hkv, S] float32.
+Cost: S*N*D multiply-adds per (b, g) without chunking, S*dst_chunk*D with it; reads each row once.
+
+Triton path: one program per (b, g, block of BLOCK_S sources) loops over the candidate tiles of
+its chunks; rows are normalised in fp32 and multiplied on tensor cores (tf32 for 16-bit inputs,
+so |best - exact| is ~1e-3; exact fp32 for fp32 inputs).
+"""
+
+from __future__ import annotations
+
+import torch
+from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
+from torch import Tensor
+
+_EPS = 1e-12
+
+
+def cosine_match_reference(src: Tensor, dst: Tensor, dst_valid: Tensor | None = None, src_chunk: int = 0,
+                           dst_chunk: int = 0) -> tuple[Tensor, Tensor]:
+    acc = torch.float64 if src.dtype == torch.float64 else torch.float32
+    x = torch.nn.functional.normalize(src.to(acc), dim=-1, eps=_EPS)
+    y = torch.nn.functional.normalize(dst.to(acc), dim=-1, eps=_EPS)
+    sim = x @ y.transpose(-1, -2)                                        # [B, Hkv, S, N]
+    ok = torch.ones_like(sim, dtype=torch.bool)
+    if dst_valid is not None:
+        ok = ok & dst_valid[:, :, None, :]
+    if src_chunk > 0:
+        ci = torch.arange(src.shape[2], device=src.device) // src_chunk
+        cj = torch.arange(dst.shape[2], device=src.device) // dst_chunk
+        ok = ok & (ci[:, None] == cj[None, :])
+    sim = sim.masked_fill(~ok, float("-inf"))
+    best, index = sim.max(dim=-1)                                        # max returns the first maximum
+    index = torch.where(best > float("-inf"), index, -1)
+    return index, best.float()
+
+
+# --------------------------------------------------------------------------------------- Triton
+# Program (b, g, sources i in [i0, i0 + BLOCK_S)): xn_i = x_i / max(|x_i|, eps) (fp32).
+# Candidate range: [first chunk of the block * dst_chunk, (last chunk + 1) * dst_chunk) or [0, N).
+# For each tile of BLOCK_N candidates: s_ij = xn_i . yn_j, -inf unless valid and same chunk;
+# best_i, index_i = running (max, first argmax); a later tile wins only if strictly greater.
+
+@triton.jit
+def _cosine_match_kernel(
+    X, Y, VALID, IDX, BEST,
+    sxb, sxh, sxs, sxd, syb, syh, syn, syd,
+    HKV, S, N, SRC_CHUNK, DST_CHUNK, eps,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_VALID: tl.constexpr, CHUNKED: tl.constexpr, EXACT: tl.constexpr,
+):
+    pid_bg = tl.program_id(0)
+    b = (pid_bg // HKV).to(tl.int64)
+    g = pid_bg % HKV
+    i0 = tl.program_id(1) * BLOCK_S
+    offs_i = i0 + tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    i_mask = offs_i < S
+    d_mask = offs_d < HEAD_DIM
+    x = tl.load(X + b * sxb + g * sxh + offs_i[:, None] * sxs + offs_d[None, :] * sxd,
+                mask=i_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    x = x / tl.maximum(tl.sqrt(tl.sum(x * x, 1)), eps)[:, None]
+    if CHUNKED:
+        i_last = tl.minimum(i0 + BLOCK_S, S) - 1
+        lo = (i0 // SRC_CHUNK) * DST_CHUNK
+        hi = tl.minimum((i_last // SRC_CHUNK + 1) * DST_CHUNK, N)
+        chunk_i = offs_i // SRC_CHUNK
+    else:
+        lo = 0
+        hi = N
+    best = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    index = tl.full([BLOCK_S], -1, tl.int64)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        y = tl.load(Y + b * syb + g * syh + offs_n[:, None] * syn + offs_d[None, :] * syd,
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+        y = y / tl.maximum(tl.sqrt(tl.sum(y * y, 1)), eps)[:, None]
+        if EXACT:
+            s = tl.dot(x, tl.trans(y), input_precision="ieee")
+        else:
+            s = tl.dot(x, tl.trans(y))
+        ok = n_mask
+        if HAS_VALID:
+            ok = ok & (tl.load(VALID + pid_bg.to(tl.int64) * N + offs_n, mask=n_mask, other=0) != 0)
+        ok2 = ok[None, :]
+        if CHUNKED:
+            ok2 = ok2 & (chunk_i[:, None] == (offs_n // DST_CHUNK)[None, :])
+        s = tl.where(ok2, s, float("-inf"))
+        tile_best = tl.max(s, 1)
+        tile_idx = tl.argmax(s, 1).to(tl.int64) + n0
+        better = tile_best > best
+        index = tl.where(better, tile_idx, index)
+        best = tl.where(better, tile_best, best)
+    out = pid_bg.to(tl.int64) * S + offs_i
+    tl.store(IDX + out, index, mask=i_mask)
+    tl.store(BEST + out, best, mask=i_mask)
+
+
+def check_cosine_match_inputs(src: Tensor, dst: Tensor, dst_valid: Tensor | None, src_chunk: int,
+                              dst_chunk: int) -> None:
+    """ValueError naming the tensor, the expected and the actual shape/dtype."""
+    if src.dim() != 4:
+        raise ValueError(f"src must be [B, Hkv, S, D], got shape {tuple(src.shape)}")
+    b, hkv, _, d = src.shape
+    if dst.dim() != 4 or (dst.shape[0], dst.shape[1], dst.shape[3]) != (b, hkv, d):
+        raise ValueError(f"dst must be [B={b}, Hkv={hkv}, N, D={d}], got shape {tuple(dst.shape)}")
+    if dst.dtype != src.dtype or not src.dtype.is_floating_point:
+        raise ValueError(f"src and dst must share a floating dtype, got {src.dtype}, {dst.dtype}")
+    if dst_valid is not None and (tuple(dst_valid.shape) != tuple(dst.shape[:3]) or dst_valid.dtype != torch.bool):
+        raise ValueError(f"dst_valid must be bool [B, Hkv, N] = {tuple(dst.shape[:3])}, "
+                         f"got {dst_valid.dtype} {tuple(dst_valid.shape)}")
+    if (src_chunk > 0) != (dst_chunk > 0) or src_chunk < 0 or dst_chunk < 0:
+        raise ValueError(f"src_chunk and dst_chunk must both be > 0 (chunked) or both 0, got {src_chunk}, {dst_chunk}")
+    for name, x in (("src", src), ("dst", dst)) + ((("dst_valid", dst_valid),) if dst_valid is not None else ()):
+        check_device(name, x, src.device)
+
+
+def cosine_match_triton(src: Tensor, dst: Tensor, dst_valid: Tensor | None = None, src_chunk: int = 0,
+                        dst_chunk: int = 0, *, block_s: int = 32, block_n: int = 64) -> tuple[Tensor, Tensor]:
+    """The Triton matcher (same contract as ``cosine_match_reference``)."""
+    require_triton()
+    check_cosine_match_inputs(src, dst, dst_valid, src_chunk, dst_chunk)
+    b, hkv, s, d = src.shape
+    n = dst.shape[2]
+    index = torch.empty(b, hkv, s, device=src.device, dtype=torch.int64)
+    best = torch.empty(b, hkv, s, device=src.device, dtype=torch.float32)
+    if s == 0:
+        return index, best
+    valid = dst_valid.contiguous().to(torch.int8) if dst_valid is not None else index
+    _cosine_match_kernel[(b * hkv, triton.cdiv(s, block_s))](
+        src, dst, valid, index, best, *src.stride(), *dst.stride(),
+        hkv, s, n, max(src_chunk, 1), max(dst_chunk, 1), _EPS,
+        HEAD_DIM=d, BLOCK_S=block_s, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
+        HAS_VALID=dst_valid is not None, CHUNKED=src_chunk > 0,
+        EXACT=src.dtype == torch.float32 or src.device.type != "cuda", num_warps=4)
+    return index, best
+
+
+@torch.library.custom_op("kvpass::cosine_match", mutates_args=())
+def cosine_match(src: Tensor, dst: Tensor, dst_valid: Tensor | None = None, src_chunk: int = 0,
+                 dst_chunk: int = 0) -> tuple[Tensor, Tensor]:
+    return cosine_match_reference(src, dst, dst_valid, src_chunk, dst_chunk)
+
+
+@cosine_match.register_fake
+def _(src, dst, dst_valid=None, src_chunk=0, dst_chunk=0):
+    shape = src.shape[:3]
+    return src.new_empty(shape, dtype=torch.int64), src.new_empty(shape, dtype=torch.float32)
+
+
+if HAS_TRITON:
+    @cosine_match.register_kernel("cuda")
+    def _(src, dst, dst_valid=None, src_chunk=0, dst_chunk=0):
+        return cosine_match_triton(src, dst, dst_valid, src_chunk, dst_chunk)

@@ -1,0 +1,148 @@
+"""The ``kvpass`` command line: ``generate`` (the main job), ``policies``; more subcommands register
+themselves in ``COMMANDS``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Callable
+
+from kvpass.policies import DEFAULT_POLICY, POLICIES
+
+
+def parse_budget(text: str) -> float | int:
+    """'0.2' -> 0.2 (a fraction); '512' -> 512 (tokens)."""
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"budget {text!r} is neither a fraction like 0.2 nor a token count") from None
+
+
+def parse_policy_args(items: list[str]) -> dict[str, object]:
+    """['sinks=8', 'interval=1'] -> {'sinks': 8, 'interval': 1} (ints, floats, true/false, else strings)."""
+    out: dict[str, object] = {}
+    for item in items:
+        if "=" not in item:
+            raise SystemExit(f"--set expects NAME=VALUE, got {item!r}")
+        name, value = item.split("=", 1)
+        parsed: object = value
+        for cast in (int, float):
+            try:
+                parsed = cast(value)
+                break
+            except ValueError:
+                continue
+        if value.lower() in ("true", "false"):
+            parsed = value.lower() == "true"
+        out[name] = parsed
+    return out
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="smollm2, gemma3-270m, a .gguf file or a transformers directory")
+    p.add_argument("--policy", default=DEFAULT_POLICY, help=f"one of: {', '.join(sorted(POLICIES))}")
+    p.add_argument("--budget", type=parse_budget, default=0.2,
+                   help="fraction in (0, 1] of prompt + new tokens, or an int token count (default 0.2)")
+    p.add_argument("--set", dest="policy_args", action="append", default=[], metavar="NAME=VALUE",
+                   help="a policy hyperparameter, e.g. --set sinks=8 (repeatable)")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    import kvpass
+    from kvpass.models import load_model
+    from kvpass.prompts import chat_ids, needle_prompt
+
+    policy_kwargs = parse_policy_args(args.policy_args)
+    kvpass.get_policy(args.policy, **policy_kwargs)              # fail fast, before loading the model
+    kvpass.check_budget(args.budget)
+    t0 = time.perf_counter()
+    model, tokenizer = load_model(args.model)
+    print(f"loaded {args.model} ({model.config.model_type}, {model.config.num_hidden_layers} layers) "
+          f"in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    answer = None
+    if args.prompt_file:
+        text = open(args.prompt_file, encoding="utf-8").read()
+        ids = chat_ids(tokenizer, [{"role": "user", "content": text}])
+    else:
+        prompt = needle_prompt(tokenizer, args.context_tokens, args.depth, seed=args.seed)
+        ids = chat_ids(tokenizer, prompt.messages())
+        answer = prompt.answer
+        print(f"built-in prompt: {args.context_tokens} tokens of Paul Graham essays, passphrase "
+              f"{answer!r} hidden at depth {args.depth:.0%}", file=sys.stderr)
+    t0 = time.perf_counter()
+    kv_model = kvpass.apply(model, policy=args.policy, budget=args.budget, **policy_kwargs)
+    print(f"rewrote {len(kv_model.graphs.sites)} attention sites in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    out = kv_model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=False)
+    text = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True).strip()
+    r = kv_model.last_report
+    print(f"answer:            {text}")
+    if answer is not None:
+        print(f"expected:          {answer}  ({'correct' if answer in text else 'wrong'})")
+    print(f"policy:            {r.policy} at budget {args.budget} = {r.budget_tokens} entries per layer")
+    print(f"prompt tokens:     {r.prompt_tokens}")
+    print(f"cache bytes:       {r.cache_bytes / 2**20:.2f} MiB compressed vs {r.full_cache_bytes / 2**20:.2f} MiB "
+          f"full ({r.compression_ratio:.1%})")
+    print(f"time:              prefill {r.prefill_seconds:.2f} s, {r.new_tokens} tokens at "
+          f"{r.new_tokens / max(r.decode_seconds, 1e-9):.1f} tokens/s decode ({r.tokens_per_second:.1f} overall)")
+    return 0
+
+
+def cmd_policies(args: argparse.Namespace) -> int:
+    rows = [(name, cls.section, cls.summary,
+             ", ".join(f"{k}={v}" for k, v in cls.defaults().items()) or "-") for name, cls in sorted(POLICIES.items())]
+    widths = [max(len(r[i]) for r in rows + [("policy", "spec", "what", "defaults")]) for i in range(3)]
+    print(f"{'policy':<{widths[0]}}  {'spec':<{widths[1]}}  {'what':<{widths[2]}}  defaults")
+    for name, section, summary, defaults in rows:
+        mark = " (default)" if name == DEFAULT_POLICY else ""
+        print(f"{name:<{widths[0]}}  {section:<{widths[1]}}  {summary:<{widths[2]}}  {defaults}{mark}")
+    return 0
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="answer the built-in needle prompt (or --prompt-file) with a compressed cache")
+    _add_model_args(p)
+    p.add_argument("--prompt-file", help="a text file to use as the user message instead of the built-in prompt")
+    p.add_argument("--context-tokens", type=int, default=4000, help="length of the built-in prompt (default 4000)")
+    p.add_argument("--depth", type=float, default=0.5, help="where the passphrase hides, 0..1 (default 0.5)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the passphrase")
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.set_defaults(func=cmd_generate)
+
+
+def _policies_parser(sub) -> None:
+    p = sub.add_parser("policies", help="list the policies, their defaults and the spec section each implements")
+    p.set_defaults(func=cmd_policies)
+
+
+# Each entry adds one subcommand to the parser.
+COMMANDS: list[Callable] = [_generate_parser, _policies_parser]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpass", description="compressed KV caches for any decoder LLM")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        print(f"kvpass: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""The decode step under a CUDA graph: fixed buffers, one graph replay per token.
+
+A decode step launches hundreds of small kernels (per layer: norms, projections, RoPE, write_kv,
+decode attention, MLP, and the runtime's slot and length bookkeeping); at batch 1 their launch
+overhead, not memory traffic, bounds eager decoding (architecture.md, "Performance model").
+``StaticDecodeStep`` captures the device work of one step, ``fn(*step_inputs)``, in a CUDA graph
+and replays it every step.
+
+* step inputs (the token ids [B] and positions [B, 1]) are new tensors every step: they are copied
+  into static buffers owned by the step before each replay;
+* persistent tensors (every layer's cache tensors: K, V, log-weights, lengths, positions, policy
+  slot metadata and state) are read and written in place at the addresses the graph was captured
+  with. Compression keeps them (``cache.load_into`` copies into the same buffers). When one of them
+  is a different tensor (a new ``generate`` call, a policy that replaced a buffer) or a step input
+  changes shape, the step re-captures (``capture_key``).
+
+Capture first runs ``fn`` once eagerly (warm-up: Triton compilation, library handles). That run
+writes this step's K, V into their slots, which the replay rewrites identically; the tensors it
+advances (``restore``: lengths, positions, log-weights, accumulated scores) are saved before the
+warm-up and put back after it, so the step is applied exactly once.
+
+The returned first output (the logits) is a copy; later outputs are the graph's static tensors,
+overwritten by the next replay. On CPU, with ``KVPASS_CUDA_GRAPH=0``, with ``enabled = False``, or if
+capture fails (an op that synchronises, say), ``fn`` runs eagerly: same inputs, same outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+Key = tuple
+
+
+def capture_key(step_inputs: Sequence[Tensor], persistent: Sequence[Tensor]) -> Key:
+    """What a captured graph depends on: shapes and dtypes of the step inputs, and the identity
+    (address, shape, strides, dtype) of the persistent tensors. A new key means re-capture."""
+    steps = tuple((tuple(x.shape), x.dtype, x.device) for x in step_inputs)
+    state = tuple((x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, x.device) for x in persistent)
+    return steps, state
+
+
+def graphs_enabled(device: torch.device) -> bool:
+    return device.type == "cuda" and os.environ.get("KVPASS_CUDA_GRAPH", "1") != "0"
+
+
+class StaticDecodeStep:
+    """``step(fn, step_inputs, persistent, restore)`` = ``fn(*step_inputs)``, replayed from a CUDA
+    graph on CUDA. ``captures`` counts captures (tests and benchmarks read it)."""
+
+    def __init__(self, enabled: bool = True, warmup: int = 1) -> None:
+        self.enabled, self.warmup = enabled, warmup
+        self.captures = 0
+        self._key: Key | None = None
+        self._graph = None
+        self._static: list[Tensor] = []
+        self._outs: tuple[Tensor, ...] = ()
+
+    def reset(self) -> None:
+        """Drop the captured graph (and its memory pool)."""
+        self._key, self._graph, self._static, self._outs = None, None, [], ()
+
+    def __call__(self, fn: Callable[..., Sequence[Tensor]], step_inputs: Sequence[Tensor],
+                 persistent: Sequence[Tensor], restore: Sequence[Tensor] = ()) -> tuple[Tensor, ...]:
+        if not (self.enabled and graphs_enabled(step_inputs[0].device)):
+            return tuple(fn(*step_inputs))
+        key = capture_key(step_inputs, persistent)
+        if key != self._key:
+            try:
+                self._capture(fn, step_inputs, restore, key)
+            except Exception as exc:    # noqa: BLE001  (any capture failure: stay correct, run eagerly)
+                log.warning("CUDA graph capture of the decode step failed (%s); decoding eagerly", exc)
+                self.reset()
+                self.enabled = False
+                torch.cuda.synchronize()
+                return tuple(fn(*step_inputs))
+        for static, x in zip(self._static, step_inputs, strict=True):
+            static.copy_(x)
+        self._graph.replay()
+        return (self._outs[0].clone(), *self._outs[1:])
+
+    def _capture(self, fn, step_inputs: Sequence[Tensor], restore: Sequence[Tensor], key: Key) -> None:
+        self.reset()
+        static = [x.clone(memory_format=torch.contiguous_format) for x in step_inputs]
+        self._warm_up(fn, static, restore)
+        graph, outs = self._record(fn, static)
+        self._graph, self._static, self._outs, self._key = graph, static, outs, key
+        self.captures += 1
+
+    def _warm_up(self, fn, static: Sequence[Tensor], restore: Sequence[Tensor]) -> None:
+        """Run ``fn`` ``warmup`` times (on a side stream on CUDA, as capture wants), then put back the
+        tensors it advanced, so that the step still happens exactly once (at the first replay)."""
+        saved = [t.clone() for t in restore]
+        cuda = static[0].device.type == "cuda"
+        side = torch.cuda.Stream() if cuda else None
+        if cuda:
+            side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side) if cuda else _null():
+            for _ in range(self.warmup):
+                fn(*static)
+                for t, s in zip(restore, saved, strict=True):
+                    t.copy_(s)
+        if cuda:
+            torch.cuda.current_stream().wait_stream(side)
+
+    def _record(self, fn, static: Sequence[Tensor]):
+        """Capture ``fn(*static)``: returns the graph (``.replay()``) and its static outputs."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = tuple(fn(*static))
+        return graph, outs
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

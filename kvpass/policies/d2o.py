@@ -1,0 +1,177 @@
+"""D2O, Dynamic Discriminative Operations (Wan et al., ICLR 2025; policies.md §5)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from kvpass.cache import LayerCache, keep_slots
+from kvpass.policies.allocation import apportion
+from kvpass.policies.base import Policy, Stat, require
+from kvpass.policies.selection import cosine, kept_slots, ordered_slots, select_kept
+
+TAU, TAU_SET = "d2o_tau", "d2o_tau_set"     # LayerCache.state: EMA threshold [B] fp32, initialised [B] bool
+
+
+@dataclass(frozen=True)
+class D2O(Policy):
+    """Layer-level allocation from attention variance + H2O-style eviction with sinks and a recent
+    window + merging of evicted tokens into their nearest kept key under an EMA threshold (§5).
+
+    Layer level (§5.4, code form): per query head the unbiased variance of the prefill column sums
+    (``Stat.HEAD_VARIANCE``), min-max normalised within the layer, averaged over heads (and over batch
+    rows: budgets are per layer) -> sig_l; rho = softmax(-sig); budget_l = L * rho_l * budget, clamped
+    to [1, prompt length] like the code's r_l in [0.01, 1] and then re-split so the total is exactly
+    L * budget [OURS: the code does not conserve it; kvpass's budget contract requires it].
+    Token level (§5.5-5.6): of a budget b, the recent window is M = floor(b * m / (n + m)) and the rest
+    N = b - M [OURS: the floors' remainder goes to N] holds min(sinks, N) sinks plus the top accumulated
+    scores (``col_sum``, the group mean of §0.5). Each evicted entry is matched to its most cosine-similar
+    kept key (post-RoPE keys, fp32); the per-layer EMA threshold tau (one scalar per batch row) is the
+    mean best similarity at the first eviction and tau <- beta * mean + (1 - beta) * tau afterwards
+    (the current similarities enter before the decision). Merge into the nearest kept entry:
+    "paper" (GAT-like): k_j <- (e k_j + sum_i exp(u_ij) k_i) / (e + sum_i exp(u_ij)), per (head, token)
+    decision u*_i >= tau; "code": k_j <- (k_j + sum_i u_ij k_i) / (1 + |E_j|), decision per evicted slot
+    i on the mean over heads. Values use the keys' weights; ``col_sum`` is not changed by merging.
+    Decode attention is plain (log-weights stay 0).
+
+    With several evictions in one call (prefill, or ``interval`` > 1) the EMA takes one step with the
+    mean over all of them [OURS]. ``expand_kv_heads`` (the code's per-query-head cache) is not
+    implemented: merges and scores are per KV head (§0.5).
+
+    Parameters
+    ----------
+    sinks: first tokens always kept, counted inside N (code: 4).
+    n_m_ratio: important : recent split N:M (paper App. A.3: 3:1).
+    beta: EMA weight of the current step (paper: 0.7).
+    d2o_variant: "paper" or "code" token-level merge (§5.6); default "paper".
+    allocation: "code" (normalised variance, default), "paper" (raw variance softmax, §5.4 paper form,
+        degenerate at long prompts) or "uniform" (every layer the same budget, Table 4 ablation).
+    skip_layers: indices among the compressed layers (negative from the end) that are not compressed
+        at prefill (budget = prompt length); the code skips 0, 1, L-1 at extra memory, here they are
+        paid for by the other layers, so the default is none [OURS].
+    interval: decode steps between compressions; 1 = the paper's one-in-one-out.
+    """
+
+    name: ClassVar[str] = "d2o"
+    section: ClassVar[str] = "§5"
+    summary: ClassVar[str] = "variance layer budgets + H2O eviction + EMA-threshold merging"
+    stats: ClassVar[frozenset[Stat]] = frozenset({Stat.COLUMN_SUM, Stat.HEAD_VARIANCE})
+    sinks: int = 4
+    n_m_ratio: tuple[int, int] = (3, 1)
+    beta: float = 0.7
+    d2o_variant: str = "paper"
+    allocation: str = "code"
+    skip_layers: tuple[int, ...] = ()
+    interval: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(isinstance(self.sinks, int) and self.sinks >= 0, f"d2o: sinks must be an int >= 0, got {self.sinks!r}")
+        ratio = tuple(self.n_m_ratio)
+        require(len(ratio) == 2 and all(isinstance(x, int) and x >= 0 for x in ratio) and sum(ratio) > 0,
+                f"d2o: n_m_ratio must be two ints >= 0, not both 0, got {self.n_m_ratio!r}")
+        require(0.0 <= self.beta <= 1.0, f"d2o: beta must lie in [0, 1], got {self.beta!r}")
+        require(self.d2o_variant in ("paper", "code"), f"d2o: d2o_variant must be 'paper' or 'code', got {self.d2o_variant!r}")
+        require(self.allocation in ("code", "paper", "uniform"),
+                f"d2o: allocation must be 'code', 'paper' or 'uniform', got {self.allocation!r}")
+        require(all(isinstance(i, int) for i in self.skip_layers), f"d2o: skip_layers must be ints, got {self.skip_layers!r}")
+
+    # ------------------------------------------------------------------ layer level (§5.4)
+    def layer_density(self, caches: list[LayerCache]) -> list[float]:
+        """sig_l per compressed layer from state['attn_var'] [B, Hq] (batch rows averaged)."""
+        out = []
+        for cache in caches:
+            var = cache.state[Stat.HEAD_VARIANCE.value].double()               # [B, Hq]
+            if self.allocation == "code":
+                lo, hi = var.min(-1, keepdim=True).values, var.max(-1, keepdim=True).values
+                var = (var - lo) / (hi - lo + 1e-6)
+            out.append(float(var.mean()))
+        return out
+
+    def layer_budgets(self, budget: int, caches: list[LayerCache]) -> list[int]:
+        n_layers = len(caches)
+        prompt = max(int(c.length.max()) for c in caches)
+        skip = {i % n_layers for i in self.skip_layers if -n_layers <= i < n_layers}
+        total = n_layers * budget
+        fixed = {i: max(prompt, 1) for i in skip}
+        rest = [i for i in range(n_layers) if i not in skip]
+        left = total - sum(fixed.values())
+        if rest and left < len(rest):
+            raise ValueError(f"d2o: skip_layers={self.skip_layers} keep {sum(fixed.values())} entries, leaving "
+                             f"{left} of the total {total} for {len(rest)} other layers; lower skip_layers or raise the budget")
+        if not rest:
+            return [fixed[i] for i in range(n_layers)]
+        if self.allocation == "uniform":
+            shares = [1.0] * len(rest)
+        else:
+            sig = self.layer_density(caches)
+            rho = torch.softmax(-torch.tensor(sig, dtype=torch.float64), dim=0)    # all layers take part
+            shares = [float(rho[i]) for i in rest]
+        split = apportion(shares, left, low=1, high=max(prompt, budget))
+        got = dict(fixed)
+        got.update(zip(rest, split, strict=True))
+        return [got[i] for i in range(n_layers)]
+
+    # ------------------------------------------------------------------ token level (§5.5, §5.6)
+    def split(self, keep: int) -> tuple[int, int, int]:
+        """(sinks, important N incl. sinks, recent M) for a budget of ``keep`` entries."""
+        n, m = self.n_m_ratio
+        recent = keep * m // (n + m)
+        important = keep - recent
+        return min(self.sinks, important), important, recent
+
+    def compress(self, cache: LayerCache, keep: int) -> LayerCache:
+        """cache: k, v [B, Hkv, C, D], slot_meta['col_sum'] [B, Hkv, C] fp32. Returns capacity
+        min(keep, C) with merged K, V and the updated EMA threshold in state."""
+        sinks, _, recent = self.split(keep)
+        score = cache.slot_meta[Stat.COLUMN_SUM.value]
+        kept = select_kept(score, cache.length, keep, sinks, recent)
+        out = keep_slots(cache, kept_slots(kept, keep))
+        evicted = cache.live & ~kept
+        n_evicted = int(evicted.sum(-1).max())
+        if n_evicted == 0:
+            return out
+        e_idx = ordered_slots(evicted, n_evicted)                              # [B, Hkv, E]
+        valid = torch.gather(evicted, 2, e_idx)                                # [B, Hkv, E]
+        d = cache.k.shape[-1]
+        k_e = torch.gather(cache.k, 2, e_idx[..., None].expand(-1, -1, -1, d))
+        v_e = torch.gather(cache.v, 2, e_idx[..., None].expand(-1, -1, -1, d))
+        u = cosine(k_e, out.k).masked_fill(~out.live[:, :, None, :], float("-inf"))   # [B, Hkv, E, K]
+        u_star, nearest = u.max(dim=-1)                                        # [B, Hkv, E]
+        u_star = torch.where(valid, u_star, 0.0)
+        tau = self._update_tau(out, u_star, valid)                            # [B]
+        if self.d2o_variant == "paper":
+            merged = valid & (u_star >= tau[:, None, None])
+            w_e = torch.where(merged, u_star.exp(), 0.0)
+            w_self = math.e
+        else:
+            per_slot = u_star.sum(1) / valid.sum(1).clamp(min=1)               # [B, E] mean over heads
+            merged = valid & (per_slot >= tau[:, None])[:, None, :]
+            w_e = torch.where(merged, u_star, 0.0)
+            w_self = 1.0
+        count = torch.zeros_like(out.log_weight).scatter_add(2, nearest, merged.float())
+        norm = w_self + (torch.zeros_like(out.log_weight).scatter_add(2, nearest, w_e)
+                         if self.d2o_variant == "paper" else count)             # [B, Hkv, K]
+        idx = nearest[..., None].expand(-1, -1, -1, d)
+        for name, src in (("k", k_e), ("v", v_e)):
+            base = getattr(out, name)
+            acc = (w_self * base.float()).scatter_add(2, idx, w_e[..., None] * src.float())
+            setattr(out, name, (acc / norm[..., None]).to(base.dtype))
+        return out
+
+    def _update_tau(self, out: LayerCache, u_star: Tensor, valid: Tensor) -> Tensor:
+        """EMA threshold per batch row (§5.6 step 2); writes out.state. u_star, valid: [B, Hkv, E]."""
+        b = u_star.shape[0]
+        has = valid.flatten(1).any(-1)                                         # [B]
+        current = u_star.flatten(1).sum(-1) / valid.flatten(1).sum(-1).clamp(min=1)
+        prev = out.state.get(TAU, torch.zeros(b, device=u_star.device))
+        was_set = out.state.get(TAU_SET, torch.zeros(b, dtype=torch.bool, device=u_star.device))
+        ema = self.beta * current + (1 - self.beta) * prev
+        tau = torch.where(has, torch.where(was_set, ema, current), prev)
+        out.state[TAU] = tau
+        out.state[TAU_SET] = was_set | has
+        return tau

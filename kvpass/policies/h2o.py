@@ -1,0 +1,45 @@
+"""H2O, Heavy-Hitter Oracle (Zhang et al. 2023; policies.md §6.1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kvpass.cache import LayerCache, keep_slots
+from kvpass.policies.base import Policy, Stat, require
+from kvpass.policies.selection import kept_slots, select_kept
+
+
+@dataclass(frozen=True)
+class H2O(Policy):
+    """Keep the newest ``floor(recent_ratio * keep)`` entries plus the heavy hitters: the largest
+    accumulated attention ``col_sum`` (prefill column sums + every decode row, group mean §0.5) among
+    the rest (§6.1). Follows D2O's H2O baseline, variant (a): the same budget in every layer, no
+    forced sinks, one eviction per decode step (interval 1). Plain attention, nothing merged.
+
+    Parameters
+    ----------
+    recent_ratio: share of the budget for the recent window (paper default split 1:1 -> 0.5).
+    sinks: first tokens always kept (H2O: 0).
+    interval: decode steps between compressions; 1 = the paper's one-in-one-out.
+    """
+
+    name: ClassVar[str] = "h2o"
+    section: ClassVar[str] = "§6.1"
+    summary: ClassVar[str] = "heavy hitters by accumulated attention + recent window"
+    stats: ClassVar[frozenset[Stat]] = frozenset({Stat.COLUMN_SUM})
+    recent_ratio: float = 0.5
+    sinks: int = 0
+    interval: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(0.0 <= self.recent_ratio <= 1.0, f"h2o: recent_ratio must lie in [0, 1], got {self.recent_ratio!r}")
+        require(isinstance(self.sinks, int) and self.sinks >= 0, f"h2o: sinks must be an int >= 0, got {self.sinks!r}")
+
+    def compress(self, cache: LayerCache, keep: int) -> LayerCache:
+        """cache: k, v [B, Hkv, C, D]; slot_meta['col_sum'] [B, Hkv, C] fp32 -> capacity min(keep, C)."""
+        recent = int(keep * self.recent_ratio)
+        sinks = min(self.sinks, keep - recent)
+        kept = select_kept(cache.slot_meta[Stat.COLUMN_SUM.value], cache.length, keep, sinks, recent)
+        return keep_slots(cache, kept_slots(kept, keep))

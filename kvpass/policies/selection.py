@@ -1,0 +1,55 @@
+"""Shared eviction mechanics: which slots to keep (sinks + recent window + top scores), the slot
+indices for ``keep_slots``, and the evicted slots. Used by H2O, D2O, SnapKV, PyramidKV and CaM.
+
+All functions are per (batch row, KV head) and vectorised over both; rows may hold different
+numbers of live entries (left-padded batches).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def select_kept(score: Tensor, length: Tensor, keep: int, sinks: int, recent: int) -> Tensor:
+    """The slots a row keeps: every live slot when ``length <= keep``; otherwise the sinks
+    [0, sinks), the recent window [length - recent, length) and the top ``keep - sinks - recent``
+    of ``score`` among the other live slots. Callers ensure ``sinks + recent <= keep``.
+
+    score: [B, Hkv, C] (any real dtype); length: [B, Hkv] int64. Returns kept: [B, Hkv, C] bool."""
+    if sinks + recent > keep:
+        raise ValueError(f"sinks ({sinks}) + recent ({recent}) exceed the budget of {keep} entries")
+    c = score.shape[-1]
+    j = torch.arange(c, device=score.device)
+    n = length[..., None]
+    live = j < n
+    forced = live & ((j < sinks) | (j >= n - recent))
+    prio = torch.where(forced, float("inf"), torch.where(live, score.double(), float("-inf")))
+    top = prio.topk(min(keep, c), dim=-1).indices
+    kept = torch.zeros_like(live).scatter(-1, top, True) & live
+    return torch.where(n <= keep, live, kept)
+
+
+def ordered_slots(mask: Tensor, count: int) -> Tensor:
+    """The first ``count`` slots of each row with ``mask`` set, ascending, then the unset slots
+    ascending (so rows with fewer set slots continue with slots the caller treats as invalid).
+    mask: [B, Hkv, C] bool -> [B, Hkv, count] int64."""
+    c = mask.shape[-1]
+    j = torch.arange(c, device=mask.device)
+    order = torch.where(mask, j, c + j)
+    return order.argsort(dim=-1)[..., :count]
+
+
+def kept_slots(kept: Tensor, keep: int) -> Tensor:
+    """Indices for ``keep_slots``: kept slots ascending, then empty ones. kept: [B, Hkv, C] bool whose
+    rows have at most ``keep`` slots set, kept slots of a short row being all its live slots."""
+    return ordered_slots(kept, min(keep, kept.shape[-1]))
+
+
+def cosine(a: Tensor, b: Tensor, eps: float = 1e-6) -> Tensor:
+    """cos(a_i, b_j) = a_i . b_j / (||a_i|| ||b_j|| + eps) in fp32 (policies.md §0.1, §0.7).
+    a: [B, Hkv, E, D], b: [B, Hkv, K, D] -> [B, Hkv, E, K] fp32."""
+    a, b = a.float(), b.float()
+    dots = torch.matmul(a, b.transpose(-1, -2))
+    norms = a.norm(dim=-1)[..., :, None] * b.norm(dim=-1)[..., None, :]
+    return dots / (norms + eps)

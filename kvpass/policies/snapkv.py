@@ -1,0 +1,56 @@
+"""SnapKV (Li et al. 2024; policies.md §6.3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kvpass.cache import LayerCache, keep_slots
+from kvpass.policies.base import Policy, Stat, require
+from kvpass.policies.selection import kept_slots, select_kept
+
+
+@dataclass(frozen=True)
+class SnapKV(Policy):
+    """Keep the observation window (the last ``window`` prompt tokens) plus the top ``keep - window``
+    earlier positions by pooled window scores: the attention of the last ``window`` prompt queries,
+    fp32 softmax, group mean (§0.5), ``pool``-pooled with ``kernel`` (``Stat.WINDOW_SCORES``, §6.3).
+
+    SnapKV compresses the prompt only and lets decode grow the cache. kvpass's budget counts prompt +
+    generated tokens and must hold at every step, so when decode fills the buffer (every ``interval``
+    steps) the same rule runs again [OURS]: the newest ``window`` entries are kept and the rest compete
+    on their prefill scores; generated tokens have score 0, so those older than the window leave first.
+    If ``keep <= window`` only the newest ``keep`` entries are kept [OURS].
+
+    Parameters
+    ----------
+    window: observation window w (official default 32).
+    kernel: pooling kernel, odd (official default 5; the issue's EMS setting 7).
+    pool: "avg" (official default) or "max".
+    interval: decode steps between compressions.
+    """
+
+    name: ClassVar[str] = "snapkv"
+    section: ClassVar[str] = "§6.3"
+    summary: ClassVar[str] = "observation-window scores, pooled; prefill selection"
+    stats: ClassVar[frozenset[Stat]] = frozenset({Stat.WINDOW_SCORES})
+    window: int = 32
+    kernel: int = 7
+    pool: str = "avg"
+    interval: int = 16
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(isinstance(self.window, int) and self.window >= 1, f"{self.name}: window must be an int >= 1, got {self.window!r}")
+        require(isinstance(self.kernel, int) and self.kernel >= 1 and self.kernel % 2 == 1,
+                f"{self.name}: kernel must be an odd int >= 1, got {self.kernel!r}")
+        require(self.pool in ("avg", "max"), f"{self.name}: pool must be 'avg' or 'max', got {self.pool!r}")
+
+    def stat_options(self, stat: Stat) -> dict[str, object]:
+        return {"obs_window": self.window, "kernel": self.kernel, "pool": self.pool}
+
+    def compress(self, cache: LayerCache, keep: int) -> LayerCache:
+        """cache: k, v [B, Hkv, C, D]; slot_meta['window_scores'] [B, Hkv, C] fp32 -> capacity min(keep, C)."""
+        recent = min(self.window, keep)
+        kept = select_kept(cache.slot_meta[Stat.WINDOW_SCORES.value], cache.length, keep, 0, recent)
+        return keep_slots(cache, kept_slots(kept, keep))

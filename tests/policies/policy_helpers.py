@@ -1,0 +1,69 @@
+"""Helpers of the policy tests: random layer caches and tiny random-config models of every
+architecture of the foundation issue (captured once per session: tracing dominates the run time)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import transformers
+from kvpass.rewrites import capture_causal_lm, insert_compressed_cache, match_attention
+from transformers import AutoModelForCausalLM
+
+from kvpass.cache import LayerCache
+from kvpass.policies import get_policy
+from kvpass.runtime import KVPassModel
+
+_SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=256, initializer_range=0.1)
+
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**_SMALL, num_key_value_heads=2),
+    "mistral": lambda: transformers.MistralConfig(**_SMALL, num_key_value_heads=2, sliding_window=16),
+    "qwen2": lambda: transformers.Qwen2Config(**_SMALL, num_key_value_heads=2),
+    "qwen3": lambda: transformers.Qwen3Config(**_SMALL, num_key_value_heads=2, head_dim=16),
+    "gemma3": lambda: transformers.Gemma3TextConfig(**_SMALL, num_key_value_heads=1, head_dim=16, sliding_window=16,
+                                                    layer_types=["sliding_attention", "full_attention"]),
+    "phi3": lambda: transformers.Phi3Config(**_SMALL, num_key_value_heads=2, pad_token_id=0),
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                            initializer_range=0.1),
+    "gemma2": lambda: transformers.Gemma2Config(**_SMALL, num_key_value_heads=2, head_dim=16, sliding_window=16,
+                                                attn_implementation="eager"),
+}
+ARCHS = tuple(CONFIGS)
+
+
+@functools.cache
+def captured_model(arch: str):
+    """(model, captured, sites) of a tiny random ``arch`` model, built and traced once per session."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[arch]()).eval()
+    captured = capture_causal_lm(model)
+    return model, captured, match_attention(captured, model.config)
+
+
+def apply_cached(arch: str, policy: str, budget: float | int, **kwargs) -> KVPassModel:
+    """What ``kvpass.apply(model, policy, budget, **kwargs)`` returns, reusing the session's trace."""
+    model, captured, sites = captured_model(arch)
+    chosen = get_policy(policy, **kwargs)
+    return KVPassModel(model, chosen, budget, captured, insert_compressed_cache(captured.gm, list(sites), chosen))
+
+
+def random_cache(lengths: list[list[int]], c: int, d: int = 8, seed: int = 0, dtype=torch.float64,
+                 extra_meta: tuple[str, ...] = ("col_sum", "window_scores")) -> LayerCache:
+    """A LayerCache [B, Hkv, C, D] whose row (b, g) holds lengths[b][g] live entries at positions
+    0, 1, ...; random keys/values and positive random per-slot scores (no ties)."""
+    gen = torch.Generator().manual_seed(seed)
+    b, hkv = len(lengths), len(lengths[0])
+    length = torch.tensor(lengths, dtype=torch.long)
+    live = torch.arange(c)[None, None, :] < length[..., None]
+    k = torch.randn(b, hkv, c, d, generator=gen, dtype=torch.float64).to(dtype)
+    v = torch.randn(b, hkv, c, d, generator=gen, dtype=torch.float64).to(dtype)
+    meta = {name: torch.rand(b, hkv, c, generator=gen, dtype=torch.float64).float() * live for name in extra_meta}
+    return LayerCache(k=k * live[..., None], v=v * live[..., None],
+                      log_weight=torch.where(live, 0.0, float("-inf")).float(), length=length,
+                      position=torch.where(live, torch.arange(c), -1), slot_meta=meta)
+
+
+def live_positions(cache: LayerCache, b: int, g: int) -> list[int]:
+    return cache.position[b, g, : int(cache.length[b, g])].tolist()

@@ -1,0 +1,180 @@
+"""D2O (policies.md §5) against a direct float64 loop over tokens written from the spec."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from policy_helpers import live_positions, random_cache
+
+from kvpass.cache import LayerCache
+from kvpass.policies import get_policy
+from kvpass.policies.d2o import D2O, TAU
+
+
+def reference_d2o(cache: LayerCache, keep: int, policy: D2O, tau_prev: list[float | None]):
+    """Per (row, head): sinks + recent + top acc; nearest kept key by cosine; EMA tau per row;
+    merge per the variant. Returns ({(b, g): (positions, k rows, v rows)}, taus)."""
+    n, m = policy.n_m_ratio
+    recent = keep * m // (n + m)
+    sinks = min(policy.sinks, keep - recent)
+    out, taus = {}, []
+    b_rows, hkv = cache.length.shape
+    for b in range(b_rows):
+        per_head = []
+        for g in range(hkv):
+            s = int(cache.length[b, g])
+            acc = cache.slot_meta["col_sum"][b, g].double().tolist()
+            if s <= keep:
+                kept = list(range(s))
+            else:
+                middle = sorted(range(sinks, s - recent), key=lambda j: -acc[j])[: keep - sinks - recent]
+                kept = sorted(set(range(sinks)) | set(range(s - recent, s)) | set(middle))
+            evicted = [j for j in range(s) if j not in kept]
+            k = cache.k[b, g].double()
+            best = []
+            for i in evicted:
+                sims = [float(k[i] @ k[j] / (k[i].norm() * k[j].norm() + 1e-6)) for j in kept]
+                jj = max(range(len(kept)), key=lambda x: sims[x])
+                best.append((i, kept[jj], sims[jj]))
+            per_head.append((kept, best))
+        all_u = [u for _, best in per_head for _, _, u in best]
+        if not all_u:
+            taus.append(tau_prev[b])
+        else:
+            cur = sum(all_u) / len(all_u)
+            taus.append(cur if tau_prev[b] is None else policy.beta * cur + (1 - policy.beta) * tau_prev[b])
+        tau = taus[-1]
+        for g, (kept, best) in enumerate(per_head):
+            k, v = cache.k[b, g].double().clone(), cache.v[b, g].double().clone()
+            new_k, new_v = {}, {}
+            for j in kept:
+                into = []
+                for slot, (i, target, u) in enumerate(best):
+                    if target != j:
+                        continue
+                    if policy.d2o_variant == "paper":
+                        ok = u >= tau
+                    else:
+                        ok = sum(per_head[h][1][slot][2] for h in range(hkv)) / hkv >= tau
+                    if ok:
+                        into.append((i, u))
+                if policy.d2o_variant == "paper":
+                    z = math.e + sum(math.exp(u) for _, u in into)
+                    new_k[j] = (math.e * k[j] + sum(math.exp(u) * k[i] for i, u in into)) / z
+                    new_v[j] = (math.e * v[j] + sum(math.exp(u) * v[i] for i, u in into)) / z
+                else:
+                    new_k[j] = (k[j] + sum(u * k[i] for i, u in into)) / (1 + len(into))
+                    new_v[j] = (v[j] + sum(u * v[i] for i, u in into)) / (1 + len(into))
+            out[(b, g)] = (cache.position[b, g, kept].tolist(), torch.stack([new_k[j] for j in kept]), torch.stack([new_v[j] for j in kept]))
+    return out, taus
+
+
+def _check(got: LayerCache, want: dict) -> None:
+    for (b, g), (kept, k, v) in want.items():
+        assert live_positions(got, b, g) == kept
+        torch.testing.assert_close(got.k[b, g, : len(kept)].double(), k)
+        torch.testing.assert_close(got.v[b, g, : len(kept)].double(), v)
+
+
+@pytest.mark.parametrize("variant", ["paper", "code"])
+def test_compress_matches_reference_over_steps(variant: str) -> None:
+    """Prefill compression then three one-in-one-out steps: kept indices, merged K/V, tau."""
+    policy = D2O(d2o_variant=variant)
+    cache = random_cache([[20, 20], [17, 17]], c=20, seed=3)
+    keep = 12                                                   # recent 3, sinks 4, 5 heavy hitters
+    tau = [None, None]
+    for step in range(4):
+        want, tau = reference_d2o(cache, keep, policy, tau)
+        got = policy.compress(cache, keep)
+        _check(got, want)
+        torch.testing.assert_close(got.state[TAU].double(), torch.tensor(tau, dtype=torch.float64))
+        # one decode step: a new token with a fresh key and some attention mass
+        nxt = random_cache([[13, 13], [13, 13]], c=13, seed=10 + step)
+        got.k, got.v = torch.cat([got.k, nxt.k[:, :, -1:]], 2), torch.cat([got.v, nxt.v[:, :, -1:]], 2)
+        got.log_weight = torch.cat([got.log_weight, torch.zeros(2, 2, 1)], 2)
+        got.position = torch.cat([got.position, torch.full((2, 2, 1), 20 + step)], 2)
+        got.slot_meta = {n: torch.cat([t, nxt.slot_meta[n][:, :, -1:]], 2) for n, t in got.slot_meta.items()}
+        got.length = got.length + 1
+        cache = got
+    assert cache.state["d2o_tau_set"].all()
+
+
+def test_merge_fires_and_threshold_matters() -> None:
+    """Some evicted tokens merge and some are dropped (tau sits inside the similarities), and the
+    merge changes the kept keys: a policy that ignored merging would fail the reference test."""
+    cache = random_cache([[30]], c=30, seed=5)
+    got = D2O().compress(cache, 20)
+    plain = cache.k[0, 0, got.position[0, 0, :20]]
+    changed = (got.k[0, 0, :20] - plain).abs().amax(-1) > 1e-5
+    assert 0 < int(changed.sum()) < 10                     # 10 evicted: at most 10 targets, not all merged
+
+
+def test_sinks_and_recent_always_kept_and_budget_respected() -> None:
+    policy = D2O()
+    cache = random_cache([[40, 40, 40]], c=40, seed=7)
+    cache.slot_meta["col_sum"][..., :4] = 0.0              # the lowest scores: still kept as sinks
+    cache.slot_meta["col_sum"][..., -5:] = 0.0             # recent: still kept
+    for keep in (20, 9, 5, 2, 1):
+        got = policy.compress(cache, keep)
+        sinks, _, recent = policy.split(keep)
+        assert int(got.length.max()) == keep
+        for g in range(3):
+            pos = live_positions(got, 0, g)
+            assert set(range(sinks)) <= set(pos) and set(range(40 - recent, 40)) <= set(pos)
+        assert torch.isfinite(got.k).all() and torch.isfinite(got.v).all()
+        assert torch.isfinite(got.state[TAU]).all()
+
+
+def test_batch_rows_independent() -> None:
+    both = random_cache([[25, 25], [19, 19]], c=25, seed=11)
+    one = random_cache([[19, 19]], c=25, seed=11)
+    for name in ("k", "v"):
+        setattr(one, name, getattr(both, name)[1:].clone())
+    one.slot_meta = {n: t[1:].clone() for n, t in both.slot_meta.items()}
+    got_both, got_one = D2O().compress(both, 10), D2O().compress(one, 10)
+    torch.testing.assert_close(got_both.k[1:], got_one.k)
+    torch.testing.assert_close(got_both.state[TAU][1:], got_one.state[TAU])
+
+
+def _var_cache(var: list[float], n: int = 100) -> LayerCache:
+    cache = random_cache([[n]], c=n, seed=0)
+    cache.state["attn_var"] = torch.tensor([var])
+    return cache
+
+
+def test_layer_budgets_code_form_matches_spec() -> None:
+    """§5.4 code form: min-max normalised head variances, mean, softmax(-sig), L * rho * budget."""
+    variances = [[1.0, 3.0, 2.0, 9.0], [5.0, 5.5, 6.0, 5.0], [0.1, 0.1, 0.1, 10.0]]
+    caches = [_var_cache(v) for v in variances]
+    sig = []
+    for v in variances:
+        lo, hi = min(v), max(v)
+        sig.append(sum((x - lo) / (hi - lo + 1e-6) for x in v) / len(v))
+    z = [math.exp(-s) for s in sig]
+    want = [3 * 20 * x / sum(z) for x in z]
+    got = D2O().layer_budgets(20, caches)
+    assert sum(got) == 60
+    assert all(abs(g - w) < 1 for g, w in zip(got, want, strict=True))
+    assert got[2] > got[0] > got[1]                       # dense (low normalised variance) layers get more
+    assert D2O(allocation="uniform").layer_budgets(20, caches) == [20, 20, 20]
+
+
+def test_layer_budgets_never_exceed_total_with_small_budgets_and_skips() -> None:
+    caches = [_var_cache([float(i), 2.0 * i + 1, 0.5]) for i in range(5)]
+    for budget in (1, 2, 3, 7, 50):
+        got = D2O().layer_budgets(budget, caches)
+        assert sum(got) == 5 * budget and min(got) >= 1
+    got = D2O(skip_layers=(0, -1)).layer_budgets(60, caches)
+    assert got[0] == got[-1] == 100 and sum(got) == 300
+    with pytest.raises(ValueError, match="skip_layers"):
+        D2O(skip_layers=(0, 1)).layer_budgets(20, caches)
+
+
+@pytest.mark.parametrize("kwargs, name", [({"beta": 1.5}, "beta"), ({"d2o_variant": "x"}, "d2o_variant"),
+                                          ({"n_m_ratio": (0, 0)}, "n_m_ratio"), ({"sinks": -1}, "sinks"),
+                                          ({"allocation": "?"}, "allocation")])
+def test_bad_hyperparameters_raise(kwargs: dict, name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        get_policy("d2o", **kwargs)

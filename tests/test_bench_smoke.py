@@ -1,0 +1,53 @@
+"""The GPU benchmark's CPU smoke mode, so the script cannot bit-rot between GPU runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvpass.bench import Deadline, markdown, slug
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_smoke_run_writes_json_markdown_and_plot(tmp_path):
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "speed.py"), "--smoke", "--out", str(tmp_path),
+                           "--prompts", "64", "--total-s", "240"],
+                          env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (js,) = tmp_path.glob("speed-*.json")
+    results = json.loads(js.read_text())
+    assert "errors" not in results, results.get("errors")
+    assert results["correctness"]["all_ok"]
+    assert any("triton_us" in r and "sdpa_us" in r for r in results["kernels"]["rows"])
+    methods = {r["method"] for r in results["e2e"]["rows"] if "tpot_ms" in r}
+    assert {"transformers", "kvpass-full", "kvpass-streamingllm"} <= methods
+    assert js.with_suffix(".md").exists() and js.with_suffix(".png").stat().st_size > 0
+    assert "| 64 | kvpass-streamingllm |" in proc.stdout                # the table is printed last
+
+
+def test_report_survives_failed_sections():
+    md = markdown({"env": {"device": "X"}, "errors": {"kernels": "Traceback...\nRuntimeError: boom"}})
+    assert "kernels: RuntimeError: boom" in md
+    assert slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert Deadline(10).allows(5) and not Deadline(1).allows(5)
+
+
+def test_speed_script_loads_kvpass_from_a_plain_checkout():
+    """The GPU machine has no kvpass installed: the script maps the source tree itself."""
+    code = ("import runpy, sys; sys.argv = ['speed.py', '--help']\n"
+            f"try: runpy.run_path({str(ROOT / 'benchmarks' / 'speed.py')!r}, run_name='__main__')\n"
+            "except SystemExit: pass\n"
+            "import kvpass.kernels, kvpass.rewrites, kvpass.bench\n"
+            "print(kvpass.kernels.__file__)\n")
+    env = dict(os.environ, KVPASS_FROM_SOURCE="1")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().endswith(str(Path("kernels") / "__init__.py"))
