@@ -70,9 +70,9 @@ def prefill_attention_explicit(q: Tensor, k: Tensor, v: Tensor, pad: Tensor, sca
     return o.reshape(b, hq, t, d).to(q.dtype)
 
 
-def column_sums_explicit(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
-                         softcap: float | None = None) -> Tensor:
-    """``kvpass::attention_column_sums`` in one block: [B, Hkv, T] fp32 (materialises T x T per head)."""
+def _prefill_probs(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None,
+                   softcap: float | None) -> Tensor:
+    """Prefill attention probabilities, pad query rows zeroed: [B, Hkv, G, T, T] fp32 (one block)."""
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     qg = q.reshape(b, hkv, (hq // hkv) * t, d).float()
@@ -82,8 +82,26 @@ def column_sums_explicit(q: Tensor, k: Tensor, pad: Tensor, scale: float, window
     s = s.reshape(b, hkv, hq // hkv, t, t)
     mask = prefill_mask_explicit(pad, t, window)[:, :, None]
     real_row = (torch.arange(t, device=q.device)[None, :] >= pad[:, None]).float()   # [B, T]
-    p = torch.softmax(torch.where(mask, s, float("-inf")), dim=-1) * real_row[:, None, None, :, None]
-    return p.sum(dim=3).mean(dim=2)
+    return torch.softmax(torch.where(mask, s, float("-inf")), dim=-1) * real_row[:, None, None, :, None]
+
+
+def column_sums_explicit(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
+                         softcap: float | None = None) -> Tensor:
+    """``kvpass::attention_column_sums`` in one block: [B, Hkv, T] fp32 (materialises T x T per head)."""
+    return _prefill_probs(q, k, pad, scale, window, softcap).sum(dim=3).mean(dim=2)
+
+
+def head_variance_explicit(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
+                           softcap: float | None = None) -> Tensor:
+    """``kvpass::attention_head_variance`` in one block: unbiased variance over real columns of each
+    query head's column sums, [B, Hq] fp32."""
+    b, hq, t, _ = q.shape
+    c = _prefill_probs(q, k, pad, scale, window, softcap).sum(dim=3).reshape(b, hq, t)
+    real = (torch.arange(t, device=q.device)[None, :] >= pad[:, None]).float()[:, None, :]   # [B, 1, T]
+    n = real.sum(-1)
+    mean = (c * real).sum(-1) / n
+    ss = (((c - mean[..., None]) * real) ** 2).sum(-1)
+    return ss / (n - 1).clamp(min=1)
 
 
 def write_and_attend(q: Tensor, k_new: Tensor, v_new: Tensor, k: Tensor, v: Tensor, log_weight: Tensor,
@@ -105,14 +123,26 @@ def write_and_attend(q: Tensor, k_new: Tensor, v_new: Tensor, k: Tensor, v: Tens
 
 _EXPLICIT = {ops.prefill_attention.default: prefill_attention_explicit,
              ops.attention_column_sums.default: column_sums_explicit}
+if hasattr(ops, "attention_head_variance"):
+    _EXPLICIT[ops.attention_head_variance.default] = head_variance_explicit
+
+
+def _explicit_form(target):
+    """The export form of a kvpass op: an explicit one above, else the op's ``*_reference`` function."""
+    if target in _EXPLICIT:
+        return _EXPLICIT[target]
+    name = target.name().split("::")[-1]
+    module = __import__(f"kvpass.kernels.{name}", fromlist=[f"{name}_reference"])
+    return getattr(module, f"{name}_reference")
 
 
 def functional_prefill(prefill: GraphModule) -> GraphModule:
     """A copy of the runtime prefill graph whose kvpass ops are replaced by their explicit forms."""
     graph, env, out = copy_graph(prefill)
     for node in graph.nodes:
-        if node.op == "call_function" and node.target in _EXPLICIT:
-            node.target = _EXPLICIT[node.target]
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+                and node.target.namespace == "kvpass":
+            node.target = _explicit_form(node.target)
     graph.output(out)
     gm = GraphModule(prefill, graph, class_name="KVPassFunctionalPrefill")
     gm.graph.lint()

@@ -214,8 +214,17 @@ def onnx(model: KVPassModel, out_dir: str | Path, max_length: int = 512, budget:
     out.mkdir(parents=True, exist_ok=True)
     findings = {}
     for spec in plan.specs:
-        _export(spec.module, spec.args, out / spec.file, spec.input_names, spec.output_names,
-                spec.dynamic_shapes, opset, optimize)
+        try:
+            _export(spec.module, spec.args, out / spec.file, spec.input_names, spec.output_names,
+                    spec.dynamic_shapes, opset, optimize)
+        except Exception as err:
+            if not spec.key.startswith("compress"):
+                raise
+            cause = err.__cause__ or err
+            raise NotImplementedError(
+                f"{model.policy.name}.compress cannot be exported as a fixed-shape graph: "
+                f"{type(cause).__name__}: {str(cause).strip().splitlines()[0]}. Export needs compress to be "
+                "straight-line tensor code (no .item()/int() of tensor values, no data-dependent shapes).") from err
         if tensorrt_check == "off":
             continue
         found = check_tensorrt(out / spec.file)

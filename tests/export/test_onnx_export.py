@@ -10,15 +10,18 @@ import numpy as np
 import onnx as onnx_lib
 import pytest
 import torch
-from conftest import BUDGET, INTERVAL, MAX_LENGTH
 
 import kvpass
 from kvpass.cache import LayerCache
 from kvpass.export import METADATA, OnnxRunner, check_tensorrt
 from kvpass.export import onnx as export_onnx
 from kvpass.policies.streamingllm import StreamingLLM
+from tests.export.conftest import BUDGET, INTERVAL, MAX_LENGTH
 
-POLICIES = ["full", "streamingllm", "d2o"]
+# D2O's compress sizes its merge tensors from data (int(evicted.sum(-1).max())), so it cannot be traced
+# at fixed shapes yet; strict xfail: this starts failing, as it should, once D2O's compress is static.
+POLICIES = ["full", "streamingllm", pytest.param("d2o", marks=pytest.mark.xfail(
+    raises=NotImplementedError, strict=True, reason="D2O.compress has data-dependent shapes"))]
 
 
 @pytest.mark.parametrize("policy", POLICIES)
