@@ -213,7 +213,8 @@ def onnx(model: KVPassModel, out_dir: str | Path, max_length: int = 512, budget:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     findings = {}
-    for spec in plan.specs:
+    # compress first: it is the graph most likely to be untraceable (a policy's own code), so fail fast
+    for spec in sorted(plan.specs, key=lambda sp: not sp.key.startswith("compress")):
         try:
             _export(spec.module, spec.args, out / spec.file, spec.input_names, spec.output_names,
                     spec.dynamic_shapes, opset, optimize)
