@@ -3,14 +3,21 @@
     model = kvpass.apply(hf_model, policy="streamingllm", budget=0.2)
     out = model.generate(input_ids, max_new_tokens=64)
     model.last_report.cache_bytes
+    compiled = kvpass.compiled(torch.compile(hf_model, backend="kvpass", options={"policy": "full"}))
+    kvpass.export.onnx(model, "out/")
 """
 
+from kvpass import export  # noqa: E402  (kvpass.export.onnx / OnnxRunner / check_tensorrt / tensorrt)
 from kvpass.api import apply
 from kvpass.budget import budget_tokens, check_budget
 from kvpass.errors import UnsupportedModel
 from kvpass.policies import DEFAULT_POLICY, POLICIES, Policy, get_policy
+from kvpass.rewrites.compile_backend import compiled_model as compiled
+from kvpass.rewrites.compile_backend import register as _register_backend
 from kvpass.runtime import GenerateOutput, GenerationReport, KVPassModel
+
+_register_backend()        # torch.compile(model, backend="kvpass", options=...); registration only
 
 __version__ = "0.1.0"
 __all__ = ["DEFAULT_POLICY", "POLICIES", "GenerateOutput", "GenerationReport", "KVPassModel", "Policy",
-           "UnsupportedModel", "apply", "budget_tokens", "check_budget", "get_policy"]
+           "UnsupportedModel", "apply", "budget_tokens", "check_budget", "compiled", "export", "get_policy"]

@@ -1,0 +1,263 @@
+"""``kvpass.export.onnx``: a KVPassModel -> prefill, decode-step and compress ONNX files + metadata.
+
+Shapes: the batch B and the prompt length T are dynamic; every cache buffer has a fixed capacity
+per layer, C_l = budget_l + interval for a compressing policy and ``max_length`` for ``full``. The
+compress graph of a layer budget takes any input capacity N (the prompt's T after prefill, C_l
+during decode) and returns C_l slots. All graphs are functional and use standard ONNX ops only
+(the kvpass ops are exported through their explicit torch forms), and each file is checked
+against the TensorRT ONNX parser's operator limits (``check_tensorrt``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from torch.export import Dim
+
+from kvpass.budget import budget_tokens
+from kvpass.export.graphs import (
+    CompressGraph,
+    DecodeGraph,
+    PrefillGraph,
+    from_flat,
+    per_slot,
+    state_names,
+    to_capacity,
+    to_flat,
+)
+from kvpass.export.tensorrt_check import check_tensorrt
+from kvpass.rewrites.functional_graphs import functional_decode, functional_prefill
+from kvpass.runtime import KVPassModel
+
+log = logging.getLogger(__name__)
+METADATA = "kvpass_export.json"
+_CHECK_MODES = ("warn", "error", "off")
+
+
+def _layer_meta(model: KVPassModel) -> tuple[dict[int, tuple[str, ...]], dict[int, tuple[str, ...]]]:
+    """Per layer: the names of its per-slot prefill statistics and of its per-layer ones (policy state)."""
+    meta: dict[int, list[str]] = {}
+    state: dict[int, list[str]] = {}
+    for layer, stat in model.graphs.prefill_stats:
+        (meta if per_slot(stat.value) else state).setdefault(layer, []).append(stat.value)
+    return ({layer: tuple(v) for layer, v in meta.items()}, {layer: tuple(v) for layer, v in state.items()})
+
+
+def _io(path: Path) -> dict[str, list[dict]]:
+    """Names, shapes (ints or symbolic names) and element types of an ONNX file's inputs and outputs."""
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+
+    def describe(values) -> list[dict]:
+        return [{"name": v.name, "dtype": onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name,
+                 "shape": [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]} for v in values]
+
+    return {"inputs": describe(proto.graph.input), "outputs": describe(proto.graph.output)}
+
+
+def _export(module: torch.nn.Module, args: tuple, path: Path, input_names: list[str], output_names: list[str],
+            dynamic_shapes: tuple, opset: int, optimize: bool) -> None:
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(module, args, dynamo=True, input_names=input_names, output_names=output_names,
+                                    dynamic_shapes=dynamic_shapes, opset_version=opset, verbose=False,
+                                    optimize=optimize)
+    if not optimize:          # shape/axes constants only (Constant -> Reshape -> axes), so TensorRT sees initializers
+        from onnxscript.optimizer import basic_constant_propagation, fold_constants
+
+        fold_constants(program.model, input_size_limit=1024, output_size_limit=1024)
+        basic_constant_propagation(program.model.graph)
+    program.save(str(path))
+
+
+def _validate(model: KVPassModel, max_length: int, check: str, example_length: int) -> None:
+    if not isinstance(model, KVPassModel):
+        raise ValueError(f"kvpass.export.onnx needs a KVPassModel (from kvpass.apply), got {type(model).__name__}")
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
+        raise ValueError(f"max_length must be an int >= 2 (prompt + new tokens), got {max_length!r}")
+    if max_length > model.captured.context_length:
+        raise ValueError(f"max_length {max_length} exceeds the model's context of {model.captured.context_length}")
+    if check not in _CHECK_MODES:
+        raise ValueError(f"tensorrt_check must be one of {', '.join(_CHECK_MODES)}, got {check!r}")
+    if not 2 <= example_length < max_length:
+        raise ValueError(f"example_length must lie in [2, max_length), got {example_length}")
+    windowed = [s.layer for s in model.graphs.sites if s.window is not None]
+    if windowed:
+        raise ValueError(f"layers {windowed} use sliding-window attention; ONNX export does not support "
+                         "sliding-window rings yet")
+
+
+@dataclass
+class GraphSpec:
+    """One exportable graph: the module, example inputs, I/O names and dynamic shapes (torch.export form)."""
+
+    key: str                        # "prefill", "decode", "compress_{keep}"
+    file: str
+    module: torch.nn.Module
+    args: tuple[Tensor, ...]
+    input_names: list[str]
+    output_names: list[str]
+    dynamic_shapes: tuple
+
+
+@dataclass
+class ExportPlan:
+    """What ``graph_specs`` decided: per-layer budgets, capacities and slot-metadata names."""
+
+    specs: list[GraphSpec]
+    budget: int
+    interval: int
+    budgets: list[int]
+    capacities: list[int]
+    meta: dict[int, tuple[str, ...]]                   # layer -> per-slot statistics (slot_meta)
+    prefill_state: dict[int, tuple[str, ...]]          # layer -> per-layer statistics from prefill (state)
+    compress_files: dict[int, str] = field(default_factory=dict)
+    state: dict[int, tuple[str, ...]] = field(default_factory=dict)          # budget -> compress state names
+    seeds: dict[int, dict[str, dict]] = field(default_factory=dict)          # budget -> state compress creates
+
+
+def graph_specs(model: KVPassModel, max_length: int, budget: int | None = None,
+                example_length: int = 8) -> ExportPlan:
+    """Build the prefill, decode and compress modules of ``model`` with example inputs (on its device)."""
+    _validate(model, max_length, "off", example_length)
+    policy = model.policy
+    budget = budget_tokens(model.budget if budget is None else budget, max_length)
+    if policy.compresses and budget < policy.min_budget():
+        raise ValueError(f"budget {budget} is below {policy.name}'s minimum of {policy.min_budget()}")
+    sites = list(model.graphs.sites)
+    n = len(sites)
+    meta, pstate = _layer_meta(model)
+    device = model.device
+
+    prefill = PrefillGraph(functional_prefill(model.graphs.prefill), n,
+                           tuple((layer, stat.value) for layer, stat in model.graphs.prefill_stats), meta, pstate)
+    t = example_length
+    ids = torch.randint(0, int(model.config.vocab_size), (2, t), device=device)
+    pad = torch.tensor([0, 1], device=device)
+    pos = (torch.arange(t, device=device)[None] - pad[:, None]).clamp(min=0)
+    batch, seq = Dim("batch", min=1, max=1024), Dim("prompt", min=1, max=max_length - 1)
+    m = [meta.get(layer, ()) for layer in range(n)]
+    s0 = [pstate.get(layer, ()) for layer in range(n)]
+    prefill_out = [name for layer in range(n) for name in state_names(layer, m[layer], "present", s0[layer])]
+    present = [name for layer in range(n) for name in state_names(layer, m[layer], "present")]
+    past = [name for layer in range(n) for name in state_names(layer, m[layer], "past")]
+    specs = [GraphSpec("prefill", "prefill.onnx", prefill, (ids, pos, pad), ["input_ids", "position_ids", "pad"],
+                       ["logits", *prefill_out], ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch}))]
+
+    with torch.no_grad():
+        flat = prefill(ids, pos, pad)
+    caches, start = [], 1
+    for layer in range(n):
+        width = 5 + len(m[layer]) + len(s0[layer])
+        caches.append(from_flat(flat[start: start + width], m[layer], s0[layer]))
+        start += width
+    interval = int(getattr(policy, "interval", 1)) if policy.compresses else 0
+    if policy.compresses:
+        budgets = [int(b) for b in policy.layer_budgets(budget, caches)]
+        capacities = [b + interval for b in budgets]
+    else:
+        budgets, capacities = [max_length] * n, [max_length] * n
+
+    decode = DecodeGraph(functional_decode(model.captured.gm, sites, policy, meta))
+    state = [x for layer in range(n) for x in to_flat(to_capacity(caches[layer], capacities[layer]), m[layer])]
+    specs.append(GraphSpec("decode", "decode.onnx", decode, (ids[:, :1], pos[:, -1:] + 1, *state),
+                           ["input_ids", "position_ids", *past], ["logits", *present],
+                           ({0: batch}, {0: batch}, tuple({0: batch} for _ in state))))
+
+    plan = ExportPlan(specs, budget, interval, budgets, capacities, meta, pstate)
+    if policy.compresses:
+        for keep in sorted(set(budgets)):
+            layer = budgets.index(keep)
+            example_cache = to_capacity(caches[layer], keep + interval + 5)
+            with torch.no_grad():                       # discover the state compress creates (e.g. an EMA)
+                created = policy.compress(example_cache, keep).state
+            seeds = {k: v for k, v in created.items() if k not in example_cache.state}
+            example_cache.state.update({k: torch.zeros_like(v) for k, v in seeds.items()})
+            keys = (*s0[layer], *seeds)
+            plan.state[keep] = keys
+            plan.seeds[keep] = {k: {"shape": list(v.shape[1:]), "dtype": str(v.dtype).removeprefix("torch.")}
+                                for k, v in seeds.items()}
+            example = to_flat(example_cache, m[layer], keys)
+            slots = Dim("slots", min=2, max=max_length)
+            dims = tuple({0: batch, 2: slots} if i < 5 + len(m[layer]) and x.dim() >= 3 else
+                         ({0: batch} if x.dim() >= 1 else {}) for i, x in enumerate(example))
+            fname = "compress.onnx" if len(set(budgets)) == 1 else f"compress_{keep}.onnx"
+            specs.append(GraphSpec(f"compress_{keep}", fname, CompressGraph(policy, keep, keep + interval, m[layer], keys),
+                                   tuple(example), state_names(0, m[layer], "past", keys),
+                                   state_names(0, m[layer], "present", keys), (dims,)))
+            plan.compress_files[keep] = fname
+    return plan
+
+
+def onnx(model: KVPassModel, out_dir: str | Path, max_length: int = 512, budget: int | None = None,
+         opset: int = 18, tensorrt_check: str = "warn", example_length: int = 8, optimize: bool = False) -> dict:
+    """Export ``model``'s prefill, decode step and compress graphs to ``out_dir`` and return the metadata
+    (also written to ``out_dir/kvpass_export.json``).
+
+    max_length: the most tokens (prompt + new) a sequence may reach; the ``full`` cache holds this many.
+    budget: entries per compressed layer (int); default: the model's budget (a float fraction is taken of
+        ``max_length``). Match the budget ``KVPassModel.generate`` resolves for identical tokens.
+    tensorrt_check: "warn" (log and record findings), "error" (raise ValueError on any), "off".
+    optimize: run the onnxscript optimizer on each file (about a minute per graph on SmolLM2-135M; off by
+        default since onnxruntime and TensorRT optimise the graph themselves).
+    """
+    _validate(model, max_length, tensorrt_check, example_length)
+    plan = graph_specs(model, max_length, budget, example_length)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    findings = {}
+    # compress first: it is the graph most likely to be untraceable (a policy's own code), so fail fast
+    for spec in sorted(plan.specs, key=lambda sp: not sp.key.startswith("compress")):
+        try:
+            _export(spec.module, spec.args, out / spec.file, spec.input_names, spec.output_names,
+                    spec.dynamic_shapes, opset, optimize)
+        except Exception as err:
+            if not spec.key.startswith("compress"):
+                raise
+            cause = err.__cause__ or err
+            raise NotImplementedError(
+                f"{model.policy.name}.compress cannot be exported as a fixed-shape graph: "
+                f"{type(cause).__name__}: {str(cause).strip().splitlines()[0]}. Export needs compress to be "
+                "straight-line tensor code (no .item()/int() of tensor values, no data-dependent shapes).") from err
+        if tensorrt_check == "off":
+            continue
+        found = check_tensorrt(out / spec.file)
+        findings[spec.file] = [asdict(f) for f in found]
+        for f in found:
+            log.warning("TensorRT: %s: %s", spec.file, f)
+        if found and tensorrt_check == "error":
+            raise ValueError(f"{spec.file}: {len(found)} node(s) the TensorRT ONNX parser rejects or restricts: "
+                             + "; ".join(str(f) for f in found[:5]))
+
+    policy = model.policy
+    metadata = {
+        "format": "kvpass-onnx/1",
+        "model_type": model.config.model_type,
+        "vocab_size": int(model.config.vocab_size),
+        "policy": {"name": policy.name, **{f.name: getattr(policy, f.name) for f in fields(policy)}},
+        "budget": plan.budget, "interval": plan.interval, "max_length": max_length,
+        "compresses": policy.compresses, "opset": opset,
+        "eos_token_id": getattr(model.generation_config, "eos_token_id", None),
+        "pad_token_id": getattr(model.generation_config, "pad_token_id", None),
+        "layers": [{"layer": s.layer, "n_kv_heads": s.n_kv_heads, "head_dim": s.head_dim, "budget": b,
+                    "capacity": c, "compressible": policy.compresses, "meta": list(plan.meta.get(s.layer, ())),
+                    "compress": plan.compress_files.get(b),
+                    "prefill_state": list(plan.prefill_state.get(s.layer, ())), "state": list(plan.state.get(b, ())),
+                    "state_seed": plan.seeds.get(b, {})}
+                   for s, b, c in zip(model.graphs.sites, plan.budgets, plan.capacities, strict=True)],
+        "files": {spec.key: {"path": spec.file, **_io(out / spec.file)} for spec in plan.specs},
+        "tensorrt_findings": findings,
+    }
+    (out / METADATA).write_text(json.dumps(metadata, indent=1))
+    log.info("exported %s (%s, %d layers) to %s", model.config.model_type, policy.name, len(plan.budgets), out)
+    return metadata
+
+
+__all__ = ["METADATA", "onnx"]

@@ -1,0 +1,146 @@
+"""The ``torch.compile`` backend "kvpass".
+
+    compiled = torch.compile(hf_model, backend="kvpass", options={"policy": "streamingllm", "budget": 0.2})
+    model = kvpass.compiled(compiled)            # a KVPassModel whose graphs Inductor compiled
+    out = model.generate(input_ids, max_new_tokens=64)
+
+Design (pragmatic, and why). ``torch.compile`` hands a backend only an FX graph and example inputs,
+never the module, and the ``OptimizedModule`` it returns forwards every attribute but ``forward`` to
+the eager model, so ``compiled.generate`` is transformers' own loop over the eager forward and no
+backend can change that without monkeypatching the model. So the work is split:
+
+* ``kvpass_backend`` (registered as "kvpass" on ``import kvpass``, nothing else happens at import)
+  validates ``options`` and compiles graphs with Inductor. Handed a kvpass graph (one calling
+  ``torch.ops.kvpass``: the rewritten prefill or the decode step), it compiles it as is; handed a plain
+  model forward, it compiles it unchanged (there is no cache in a no-cache forward to rewrite).
+* ``compiled_model(compiled)`` (``kvpass.compiled``) reads the options back from the compiled module,
+  runs kvpass's capture -> attention matching -> cache rewrite on the eager model (exactly
+  ``kvpass.apply``), and compiles the resulting prefill and decode graphs through this backend: prefill
+  with a dynamic prompt length, the decode step with static shapes (``fullgraph=True``, so a graph
+  break is an error), which the static cache buffers keep stable, so decoding never recompiles.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.fx import GraphModule
+
+log = logging.getLogger(__name__)
+BACKEND = "kvpass"
+_INDUCTOR_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# How many graphs the backend compiled, by kind ("prefill", "decode", "model"): tests read this.
+COMPILE_COUNTS: Counter[str] = Counter()
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """The ``options`` dict of ``torch.compile(..., backend="kvpass", options=...)``.
+
+    policy: a registered policy name; budget: float fraction or int tokens (``kvpass.budget``);
+    policy_kwargs: the policy's hyperparameters; mode: the Inductor mode for the graphs."""
+
+    policy: str = "streamingllm"
+    budget: float | int = 0.2
+    policy_kwargs: dict = field(default_factory=dict)
+    mode: str = "default"
+
+    @classmethod
+    def parse(cls, options: dict | None) -> CompileOptions:
+        """Validate a user options dict; raises ValueError naming the bad key or value."""
+        from kvpass.budget import check_budget
+        from kvpass.policies import get_policy
+
+        options = dict(options or {})
+        unknown = set(options) - {"policy", "budget", "policy_kwargs", "mode"}
+        if unknown:
+            raise ValueError(f"unknown kvpass compile option(s) {', '.join(sorted(unknown))}; "
+                             "known: policy, budget, policy_kwargs, mode")
+        opts = cls(**options)
+        if not isinstance(opts.policy, str):
+            raise ValueError(f"option 'policy' must be a policy name, got {opts.policy!r}")
+        if not isinstance(opts.policy_kwargs, dict):
+            raise ValueError(f"option 'policy_kwargs' must be a dict, got {opts.policy_kwargs!r}")
+        get_policy(opts.policy, **opts.policy_kwargs)                    # ValueError: unknown name / parameter
+        try:
+            check_budget(opts.budget)
+        except TypeError as err:
+            raise ValueError(str(err)) from err
+        if opts.mode not in _INDUCTOR_MODES:
+            raise ValueError(f"option 'mode' must be one of {', '.join(_INDUCTOR_MODES)}, got {opts.mode!r}")
+        return opts
+
+
+def _kind(gm: GraphModule) -> str:
+    names = {getattr(n.target, "name", lambda: "")() if callable(getattr(n.target, "name", None)) else ""
+             for n in gm.graph.nodes if n.op == "call_function"}
+    if any("kvpass::decode_attention" in n or "kvpass::write_kv" in n for n in names):
+        return "decode"
+    if any(n.startswith("kvpass::") for n in names):
+        return "prefill"
+    return "model"
+
+
+def kvpass_backend(gm: GraphModule, example_inputs: list, options: dict | None = None, **_) -> Callable:
+    """Dynamo backend: validate ``options``, then compile ``gm`` with Inductor (see the module docstring)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    opts = CompileOptions.parse(options)
+    kind = _kind(gm)
+    COMPILE_COUNTS[kind] += 1
+    log.info("kvpass backend: compiling a %s graph (%d nodes)", kind, len(gm.graph.nodes))
+    patches = {} if opts.mode == "default" else {"max_autotune": "max-autotune" in opts.mode}
+    return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def register() -> None:
+    """Register the backend under the name "kvpass" (idempotent)."""
+    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+
+    if BACKEND not in _COMPILER_FNS:
+        register_backend(kvpass_backend, name=BACKEND)
+
+
+def _compile_wrapper(compiled: nn.Module):
+    """The torch.compile wrapper (holding ``compiler_name`` and ``kwargs``) of an OptimizedModule."""
+    obj = getattr(getattr(compiled, "dynamo_ctx", None), "callback", None)
+    for _ in range(8):
+        if obj is None:
+            break
+        if hasattr(obj, "compiler_name") and hasattr(obj, "kwargs"):
+            return obj
+        obj = getattr(obj, "_torchdynamo_orig_backend", None)
+    return None
+
+
+def compiled_model(compiled: nn.Module):
+    """The KVPassModel of ``torch.compile(model, backend="kvpass", options=...)``: kvpass's rewrite of the
+    eager model with the options given there, its prefill and decode graphs compiled by the backend."""
+    from kvpass.api import apply
+
+    if not isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule):
+        raise ValueError(f"expected the result of torch.compile(model, backend='kvpass'), got {type(compiled).__name__}")
+    wrapper = _compile_wrapper(compiled)
+    if wrapper is None or wrapper.compiler_name != BACKEND:
+        name = getattr(wrapper, "compiler_name", "unknown")
+        raise ValueError(f"this module was compiled with backend {name!r}; use torch.compile(model, backend='kvpass')")
+    opts = CompileOptions.parse(wrapper.kwargs.get("options"))
+    model = apply(compiled._orig_mod, policy=opts.policy, budget=opts.budget, **opts.policy_kwargs)
+    compile_graphs(model, opts)
+    return model
+
+
+def compile_graphs(model, opts: CompileOptions | None = None) -> None:
+    """Replace a KVPassModel's prefill and decode graphs by their compiled forms, in place."""
+    options = {"mode": (opts or CompileOptions()).mode}
+    graphs = model.graphs
+    prefill = torch.compile(graphs.prefill, backend=BACKEND, options=options, dynamic=True)
+    decode = torch.compile(graphs.decode, backend=BACKEND, options=options, dynamic=False, fullgraph=True)
+    model.graphs = type(graphs)(prefill=prefill, decode=decode, sites=graphs.sites,
+                                prefill_stats=graphs.prefill_stats, decode_scores=graphs.decode_scores)
+    model.eager_graphs = graphs

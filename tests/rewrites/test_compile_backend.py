@@ -1,0 +1,92 @@
+"""The torch.compile backend "kvpass": same greedy tokens as kvpass.apply, no graph breaks in a decode
+step, one compile of the decode graph over 50 steps, options validated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from kvpass.rewrites.compile_backend import COMPILE_COUNTS, CompileOptions
+
+import kvpass
+
+OPTIONS = {"policy": "streamingllm", "budget": 10, "policy_kwargs": {"sinks": 2, "interval": 4}}
+
+
+@pytest.fixture(scope="module")
+def llama():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def compiled(llama):
+    torch._dynamo.reset()
+    return kvpass.compiled(torch.compile(llama, backend="kvpass", options=OPTIONS))
+
+
+def test_backend_is_registered():
+    from torch._dynamo.backends.registry import list_backends, lookup_backend
+
+    assert "kvpass" in list_backends(exclude_tags=())
+    assert lookup_backend("kvpass").__name__ == "kvpass_backend"
+
+
+def test_compiled_generate_equals_apply_without_recompiling(llama, compiled):
+    ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(1))
+    eager = kvpass.apply(llama, policy="streamingllm", budget=10, sinks=2, interval=4)
+    want = eager.generate(ids, max_new_tokens=51, eos_token_id=[])
+    COMPILE_COUNTS.clear()
+    got = compiled.generate(ids, max_new_tokens=51, eos_token_id=[])      # 50 decode steps
+    assert torch.equal(got, want)
+    assert compiled.last_report.compressions > 5                          # the loop compressed repeatedly
+    assert COMPILE_COUNTS["decode"] == 1 and COMPILE_COUNTS["prefill"] == 1
+    again = compiled.generate(ids, max_new_tokens=51, eos_token_id=[])    # same shapes: nothing recompiles
+    assert torch.equal(again, want) and COMPILE_COUNTS["decode"] == 1
+
+
+def test_decode_step_has_no_graph_breaks(compiled):
+    """Record one decode step's real inputs, then ask Dynamo to explain the decode graph on them."""
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(3))
+    original, decode, seen = compiled.graphs, compiled.eager_graphs.decode, []
+
+    def record(*args):
+        seen.append([a.clone() for a in args])
+        return decode(*args)
+
+    compiled.graphs = type(original)(original.prefill, record, original.sites, original.prefill_stats,
+                                     original.decode_scores)
+    try:
+        compiled.generate(ids, max_new_tokens=3, eos_token_id=[])
+    finally:
+        compiled.graphs = original
+    explanation = torch._dynamo.explain(decode)(*seen[0])
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"policy": "nope"}, "unknown policy"),
+    ({"budget": 1.5}, "fraction"),
+    ({"budget": "a lot"}, "budget"),
+    ({"policy": "streamingllm", "policy_kwargs": {"sinkz": 1}}, "no parameter"),
+    ({"mode": "fastest"}, "mode"),
+    ({"bugdet": 0.2}, "unknown kvpass compile option"),
+])
+def test_bad_options_raise_value_error(options, match):
+    with pytest.raises(ValueError, match=match):
+        CompileOptions.parse(options)
+
+
+def test_backend_validates_options_when_compiling():
+    fn = torch.compile(lambda x: x + 1, backend="kvpass", options={"budget": 0})
+    with pytest.raises(Exception, match="budget 0"):
+        fn(torch.ones(2))
+
+
+def test_compiled_rejects_other_backends(llama):
+    with pytest.raises(ValueError, match="backend 'eager'"):
+        kvpass.compiled(torch.compile(llama, backend="eager"))
+    with pytest.raises(ValueError, match="torch.compile"):
+        kvpass.compiled(llama)
