@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from kvpass.kernels import decode_attention_reference, merge_entries_reference
-from merging_support import ARCHS, full_output, prompt, tiny_model
+from tests.policies.merging_support import ARCHS, full_output, prompt, tiny_model
 
 import kvpass
 from kvpass.cache import EMPTY, LayerCache

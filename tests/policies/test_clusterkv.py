@@ -10,7 +10,7 @@ import pytest
 import torch
 from kvpass.kernels import decode_attention_reference
 from kvpass.kernels.cluster_recall_attention import attend_selected, select_slots
-from merging_support import ARCHS, full_output, prompt, tiny_model
+from tests.policies.merging_support import ARCHS, full_output, prompt, tiny_model
 
 import kvpass
 from kvpass.policies.clusterkv import ClusterKV

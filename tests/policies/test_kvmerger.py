@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from merging_support import ARCHS, full_output, prompt, tiny_model
+from tests.policies.merging_support import ARCHS, full_output, prompt, tiny_model
 
 import kvpass
 from kvpass.cache import LayerCache

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from merging_support import prompt, tiny_model
+from tests.policies.merging_support import prompt, tiny_model
 
 import kvpass
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from kvpass.kernels import decode_attention_reference, page_recall_attention_reference
 from kvpass.kernels.page_recall_attention import page_summaries
-from merging_support import ARCHS, full_output, prompt, tiny_model
+from tests.policies.merging_support import ARCHS, full_output, prompt, tiny_model
 
 import kvpass
 from kvpass.policies.quest import Quest
