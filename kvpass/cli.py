@@ -109,10 +109,10 @@ def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="answer the built-in needle prompt (or --prompt-file) with a compressed cache")
     _add_model_args(p)
     p.add_argument("--prompt-file", help="a text file to use as the user message instead of the built-in prompt")
-    p.add_argument("--context-tokens", type=int, default=4000, help="length of the built-in prompt (default 4000)")
+    p.add_argument("--context-tokens", type=int, default=2000, help="length of the built-in prompt (default 2000)")
     p.add_argument("--depth", type=float, default=0.5, help="where the passphrase hides, 0..1 (default 0.5)")
     p.add_argument("--seed", type=int, default=0, help="seed of the passphrase")
-    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--max-new-tokens", type=int, default=32)
     p.set_defaults(func=cmd_generate)
 
 
