@@ -121,8 +121,13 @@ def _policies_parser(sub) -> None:
     p.set_defaults(func=cmd_policies)
 
 
+def _bench_parser(sub) -> None:
+    # listed for --help only: main() hands `kvpass bench ...` to kvpass.bench.main with its own options
+    sub.add_parser("bench", help="GPU speed benchmark (kernels + end-to-end decode); `kvpass bench --help`")
+
+
 # Each entry adds one subcommand to the parser.
-COMMANDS: list[Callable] = [_generate_parser, _policies_parser]
+COMMANDS: list[Callable] = [_generate_parser, _policies_parser, _bench_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,6 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:                   # its own options, passed through untouched
+        from kvpass.bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     try:
