@@ -18,14 +18,15 @@ from torch import Tensor
 
 
 def prefill_mask(pad: Tensor, t: int, window: int | None) -> Tensor:
-    """Boolean mask [B, 1, T, T], True where query i may attend key j (see the module docstring)."""
+    """Boolean mask [B, 1, T, T], True where query i may attend key j (see the module docstring).
+    Written with and/or only, no boolean where, so the ONNX export can use it as it is."""
     i = torch.arange(t, device=pad.device)[:, None]
     j = torch.arange(t, device=pad.device)[None, :]
     allowed = (j <= i)[None] & (j[None] >= pad[:, None, None])
     if window is not None:
         allowed = allowed & ((i - j) < window)[None]
     is_pad_row = i[None] < pad[:, None, None]                         # [B, T, 1]
-    allowed = torch.where(is_pad_row, (i == j)[None], allowed)
+    allowed = (is_pad_row & (i == j)[None]) | (~is_pad_row & allowed)
     return allowed[:, None]
 
 

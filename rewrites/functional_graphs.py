@@ -25,6 +25,7 @@ import operator
 import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
 import torch
 from kvpass.kernels.decode_attention import decode_attention_reference
+from kvpass.kernels.prefill_attention import prefill_mask
 from kvpass.rewrites.attention_sites import AttentionSite
 from kvpass.rewrites.insert_compressed_cache import (
     DECODE_STATS,
@@ -41,18 +42,6 @@ from kvpass.policies.base import Attention, Policy, Stat
 ops = torch.ops.kvpass
 
 
-def prefill_mask_explicit(pad: Tensor, t: int, window: int | None) -> Tensor:
-    """``kvpass.kernels.prefill_mask`` [B, 1, T, T] bool with and/or only (onnxruntime has no bool Where)."""
-    i = torch.arange(t, device=pad.device)[:, None]
-    j = torch.arange(t, device=pad.device)[None, :]
-    allowed = (j <= i)[None] & (j[None] >= pad[:, None, None])
-    if window is not None:
-        allowed = allowed & ((i - j) < window)[None]
-    is_pad_row = i[None] < pad[:, None, None]                         # [B, T, 1]
-    allowed = (is_pad_row & (i == j)[None]) | (~is_pad_row & allowed)
-    return allowed[:, None]
-
-
 def prefill_attention_explicit(q: Tensor, k: Tensor, v: Tensor, pad: Tensor, scale: float,
                                window: int | None = None, softcap: float | None = None) -> Tensor:
     """``kvpass::prefill_attention`` as matmul / where / softmax (fp32 scores).
@@ -64,7 +53,7 @@ def prefill_attention_explicit(q: Tensor, k: Tensor, v: Tensor, pad: Tensor, sca
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
     s = s.reshape(b, hkv, hq // hkv, t, t)
-    mask = prefill_mask_explicit(pad, t, window)[:, :, None]                    # [B, 1, 1, T, T]
+    mask = prefill_mask(pad, t, window)[:, :, None]                    # [B, 1, 1, T, T]
     p = torch.softmax(torch.where(mask, s, float("-inf")), dim=-1)
     o = torch.matmul(p, v.float()[:, :, None])                          # [B, Hkv, G, T, D]
     return o.reshape(b, hq, t, d).to(q.dtype)
@@ -80,7 +69,7 @@ def _prefill_probs(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int 
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
     s = s.reshape(b, hkv, hq // hkv, t, t)
-    mask = prefill_mask_explicit(pad, t, window)[:, :, None]
+    mask = prefill_mask(pad, t, window)[:, :, None]
     real_row = (torch.arange(t, device=q.device)[None, :] >= pad[:, None]).float()   # [B, T]
     return torch.softmax(torch.where(mask, s, float("-inf")), dim=-1) * real_row[:, None, None, :, None]
 
