@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 from kvpass.kernels import decode_attention_reference, merge_entries_reference
-from tests.policies.merging_support import ARCHS, full_output, prompt, tiny_model
 
 import kvpass
 from kvpass.cache import EMPTY, LayerCache
 from kvpass.policies.chelsea import Chelsea
+from tests.policies.merging_support import ARCHS, full_output, prompt, tiny_model
 
 
 def random_cache(b: int, hkv: int, c: int, d: int, lengths: list[list[int]], seed: int = 0,

@@ -10,11 +10,11 @@ import pytest
 import torch
 from kvpass.kernels import decode_attention_reference
 from kvpass.kernels.cluster_recall_attention import attend_selected, select_slots
-from tests.policies.merging_support import ARCHS, full_output, prompt, tiny_model
 
 import kvpass
 from kvpass.policies.clusterkv import ClusterKV
 from kvpass.policies.kmeans import cosine_kmeans, member_rank
+from tests.policies.merging_support import ARCHS, full_output, prompt, tiny_model
 
 
 def cos(a, b):

@@ -7,11 +7,11 @@ import math
 
 import pytest
 import torch
-from tests.policies.merging_support import ARCHS, full_output, prompt, tiny_model
 
 import kvpass
 from kvpass.cache import LayerCache
 from kvpass.policies.kvmerger import SIZE, KVMerger
+from tests.policies.merging_support import ARCHS, full_output, prompt, tiny_model
 
 
 def correlated_cache(c=24, d=6, seed=0) -> LayerCache:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.policies.merging_support import prompt, tiny_model
 
 import kvpass
+from tests.policies.merging_support import prompt, tiny_model
 
 CASES = {
     "chelsea": dict(sinks=4, recent=8, chunk=16, interval=8),

@@ -7,10 +7,10 @@ import pytest
 import torch
 from kvpass.kernels import decode_attention_reference, page_recall_attention_reference
 from kvpass.kernels.page_recall_attention import page_summaries
-from tests.policies.merging_support import ARCHS, full_output, prompt, tiny_model
 
 import kvpass
 from kvpass.policies.quest import Quest
+from tests.policies.merging_support import ARCHS, full_output, prompt, tiny_model
 
 
 def case(b=2, hkv=2, group=2, pages=5, page=4, d=8, lengths=(19, 13), seed=0):
