@@ -179,7 +179,7 @@ class D2O(Policy):
         ``col_sum`` outside the sinks and the recent window, merges it into its nearest kept key and
         shifts the later slots down by one; a shorter row is unchanged (its slot keep is empty).
         O(C D) per row, no sort; returns capacity keep."""
-        c, d = cache.capacity, cache.k.shape[-1]
+        b, h, c, d = cache.k.shape
         j = torch.arange(c, device=cache.k.device)
         n = cache.length[..., None]                                            # [B, Hkv, 1]
         live = j < n
@@ -188,35 +188,41 @@ class D2O(Policy):
         prio = torch.where(cand, cache.slot_meta[Stat.COLUMN_SUM.value].double(), float("inf"))
         e = torch.where(evict, prio.argmin(-1), c - 1)[..., None]              # [B, Hkv, 1] (c - 1: empty)
         # the entry and its nearest other live key, in the input's slots
-        e_rows = e[..., None].expand(-1, -1, 1, d)
-        k_e, v_e = torch.gather(cache.k, 2, e_rows), torch.gather(cache.v, 2, e_rows)   # [B, Hkv, 1, D]
+        row0 = torch.arange(b * h, device=e.device).view(b, h, 1) * c         # first slot of each row, flattened
+        flat_e = (e + row0).reshape(-1)
+        k_e = cache.k.reshape(b * h * c, d).index_select(0, flat_e).view(b, h, 1, d)
+        v_e = cache.v.reshape(b * h * c, d).index_select(0, flat_e).view(b, h, 1, d)
         u = cosine(k_e, cache.k).masked_fill(~(live & (j != e))[:, :, None, :], float("-inf"))   # [B, Hkv, 1, C]
         u_star, nearest = u.max(dim=-1)                                        # [B, Hkv, 1]
         valid = evict[..., None]
         u_star = torch.where(valid, u_star, 0.0)
         # slot i of the output is slot i (before e) or i + 1 (from e on) of the input
         src = j[:keep] + (j[:keep] >= e)                                       # [B, Hkv, keep]
-        log_weight = torch.gather(cache.log_weight, 2, src)
+        flat_src = (src + row0).reshape(-1)
+
+        def take(t: Tensor) -> Tensor:
+            rest = t.shape[3:]
+            return t.reshape(b * h * c, *rest).index_select(0, flat_src).view(b, h, keep, *rest)
+
+        log_weight = take(cache.log_weight)
         kept_live = log_weight > EMPTY
-        rows = src[..., None].expand(-1, -1, -1, d)
         out = LayerCache(
-            k=torch.gather(cache.k, 2, rows), v=torch.gather(cache.v, 2, rows), log_weight=log_weight,
-            length=cache.length - evict.long(),
-            position=torch.gather(cache.position, 2, src).masked_fill(~kept_live, -1),
-            slot_meta={name: torch.gather(t, 2, src.reshape(*src.shape, *([1] * (t.dim() - 3)))
-                                          .expand(*src.shape, *t.shape[3:]))
-                       * kept_live.reshape(*kept_live.shape, *([1] * (t.dim() - 3))).to(t.dtype)
+            k=take(cache.k), v=take(cache.v), log_weight=log_weight, length=cache.length - evict.long(),
+            position=take(cache.position).masked_fill(~kept_live, -1),
+            slot_meta={name: take(t) * kept_live.reshape(*kept_live.shape, *([1] * (t.dim() - 3))).to(t.dtype)
                        for name, t in cache.slot_meta.items()},
             state=dict(cache.state))
         tau = self._update_tau(out, u_star, valid)                            # [B]
         merged, w_e, w_self = self._merge_weights(u_star, valid, tau)
-        target = (nearest - (nearest > e).long())[..., None].expand(-1, -1, 1, d)   # nearest, in the output's slots
+        target = nearest - (nearest > e).long()                                # [B, Hkv, 1] in the output's slots
+        flat = (target + row0 // c * keep).reshape(-1)
         norm = w_self + (w_e if self.d2o_variant == "paper" else merged.float())  # [B, Hkv, 1]
         for name, s_e in (("k", k_e), ("v", v_e)):
             base = getattr(out, name)
-            into = torch.gather(base, 2, target)
+            into = base.view(b * h * keep, d).index_select(0, flat).view(b, h, 1, d)
             new = (w_self * into.float() + w_e[..., None] * s_e.float()) / norm[..., None]
-            base.scatter_(2, target, torch.where(merged[..., None], new.to(base.dtype), into))
+            new = torch.where(merged[..., None], new.to(base.dtype), into)
+            base.view(b * h * keep, d).index_copy_(0, flat, new.view(b * h, d))
         return out
 
     def _update_tau(self, out: LayerCache, u_star: Tensor, valid: Tensor) -> Tensor:
