@@ -63,11 +63,19 @@ class LayerCache:
         )
 
 
-def _gather_slots(t: Tensor, idx: Tensor) -> Tensor:
-    """t: [B, Hkv, C, ...]; idx: [B, Hkv, K] -> [B, Hkv, K, ...]."""
-    extra = t.shape[3:]
-    full = idx.reshape(*idx.shape, *([1] * len(extra))).expand(*idx.shape, *extra)
-    return torch.gather(t, 2, full)
+def gather_slots(t: Tensor, idx: Tensor) -> Tensor:
+    """t: [B, Hkv, C, ...]; idx: [B, Hkv, K] -> [B, Hkv, K, ...] (t[b, g, idx[b, g, i]]).
+
+    One ``index_select`` of whole slots of the flattened tensor (a row copy per slot), not a
+    ``gather`` with an index expanded over the trailing dimensions (slow on CPU)."""
+    b, h, c = t.shape[:3]
+    rest = t.shape[3:]
+    base = torch.arange(b * h, device=idx.device).view(b, h, 1) * c
+    flat = (idx.expand(b, h, idx.shape[2]) + base).reshape(-1)
+    return t.reshape(b * h * c, *rest).index_select(0, flat).view(b, h, idx.shape[2], *rest)
+
+
+_gather_slots = gather_slots
 
 
 def keep_slots(cache: LayerCache, idx: Tensor) -> LayerCache:

@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from kvpass.cache import LayerCache, keep_slots
+from kvpass.cache import EMPTY, LayerCache, keep_slots
 from kvpass.policies.allocation import apportion
 from kvpass.policies.base import Policy, Stat, require
 from kvpass.policies.selection import cosine, kept_slots, ordered_slots, select_kept
@@ -126,15 +126,33 @@ class D2O(Policy):
 
     def compress(self, cache: LayerCache, keep: int) -> LayerCache:
         """cache: k, v [B, Hkv, C, D], slot_meta['col_sum'] [B, Hkv, C] fp32. Returns capacity
-        min(keep, C) with merged K, V and the updated EMA threshold in state."""
+        min(keep, C) with merged K, V and the updated EMA threshold in state.
+
+        C = keep + 1 (the one-in-one-out decode step: every row evicts at most one entry, a static
+        fact) takes ``_compress_one``, O(C) work; anything else the general path. Both give the same
+        entries (tested equal); neither synchronises with the device."""
         sinks, _, recent = self.split(keep)
+        if cache.capacity == keep + 1:
+            return self._compress_one(cache, keep, sinks, recent)
+        return self._compress_general(cache, keep, sinks, recent)
+
+    def _merge_weights(self, u_star: Tensor, valid: Tensor, tau: Tensor) -> tuple[Tensor, Tensor, float]:
+        """(merged [B, Hkv, E] bool, w_e [B, Hkv, E] fp32, w_self) of §5.6 steps 3-4."""
+        if self.d2o_variant == "paper":
+            merged = valid & (u_star >= tau[:, None, None])
+            return merged, torch.where(merged, u_star.exp(), 0.0), math.e
+        per_slot = u_star.sum(1) / valid.sum(1).clamp(min=1)                   # [B, E] mean over heads
+        merged = valid & (per_slot >= tau[:, None])[:, None, :]
+        return merged, torch.where(merged, u_star, 0.0), 1.0
+
+    def _compress_general(self, cache: LayerCache, keep: int, sinks: int, recent: int) -> LayerCache:
         score = cache.slot_meta[Stat.COLUMN_SUM.value]
         kept = select_kept(score, cache.length, keep, sinks, recent)
         out = keep_slots(cache, kept_slots(kept, keep))
-        evicted = cache.live & ~kept
-        n_evicted = int(evicted.sum(-1).max())
-        if n_evicted == 0:
+        n_evicted = cache.capacity - out.capacity      # static upper bound: no device sync
+        if n_evicted <= 0:
             return out
+        evicted = cache.live & ~kept
         e_idx = ordered_slots(evicted, n_evicted)                              # [B, Hkv, E]
         valid = torch.gather(evicted, 2, e_idx)                                # [B, Hkv, E]
         d = cache.k.shape[-1]
@@ -144,23 +162,67 @@ class D2O(Policy):
         u_star, nearest = u.max(dim=-1)                                        # [B, Hkv, E]
         u_star = torch.where(valid, u_star, 0.0)
         tau = self._update_tau(out, u_star, valid)                            # [B]
-        if self.d2o_variant == "paper":
-            merged = valid & (u_star >= tau[:, None, None])
-            w_e = torch.where(merged, u_star.exp(), 0.0)
-            w_self = math.e
-        else:
-            per_slot = u_star.sum(1) / valid.sum(1).clamp(min=1)               # [B, E] mean over heads
-            merged = valid & (per_slot >= tau[:, None])[:, None, :]
-            w_e = torch.where(merged, u_star, 0.0)
-            w_self = 1.0
+        merged, w_e, w_self = self._merge_weights(u_star, valid, tau)
         count = torch.zeros_like(out.log_weight).scatter_add(2, nearest, merged.float())
         norm = w_self + (torch.zeros_like(out.log_weight).scatter_add(2, nearest, w_e)
                          if self.d2o_variant == "paper" else count)             # [B, Hkv, K]
+        target = (count > 0)[..., None]                                        # entries something merged into
         idx = nearest[..., None].expand(-1, -1, -1, d)
         for name, src in (("k", k_e), ("v", v_e)):
             base = getattr(out, name)
             acc = (w_self * base.float()).scatter_add(2, idx, w_e[..., None] * src.float())
-            setattr(out, name, (acc / norm[..., None]).to(base.dtype))
+            setattr(out, name, torch.where(target, (acc / norm[..., None]).to(base.dtype), base))
+        return out
+
+    def _compress_one(self, cache: LayerCache, keep: int, sinks: int, recent: int) -> LayerCache:
+        """One-in-one-out (capacity keep + 1): a row holding keep + 1 entries evicts the lowest
+        ``col_sum`` outside the sinks and the recent window, merges it into its nearest kept key and
+        shifts the later slots down by one; a shorter row is unchanged (its slot keep is empty).
+        O(C D) per row, no sort; returns capacity keep."""
+        b, h, c, d = cache.k.shape
+        j = torch.arange(c, device=cache.k.device)
+        n = cache.length[..., None]                                            # [B, Hkv, 1]
+        live = j < n
+        evict = cache.length > keep                                            # [B, Hkv]
+        cand = live & (j >= sinks) & (j < n - recent)
+        prio = torch.where(cand, cache.slot_meta[Stat.COLUMN_SUM.value].double(), float("inf"))
+        e = torch.where(evict, prio.argmin(-1), c - 1)[..., None]              # [B, Hkv, 1] (c - 1: empty)
+        # the entry and its nearest other live key, in the input's slots
+        row0 = torch.arange(b * h, device=e.device).view(b, h, 1) * c         # first slot of each row, flattened
+        flat_e = (e + row0).reshape(-1)
+        k_e = cache.k.reshape(b * h * c, d).index_select(0, flat_e).view(b, h, 1, d)
+        v_e = cache.v.reshape(b * h * c, d).index_select(0, flat_e).view(b, h, 1, d)
+        u = cosine(k_e, cache.k).masked_fill(~(live & (j != e))[:, :, None, :], float("-inf"))   # [B, Hkv, 1, C]
+        u_star, nearest = u.max(dim=-1)                                        # [B, Hkv, 1]
+        valid = evict[..., None]
+        u_star = torch.where(valid, u_star, 0.0)
+        # slot i of the output is slot i (before e) or i + 1 (from e on) of the input
+        src = j[:keep] + (j[:keep] >= e)                                       # [B, Hkv, keep]
+        flat_src = (src + row0).reshape(-1)
+
+        def take(t: Tensor) -> Tensor:
+            rest = t.shape[3:]
+            return t.reshape(b * h * c, *rest).index_select(0, flat_src).view(b, h, keep, *rest)
+
+        log_weight = take(cache.log_weight)
+        kept_live = log_weight > EMPTY
+        out = LayerCache(
+            k=take(cache.k), v=take(cache.v), log_weight=log_weight, length=cache.length - evict.long(),
+            position=take(cache.position).masked_fill(~kept_live, -1),
+            slot_meta={name: take(t) * kept_live.reshape(*kept_live.shape, *([1] * (t.dim() - 3))).to(t.dtype)
+                       for name, t in cache.slot_meta.items()},
+            state=dict(cache.state))
+        tau = self._update_tau(out, u_star, valid)                            # [B]
+        merged, w_e, w_self = self._merge_weights(u_star, valid, tau)
+        target = nearest - (nearest > e).long()                                # [B, Hkv, 1] in the output's slots
+        flat = (target + row0 // c * keep).reshape(-1)
+        norm = w_self + (w_e if self.d2o_variant == "paper" else merged.float())  # [B, Hkv, 1]
+        for name, s_e in (("k", k_e), ("v", v_e)):
+            base = getattr(out, name)
+            into = base.view(b * h * keep, d).index_select(0, flat).view(b, h, 1, d)
+            new = (w_self * into.float() + w_e[..., None] * s_e.float()) / norm[..., None]
+            new = torch.where(merged[..., None], new.to(base.dtype), into)
+            base.view(b * h * keep, d).index_copy_(0, flat, new.view(b * h, d))
         return out
 
     def _update_tau(self, out: LayerCache, u_star: Tensor, valid: Tensor) -> Tensor:
