@@ -27,13 +27,18 @@ import torch
 from torch import Tensor
 
 
+def _acc(q: Tensor) -> torch.dtype:
+    """Accumulation dtype: float64 inputs give a float64 reference, anything else float32."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
 def select_slots(q: Tensor, live: Tensor, cluster: Tensor, rank: Tensor, centroids: Tensor, sizes: Tensor,
                  budget: Tensor) -> Tensor:
     """Slots every query head attends: [B, Hkv, G, C] bool. q: [B, Hq, D] (see the module docstring)."""
     b, hq, d = q.shape
     hkv = centroids.shape[1]
     group = hq // hkv
-    score = torch.einsum("bhgd,bhkd->bhgk", q.float().reshape(b, hkv, group, d), centroids.float())
+    score = torch.einsum("bhgd,bhkd->bhgk", q.to(_acc(q)).reshape(b, hkv, group, d), centroids.to(_acc(q)))
     score = score.masked_fill((sizes == 0)[:, :, None], float("-inf"))
     order = torch.sort(score, dim=-1, descending=True, stable=True).indices              # [B, Hkv, G, K]
     sorted_sizes = torch.gather(sizes[:, :, None].expand(-1, -1, group, -1), -1, order)
@@ -64,12 +69,12 @@ def attend_selected(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor, keep: T
     else:
         mask, ks, vs = keep, k[:, :, None], v[:, :, None]
         lw = log_weight[:, :, None]
-    qg = q.reshape(b, hkv, group, t, d).float()
-    s = torch.matmul(qg, ks.float().transpose(-1, -2)) * scale                          # [B, Hkv, G, T, n]
+    qg = q.reshape(b, hkv, group, t, d).to(_acc(q))
+    s = torch.matmul(qg, ks.to(_acc(q)).transpose(-1, -2)) * scale                          # [B, Hkv, G, T, n]
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
-    s = (s + lw[..., None, :].float()).masked_fill(~mask[..., None, :], float("-inf"))
-    return torch.matmul(torch.softmax(s, dim=-1), vs.float()).reshape(b, hq, t, d).to(q.dtype)
+    s = (s + lw[..., None, :].to(_acc(q))).masked_fill(~mask[..., None, :], float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), vs.to(_acc(q))).reshape(b, hq, t, d).to(q.dtype)
 
 
 def cluster_recall_attention_reference(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor, cluster: Tensor,

@@ -24,6 +24,11 @@ import torch
 from torch import Tensor
 
 
+def _acc(q: Tensor) -> torch.dtype:
+    """Accumulation dtype: float64 inputs give a float64 reference, anything else float32."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
 def page_summaries(k: Tensor, live: Tensor, n_pages: int) -> tuple[Tensor, Tensor]:
     """k: [B, Hkv, C, D]; live: [B, Hkv, C] -> per-page max and min keys [B, Hkv, n_pages, D] fp32
     over live slots (0 for pages without one)."""
@@ -43,7 +48,7 @@ def select_pages(q: Tensor, page_max: Tensor, page_min: Tensor, page_live: Tenso
     b, hq, d = q.shape
     hkv, n_pages = page_max.shape[1], page_max.shape[2]
     group = hq // hkv
-    qg = q.float().reshape(b, hkv, group, 1, d)
+    qg = q.to(_acc(q)).reshape(b, hkv, group, 1, d)
     u = torch.maximum(qg * page_max[:, :, None], qg * page_min[:, :, None]).sum(-1)     # [B, Hkv, G, P]
     u = u.masked_fill(~page_live[:, :, None], float("-inf"))
     order = torch.sort(u, dim=-1, descending=True, stable=True).indices
@@ -74,12 +79,12 @@ def page_recall_attention_reference(q: Tensor, k: Tensor, v: Tensor, log_weight:
                           torch.where(force_last, last_page, -1))                  # [B, Hq, n_pages]
     keep = chosen.repeat_interleave(page, dim=-1).reshape(b, hkv, -1, 1, c)      # [B, Hkv, G, 1, C]
     group = hq // hkv
-    qg = q.reshape(b, hkv, group, t, d).float()
-    s = torch.matmul(qg, k.float()[:, :, None].transpose(-1, -2)) * scale        # [B, Hkv, G, T, C]
+    qg = q.reshape(b, hkv, group, t, d).to(_acc(q))
+    s = torch.matmul(qg, k.to(_acc(q))[:, :, None].transpose(-1, -2)) * scale        # [B, Hkv, G, T, C]
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
-    s = (s + log_weight[:, :, None, None].float()).masked_fill(~keep, float("-inf"))
-    o = torch.matmul(torch.softmax(s, dim=-1), v.float()[:, :, None]).reshape(b, hq, t, d).to(q.dtype)
+    s = (s + log_weight[:, :, None, None].to(_acc(q))).masked_fill(~keep, float("-inf"))
+    o = torch.matmul(torch.softmax(s, dim=-1), v.to(_acc(q))[:, :, None]).reshape(b, hq, t, d).to(q.dtype)
     return o, q.new_empty(0, dtype=torch.float32)
 
 
