@@ -121,8 +121,14 @@ def _policies_parser(sub) -> None:
     p.set_defaults(func=cmd_policies)
 
 
+def _eval_parser(sub) -> None:
+    from kvpass.eval.cli import add_eval_parser
+
+    add_eval_parser(sub)
+
+
 # Each entry adds one subcommand to the parser.
-COMMANDS: list[Callable] = [_generate_parser, _policies_parser]
+COMMANDS: list[Callable] = [_generate_parser, _policies_parser, _eval_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)     # for commands that record how they were run
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     try:
         return args.func(args)
