@@ -34,6 +34,10 @@ def _common(p: argparse.ArgumentParser, lm: bool, niah: bool) -> None:
     p.add_argument("--quick", action="store_true", help=f"a small grid that finishes in minutes: {QUICK}")
     p.add_argument("--jobs", type=int, default=1, help="worker processes (they split the machine's cores)")
     p.add_argument("--shard", type=_shard, help=argparse.SUPPRESS)
+    if lm and niah:
+        p.add_argument("--part", choices=["all", "niah", "lm"], default="all",
+                       help="run only the needle cases or only the ppl/fidelity passes, into their own shard of "
+                            "the store, so two processes can share the work; a later plain run reads both")
     if niah:
         p.add_argument("--lengths", nargs="+", type=int, default=[1000, 2000, 4000, 8000],
                        help="context lengths in tokens (capped to the model's window)")
@@ -79,6 +83,8 @@ def _store(args: argparse.Namespace, command: str):
 
     path = Path(args.store or Path(args.out_dir) / f"{command}-{Path(args.model).stem}-cases.json")
     write = path.with_name(f"{path.stem}.shard{args.shard[0]}{path.suffix}") if args.shard else None
+    if getattr(args, "part", "all") != "all":
+        write = path.with_name(f"{path.stem}.shard-{args.part}{'' if not args.shard else args.shard[0]}{path.suffix}")
     return path, Store(path, meta={"model": args.model}, write_path=write)
 
 
@@ -139,11 +145,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
                              else command)
     else:
         loaded = _load(args)
-        if command in ("niah", "leaderboard"):
+        part = getattr(args, "part", "all")
+        if command == "niah" or (command == "leaderboard" and part in ("all", "niah")):
             run_niah(args, store, loaded)
-        if command in ("ppl", "fidelity", "leaderboard"):
+        if command in ("ppl", "fidelity") or (command == "leaderboard" and part in ("all", "lm")):
             run_lm(args, store, loaded)
-        if args.shard is not None:
+        if args.shard is not None or part != "all":
             return 0
     out, model = Path(args.out_dir), Path(args.model).stem
     if command == "niah":

@@ -14,6 +14,7 @@ to ``max_new_tokens`` tokens, scored by exact match (the passphrase string occur
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
@@ -63,6 +64,14 @@ def grid(lengths: Sequence[int], depths: Sequence[float], seeds: Sequence[int] =
         for j, depth in enumerate(depths):
             for seed in seeds:
                 out.append(NeedleSpec(int(length), float(depth), seed=seed * 1000 + i * 100 + j, needles=needles))
+    return out
+
+
+def spread(specs: Sequence[NeedleSpec]) -> list[NeedleSpec]:
+    """The specs in a fixed pseudo-random order, so an interrupted run has covered the whole grid
+    thinly rather than its first lengths fully."""
+    out = list(specs)
+    random.Random(0).shuffle(out)
     return out
 
 
@@ -145,8 +154,8 @@ def run(loaded: Loaded, specs: Sequence[NeedleSpec], cell_list: Sequence[Cell], 
         max_new_tokens: int = 32, shard: tuple[int, int] = (0, 1), desc: str = "niah") -> Store:
     """Score every (spec, cell) not yet in ``store``; specs outermost, so an interrupted run leaves
     every cell with about the same number of cases. ``shard`` (i, n): only specs with index % n == i."""
-    todo = [(s, c) for k, s in enumerate(specs) if k % shard[1] == shard[0] for c in cell_list
-            if key_of(loaded.name, c, s, max_new_tokens) not in store]
+    mine = [s for k, s in enumerate(specs) if k % shard[1] == shard[0]]
+    todo = [(s, c) for s in spread(mine) for c in cell_list if key_of(loaded.name, c, s, max_new_tokens) not in store]
     models = KVCache(loaded.model)
     built: dict[NeedleSpec, NeedleCase] = {}
     bar = tqdm(todo, desc=desc, unit="case", position=shard[0], dynamic_ncols=True)
