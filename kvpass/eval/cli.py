@@ -91,7 +91,8 @@ def _store(args: argparse.Namespace, command: str):
 def _load(args: argparse.Namespace):
     from kvpass.eval.common import load, set_threads
 
-    set_threads(args.jobs if args.shard is None else args.shard[1])
+    parts = 2 if getattr(args, "part", "all") != "all" else 1          # --part runs share the cores
+    set_threads(max(args.jobs if args.shard is None else args.shard[1], parts))
     return load(args.model)
 
 
