@@ -34,6 +34,8 @@ def _common(p: argparse.ArgumentParser, lm: bool, niah: bool) -> None:
     p.add_argument("--quick", action="store_true", help=f"a small grid that finishes in minutes: {QUICK}")
     p.add_argument("--jobs", type=int, default=1, help="worker processes (they split the machine's cores)")
     p.add_argument("--shard", type=_shard, help=argparse.SUPPRESS)
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: write the tables and plots from the cases already stored")
     if lm and niah:
         p.add_argument("--part", choices=["all", "niah", "lm"], default="all",
                        help="run only the needle cases or only the ppl/fidelity passes, into their own shard of "
@@ -140,7 +142,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     command = args.eval_command
     path, store = _store(args, "quality" if command == "leaderboard" else "lm" if command in ("ppl", "fidelity")
                          else command)
-    if args.jobs > 1 and args.shard is None:
+    if args.report_only:
+        pass
+    elif args.jobs > 1 and args.shard is None:
         _spawn(args, path)
         path, store = _store(args, "quality" if command == "leaderboard" else "lm" if command in ("ppl", "fidelity")
                              else command)

@@ -17,6 +17,19 @@ import torch
 from kvpass.eval import report
 
 
+def recorded_argv(argv: list[str]) -> list[str]:
+    """The command line that reproduces the whole table: without ``--part X`` and ``--report-only``."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--part":
+            skip = True
+        elif not a.startswith("--part=") and a != "--report-only":
+            out.append(a)
+    return out
+
+
 def _expected(args: argparse.Namespace) -> dict[str, int]:
     lengths = len(set(args.lengths))
     return {"niah_per_mode": lengths * len(args.depths) * len(args.seeds), "lm_segments": args.segments}
@@ -70,7 +83,7 @@ def write_leaderboard(args: argparse.Namespace, store, out_dir: Path, model: str
         and {(r["policy"], r["budget"]) for r in table} >= _configs(args) and all(
         r["lm_tokens"] >= expected["lm_segments"] * args.steps for r in table)
     agreement = report.full_agreement(niah_cases)
-    command = "kvpass " + shlex.join(a for a in args.argv if a != "--quick" or args.quick)
+    command = "kvpass " + shlex.join(recorded_argv(args.argv))
     meta = {"command": command, "model": args.model, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "machine": f"{platform.machine()} CPU, torch {torch.__version__}, {torch.get_num_threads()} threads",
             "complete": complete, "expected": expected,

@@ -56,3 +56,18 @@ def test_niah_quick_grid_command(tiny_cli, tmp_path):
     md = (out / "niah-tiny.md").read_text()
     assert "| full | - | query_agnostic | 1 | 1 |" in md
     assert (out / "niah-tiny-full-query_agnostic-n1.png").exists()
+
+
+def test_recorded_command_drops_part_and_report_only():
+    from kvpass.eval.leaderboard import recorded_argv
+
+    assert recorded_argv(["eval", "leaderboard", "--part", "lm", "--steps", "6", "--report-only", "--part=niah"]) == [
+        "eval", "leaderboard", "--steps", "6"]
+
+
+def test_report_only_runs_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr("kvpass.eval.common.load", lambda name: pytest.fail("a model was loaded"))
+    out = tmp_path / "r"
+    assert main([*ARGS, "--out-dir", str(out), "--report-only"]) == 0
+    data = json.loads((out / "quality-tiny.json").read_text())
+    assert data["rows"] == [] and data["meta"]["complete"] is False
