@@ -39,7 +39,8 @@ def rows(args: argparse.Namespace, niah_cases: list[dict], lm_cases: list[dict])
     """Leaderboard rows: transformers reference first, then each (policy, budget)."""
     niah = {(r["policy"], r["budget"], r["mode"]): r for r in report.niah_rows(niah_cases)}
     lm = {(r["policy"], r["budget"]): r for r in report.lm_rows(lm_cases)}
-    keys = sorted({(p, b) for p, b, _ in niah} | set(lm), key=lambda k: (k[0] != "transformers", k[0] != "full",
+    wanted = _configs(args) | {("transformers", None)}
+    keys = sorted({(p, b) for p, b, _ in niah} | set(lm) | wanted, key=lambda k: (k[0] != "transformers", k[0] != "full",
                                                                            k[0], k[1] or 0))
     out = []
     for policy, budget in keys:

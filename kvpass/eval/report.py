@@ -228,7 +228,8 @@ def fidelity_plot(cases: Sequence[dict], path: str | Path, title: str) -> Path:
     a2.set_xlabel("layer")
     a2.set_ylabel("recall of true top-B tokens")
     a2.set_ylim(0, 1.02)
-    a1.legend(fontsize=6, ncol=2)
+    if a1.get_legend_handles_labels()[0]:
+        a1.legend(fontsize=6, ncol=2)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path = Path(path)

@@ -70,4 +70,6 @@ def test_report_only_runs_nothing(tmp_path, monkeypatch):
     out = tmp_path / "r"
     assert main([*ARGS, "--out-dir", str(out), "--report-only"]) == 0
     data = json.loads((out / "quality-tiny.json").read_text())
-    assert data["rows"] == [] and data["meta"]["complete"] is False
+    assert data["meta"]["complete"] is False
+    assert all(r["niah_query_aware_cases"] == 0 and r["ppl"] is None for r in data["rows"])
+    assert {(r["policy"], r["budget"]) for r in data["rows"]} == {("transformers", None), ("full", None), ("streamingllm", 0.5)}
