@@ -124,7 +124,7 @@ def run_niah(args: argparse.Namespace, store, loaded) -> None:
 def run_lm(args: argparse.Namespace, store, loaded) -> None:
     from kvpass.eval import lm
 
-    configs = [(p, b) for p in args.policies for b in args.budgets]
+    configs = [(p, b) for b in args.budgets for p in args.policies]       # budget-major, as niah
     lm.run(loaded, lm_segments(args), configs, store, args.probes, shard=args.shard or (0, 1))
 
 

@@ -133,15 +133,18 @@ class Cell:
 
 def cells(policies: Iterable[str], budgets: Sequence[float | int], modes: Sequence[str],
           reference: bool = True) -> list[Cell]:
-    """Policies x budgets x modes; ``full`` ignores the budget so it gets one budget-less cell per mode."""
+    """Policies x budgets x modes, budget-major; ``full`` ignores the budget so it gets one budget-less
+    cell per mode (first, after the transformers reference)."""
     from kvpass.policies import POLICIES
 
     out = [Cell(REFERENCE, None, "reference")] if reference else []
     for policy in policies:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; available: {', '.join(sorted(POLICIES))}")
-        for budget in (budgets if POLICIES[policy].compresses else [None]):
-            out.extend(Cell(policy, budget, mode) for mode in modes)
+    for budget in [None, *budgets]:          # budget-major: a partial run covers every policy at the first budget
+        for policy in policies:
+            if (budget is None) != POLICIES[policy].compresses:
+                out.extend(Cell(policy, budget, mode) for mode in modes)
     return out
 
 
