@@ -137,3 +137,9 @@ def test_shards_split_the_specs_and_merge(loaded, tmp_path):
     assert len(Store(path)) == 4            # read through the shards
     merged = merge_shards(path)
     assert len(merged) == 4 and not list(tmp_path.glob("s.shard*"))
+
+
+def test_cells_are_budget_major_with_full_once():
+    got = niah.cells(["h2o", "full", "d2o"], [0.1, 0.5], ["query_aware"])
+    assert [(c.policy, c.budget) for c in got] == [
+        ("transformers", None), ("full", None), ("h2o", 0.1), ("d2o", 0.1), ("h2o", 0.5), ("d2o", 0.5)]
