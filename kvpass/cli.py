@@ -126,8 +126,14 @@ def _bench_parser(sub) -> None:
     sub.add_parser("bench", help="GPU speed benchmark (kernels + end-to-end decode); `kvpass bench --help`")
 
 
+def _eval_parser(sub) -> None:
+    from kvpass.eval.cli import add_eval_parser
+
+    add_eval_parser(sub)
+
+
 # Each entry adds one subcommand to the parser.
-COMMANDS: list[Callable] = [_generate_parser, _policies_parser, _bench_parser]
+COMMANDS: list[Callable] = [_generate_parser, _policies_parser, _eval_parser, _bench_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
+    args.argv = list(argv)                      # for commands that record how they were run
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     try:
         return args.func(args)

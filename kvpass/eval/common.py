@@ -1,0 +1,96 @@
+"""Shared pieces of the evaluations: building and caching models per policy x budget, the needle
+prompt split into context and question tokens, and thread settings for parallel workers."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from torch import nn
+
+SPLIT = "\u2063KVPASS-SPLIT\u2063"        # marks where the context ends inside a rendered chat template
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A model, its tokenizer and the name it was loaded by."""
+
+    name: str
+    model: nn.Module
+    tokenizer: object
+
+    @property
+    def context_length(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+
+@lru_cache(maxsize=2)
+def load(name: str) -> Loaded:
+    """``kvpass.models.load_model`` once per process."""
+    from kvpass.models import load_model
+
+    model, tokenizer = load_model(name)
+    return Loaded(name, model, tokenizer)
+
+
+class KVCache:
+    """``kvpass.apply`` results per (policy, budget), traced once per process (full: one for all budgets)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._built: dict[tuple[str, object], object] = {}
+
+    def get(self, policy: str, budget: float | int):
+        import kvpass
+        from kvpass.policies import POLICIES
+
+        key = (policy, None if not POLICIES[policy].compresses else budget)
+        if key not in self._built:
+            self._built[key] = kvpass.apply(self.model, policy=policy, budget=budget if key[1] is not None else 1.0)
+        return self._built[key]
+
+
+def split_chat(tokenizer, context: str, question: str) -> tuple[list[int], list[int]]:
+    """(context_ids, question_ids) whose concatenation is the chat prompt 'context\\n\\nquestion' with
+    the generation prompt. Tokenized in two pieces (as kvpress's pipeline does), so the query-aware
+    and the query-agnostic modes see the very same tokens."""
+    if getattr(tokenizer, "chat_template", None):
+        msgs = [{"role": "user", "content": f"{context}{SPLIT}\n\n{question}"}]
+        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        pre, post = text.split(SPLIT)
+        return (tokenizer(pre, add_special_tokens=False)["input_ids"],
+                tokenizer(post, add_special_tokens=False)["input_ids"])
+    return (tokenizer(context, add_special_tokens=True)["input_ids"],
+            tokenizer(f"\n\n{question}\n", add_special_tokens=False)["input_ids"])
+
+
+def eos_pad(model: nn.Module) -> tuple[torch.Tensor, int]:
+    """(eos ids [n], pad id) from the model's generation config, as ``generate`` chooses them."""
+    cfg = getattr(model, "generation_config", None)
+    eos = getattr(cfg, "eos_token_id", None)
+    eos_ids = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), dtype=torch.long)
+    pad = getattr(cfg, "pad_token_id", None)
+    if pad is None:
+        pad = int(eos_ids[0]) if len(eos_ids) else 0
+    return eos_ids, int(pad)
+
+
+def set_threads(jobs: int) -> None:
+    """Split the machine's cores between ``jobs`` worker processes."""
+    cores = os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // max(jobs, 1)))
+
+
+class Timer:
+    """``with Timer() as t: ...; t.seconds``."""
+
+    def __enter__(self) -> Timer:
+        self.start = time.perf_counter()
+        self.seconds = 0.0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self.start
