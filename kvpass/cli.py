@@ -90,7 +90,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(f"cache bytes:       {r.cache_bytes / 2**20:.2f} MiB compressed vs {r.full_cache_bytes / 2**20:.2f} MiB "
           f"full ({r.compression_ratio:.1%})")
     print(f"time:              prefill {r.prefill_seconds:.2f} s, {r.new_tokens} tokens at "
-          f"{r.new_tokens / max(r.decode_seconds, 1e-9):.1f} tokens/s decode ({r.tokens_per_second:.1f} overall)")
+          f"{r.new_tokens / max(r.decode_seconds, 1e-9):.1f} tokens/s decode ({r.tokens_per_second:.1f} with prefill)")
     return 0
 
 
@@ -111,7 +111,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--prompt-file", help="a text file to use as the user message instead of the built-in prompt")
     p.add_argument("--context-tokens", type=int, default=2000, help="length of the built-in prompt (default 2000)")
     p.add_argument("--depth", type=float, default=0.5, help="where the passphrase hides, 0..1 (default 0.5)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the passphrase")
+    p.add_argument("--seed", type=int, default=1, help="seed of the passphrase (default 1)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.set_defaults(func=cmd_generate)
 
