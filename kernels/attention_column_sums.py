@@ -17,26 +17,35 @@ from kvpass.kernels.prefill_attention import prefill_mask
 from torch import Tensor
 
 
-def attention_column_sums_reference(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
-                                    softcap: float | None = None, block: int = 256) -> Tensor:
+def head_column_sums(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
+                     softcap: float | None = None, block: int = 256) -> Tensor:
+    """c[b, h, j] = sum over real query rows i of A_h[i, j], per query head: [B, Hq, T] fp32.
+    Row blocks of ``block`` queries with an fp32 softmax; pad query rows contribute nothing."""
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
     mask = prefill_mask(pad, t, window)                                  # [B, 1, T, T]
     real_row = torch.arange(t, device=q.device)[None, :] >= pad[:, None]  # [B, T]
     kf = k.float()
-    out = torch.zeros(b, hkv, t, dtype=torch.float32, device=q.device)
+    out = torch.zeros(b, hq, t, dtype=torch.float32, device=q.device)
     for start in range(0, t, block):
         rows = slice(start, start + block)
-        qb = q[:, :, rows].float().reshape(b, hkv, group * q[:, :, rows].shape[2], d)
+        nrows = q[:, :, rows].shape[2]
+        qb = q[:, :, rows].float().reshape(b, hkv, group * nrows, d)
         s = torch.matmul(qb, kf.transpose(-1, -2)) * scale            # [B, Hkv, G*rows, T]
         if softcap is not None:
             s = softcap * torch.tanh(s / softcap)
-        s = s.reshape(b, hkv, group, -1, t)
-        s = s.masked_fill(~mask[:, :, None, rows], float("-inf"))
+        s = s.reshape(b, hkv, group, nrows, t).masked_fill(~mask[:, :, None, rows], float("-inf"))
         p = torch.softmax(s, dim=-1) * real_row[:, None, None, rows, None]
-        out += p.sum(dim=3).mean(dim=2)
+        out += p.sum(dim=3).reshape(b, hq, t)
     return out
+
+
+def attention_column_sums_reference(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
+                                    softcap: float | None = None, block: int = 256) -> Tensor:
+    b, hq, t, _ = q.shape
+    hkv = k.shape[1]
+    return head_column_sums(q, k, pad, scale, window, softcap, block).reshape(b, hkv, hq // hkv, t).mean(dim=2)
 
 
 @torch.library.custom_op("kvpass::attention_column_sums", mutates_args=())

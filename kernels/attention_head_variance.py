@@ -14,31 +14,8 @@ Shapes: q: [B, Hq, T, D]; k: [B, Hkv, T, D]; pad: [B] int64 -> [B, Hq] fp32.
 from __future__ import annotations
 
 import torch
-from kvpass.kernels.prefill_attention import prefill_mask
+from kvpass.kernels.attention_column_sums import head_column_sums
 from torch import Tensor
-
-
-def head_column_sums(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
-                     softcap: float | None = None, block: int = 256) -> Tensor:
-    """c[b, h, j] = sum over real query rows i of A_h[i, j]: [B, Hq, T] fp32."""
-    b, hq, t, d = q.shape
-    hkv = k.shape[1]
-    group = hq // hkv
-    mask = prefill_mask(pad, t, window)                                  # [B, 1, T, T]
-    real_row = torch.arange(t, device=q.device)[None, :] >= pad[:, None]  # [B, T]
-    kf = k.float()
-    out = torch.zeros(b, hq, t, dtype=torch.float32, device=q.device)
-    for start in range(0, t, block):
-        rows = slice(start, start + block)
-        nrows = q[:, :, rows].shape[2]
-        qb = q[:, :, rows].float().reshape(b, hkv, group * nrows, d)
-        s = torch.matmul(qb, kf.transpose(-1, -2)) * scale            # [B, Hkv, G*rows, T]
-        if softcap is not None:
-            s = softcap * torch.tanh(s / softcap)
-        s = s.reshape(b, hkv, group, nrows, t).masked_fill(~mask[:, :, None, rows], float("-inf"))
-        p = torch.softmax(s, dim=-1) * real_row[:, None, None, rows, None]
-        out += p.sum(dim=3).reshape(b, hq, t)
-    return out
 
 
 def attention_head_variance_reference(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,

@@ -1,0 +1,35 @@
+"""Row-block column sums equal the dense computation (policies.md §8.8), with left pads, GQA,
+a sliding window and softcap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvpass.kernels import attention_column_sums_reference, prefill_mask
+
+
+def dense_column_sums(q, k, pad, scale, window, softcap):
+    """The whole T x T attention in float64, then sums over real query rows, mean over the group."""
+    b, hq, t, _ = q.shape
+    hkv = k.shape[1]
+    kk = k.double().repeat_interleave(hq // hkv, dim=1)
+    s = q.double() @ kk.transpose(-1, -2) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    p = torch.softmax(s.masked_fill(~prefill_mask(pad, t, window), float("-inf")), dim=-1)   # [B, Hq, T, T]
+    real = (torch.arange(t)[None, :] >= pad[:, None]).double()                               # [B, T]
+    per_head = (p * real[:, None, :, None]).sum(dim=2)                                       # [B, Hq, T]
+    return per_head.reshape(b, hkv, hq // hkv, t).mean(dim=2)
+
+
+@pytest.mark.parametrize("hq, hkv, window, softcap", [(4, 2, None, None), (3, 1, 5, None), (2, 2, None, 30.0)])
+def test_blocked_column_sums_equal_dense(hq, hkv, window, softcap):
+    torch.manual_seed(hq * 10 + hkv)
+    q, k = torch.randn(2, hq, 13, 8), torch.randn(2, hkv, 13, 8)
+    pad = torch.tensor([0, 4])
+    got = attention_column_sums_reference(q, k, pad, 0.35, window, softcap, block=4)   # 4 row blocks
+    want = dense_column_sums(q, k, pad, 0.35, window, softcap)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert (got[1, :, :4] == 0).all()                       # pad keys get no attention
+    real_rows = torch.tensor([13.0, 9.0])
+    torch.testing.assert_close(got.sum(-1), real_rows[:, None].expand(2, hkv), rtol=1e-5, atol=1e-5)
