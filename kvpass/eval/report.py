@@ -21,6 +21,16 @@ def _plt():
     return plt
 
 
+def _save(plt, fig, path: str | Path) -> Path:
+    """Lay out, write (creating the folder) and close a figure; returns its path."""
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def budget_label(budget: Any) -> str:
     return "-" if budget is None else str(budget)
 
@@ -66,12 +76,7 @@ def niah_heatmap(cases: Sequence[dict], path: str | Path, title: str) -> Path:
     acc = sum(c["correct"] for c in cases) / max(len(cases), 1)
     ax.set_title(f"{title}\naccuracy {acc:.1%} over {len(cases)} cases", fontsize=9)
     fig.colorbar(im, ax=ax, label="accuracy")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def niah_rows(cases: Sequence[dict]) -> list[dict[str, Any]]:
@@ -200,12 +205,7 @@ def nll_plot(cases: Sequence[dict], path: str | Path, title: str) -> Path:
     ax.set_ylabel("cumulative mean NLL (nats)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def fidelity_plot(cases: Sequence[dict], path: str | Path, title: str) -> Path:
@@ -231,9 +231,4 @@ def fidelity_plot(cases: Sequence[dict], path: str | Path, title: str) -> Path:
     if a1.get_legend_handles_labels()[0]:
         a1.legend(fontsize=6, ncol=2)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
