@@ -123,7 +123,9 @@ def load_into(dst: LayerCache, src: LayerCache) -> None:
             dst.slot_meta[name].copy_(t)
         else:
             dst.slot_meta[name] = t.clone()
-    dst.state = dict(src.state)
+    # state tensors too are copied in place where they can be, so a replayed step keeps its addresses
+    dst.state = {name: dst.state[name].copy_(t) if name in dst.state and dst.state[name].shape == t.shape
+                 and dst.state[name].dtype == t.dtype else t.clone() for name, t in src.state.items()}
 
 
 def entries_from_prompt(k: Tensor, v: Tensor, pad: Tensor, slot_meta: dict[str, Tensor]) -> LayerCache:

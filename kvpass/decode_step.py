@@ -3,7 +3,8 @@
 A decode step launches hundreds of small kernels (per layer: norms, projections, RoPE, write_kv,
 decode attention, MLP, and the runtime's slot and length bookkeeping); at batch 1 their launch
 overhead, not memory traffic, bounds eager decoding (architecture.md, "Performance model").
-``StaticDecodeStep`` captures the device work of one step, ``fn(*step_inputs)``, in a CUDA graph
+``StaticDecodeStep`` captures the device work of one step, ``fn(*step_inputs)``, in a CUDA graph (one
+per variant: the plain step, and the step that first compresses the layers whose buffers are full)
 and replays it every step.
 
 * step inputs (the token ids [B] and positions [B, 1]) are new tensors every step: they are copied
@@ -51,46 +52,56 @@ def graphs_enabled(device: torch.device) -> bool:
 
 
 class StaticDecodeStep:
-    """``step(fn, step_inputs, persistent, restore)`` = ``fn(*step_inputs)``, replayed from a CUDA
-    graph on CUDA. ``captures`` counts captures (tests and benchmarks read it)."""
+    """``step(fn, step_inputs, persistent, restore, variant)`` = ``fn(*step_inputs)``, replayed from a
+    CUDA graph on CUDA. One graph per ``variant`` (the plain step, or a step that first compresses a
+    given set of layers) for the current persistent tensors; new persistent tensors drop them all.
+    A variant whose capture fails runs eagerly from then on (``graphed`` says which). ``captures``
+    counts captures (tests and benchmarks read it)."""
 
     def __init__(self, enabled: bool = True, warmup: int = 1) -> None:
         self.enabled, self.warmup = enabled, warmup
         self.captures = 0
-        self._key: Key | None = None
-        self._graph = None
-        self._static: list[Tensor] = []
-        self._outs: tuple[Tensor, ...] = ()
+        self._state_key: Key | None = None
+        self._graphs: dict[Key, tuple[object, list[Tensor], tuple[Tensor, ...]]] = {}
+        self._eager: set[Key] = set()
 
     def reset(self) -> None:
-        """Drop the captured graph (and its memory pool)."""
-        self._key, self._graph, self._static, self._outs = None, None, [], ()
+        """Drop every captured graph (and its memory pool)."""
+        self._state_key, self._graphs = None, {}
+
+    def graphed(self, device: torch.device, variant: Key = ()) -> bool:
+        """Whether ``variant`` would be replayed from a graph on ``device`` (False: eager)."""
+        return self.enabled and graphs_enabled(device) and variant not in self._eager
 
     def __call__(self, fn: Callable[..., Sequence[Tensor]], step_inputs: Sequence[Tensor],
-                 persistent: Sequence[Tensor], restore: Sequence[Tensor] = ()) -> tuple[Tensor, ...]:
-        if not (self.enabled and graphs_enabled(step_inputs[0].device)):
+                 persistent: Sequence[Tensor], restore: Sequence[Tensor] = (), variant: Key = ()) -> tuple[Tensor, ...]:
+        if not self.graphed(step_inputs[0].device, variant):
             return tuple(fn(*step_inputs))
-        key = capture_key(step_inputs, persistent)
-        if key != self._key:
+        steps, state = capture_key(step_inputs, persistent)
+        if state != self._state_key:
+            self.reset()
+            self._state_key = state
+        key = (variant, steps)
+        if key not in self._graphs:
             try:
                 self._capture(fn, step_inputs, restore, key)
             except Exception as exc:    # noqa: BLE001  (any capture failure: stay correct, run eagerly)
-                log.warning("CUDA graph capture of the decode step failed (%s); decoding eagerly", exc)
-                self.reset()
-                self.enabled = False
+                log.warning("CUDA graph capture of the decode step %s failed (%s); running it eagerly", variant, exc)
+                self._graphs.pop(key, None)
+                self._eager.add(variant)
                 torch.cuda.synchronize()
                 return tuple(fn(*step_inputs))
-        for static, x in zip(self._static, step_inputs, strict=True):
-            static.copy_(x)
-        self._graph.replay()
-        return (self._outs[0].clone(), *self._outs[1:])
+        graph, static, outs = self._graphs[key]
+        for s, x in zip(static, step_inputs, strict=True):
+            s.copy_(x)
+        graph.replay()
+        return (outs[0].clone(), *outs[1:])
 
     def _capture(self, fn, step_inputs: Sequence[Tensor], restore: Sequence[Tensor], key: Key) -> None:
-        self.reset()
         static = [x.clone(memory_format=torch.contiguous_format) for x in step_inputs]
         self._warm_up(fn, static, restore)
         graph, outs = self._record(fn, static)
-        self._graph, self._static, self._outs, self._key = graph, static, outs, key
+        self._graphs[key] = (graph, static, outs)
         self.captures += 1
 
     def _warm_up(self, fn, static: Sequence[Tensor], restore: Sequence[Tensor]) -> None:

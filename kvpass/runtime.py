@@ -309,13 +309,21 @@ class DecodeSession:
     def step(self, tokens: Tensor) -> Tensor:
         """tokens: [B] int64 -> logits [B, V] for the position after them."""
         start = time.perf_counter()
-        for lay in self.layers:
-            if lay.compressible and lay.host_len >= lay.cache.capacity:
+        due = tuple(i for i, lay in enumerate(self.layers) if lay.compressible and lay.host_len >= lay.cache.capacity)
+        if due and not self.owner.decode_step.graphed(self.logits.device, due):
+            for i in due:                         # eager: compress, check the budget (a sync), then the step
+                lay = self.layers[i]
                 load_into(lay.cache, self.policy.compress(lay.cache, lay.budget))
                 lay.host_len = int(lay.cache.length.max())
-                self.compressions += 1
                 self.owner._check_within_budget(lay)
-        self.logits = self._device_step(tokens)
+            due_in_step: tuple[int, ...] = ()
+        else:
+            due_in_step = due                     # graphed: compression is part of the replayed step
+        self.logits = self._device_step(tokens, due_in_step)
+        for i in due:
+            # the policy contract: a compressed row holds at most `budget` entries (checked when eager)
+            self.layers[i].host_len = min(self.layers[i].host_len, self.layers[i].budget)
+            self.compressions += 1
         for lay in self.layers:
             self._advance_host(lay)
         self.pos = self.pos + 1
@@ -365,13 +373,16 @@ class DecodeSession:
         extra = [cache.slot_meta[n] if n in cache.slot_meta else cache.state[n] for n in self.policy.decode_inputs]
         return [cache.k, cache.v, cache.log_weight, slot, *extra]
 
-    def _device_step(self, tokens: Tensor) -> Tensor:
-        """The device work of one step: slots, the decode graph (writes K, V, attends), score
-        accumulation, lengths and positions. tokens: [B] -> logits [B, V] fp32. On CUDA it is replayed
-        from a CUDA graph (decode_step.py): it reads and writes only the layers' cache tensors."""
-        layers, graphs = self.layers, self.owner.graphs
+    def _device_step(self, tokens: Tensor, compress: tuple[int, ...] = ()) -> Tensor:
+        """The device work of one step: compression of the layers ``compress`` names, slots, the decode
+        graph (writes K, V, attends), score accumulation, lengths and positions. tokens: [B] -> logits
+        [B, V] fp32. On CUDA it is replayed from a CUDA graph (decode_step.py), one per set of
+        compressed layers: it reads and writes only the layers' cache tensors."""
+        layers, graphs, policy = self.layers, self.owner.graphs, self.policy
 
         def step(tokens: Tensor, pos: Tensor) -> tuple[Tensor]:
+            for i in compress:
+                load_into(layers[i].cache, policy.compress(layers[i].cache, layers[i].budget))
             slots = [self._slot(lay, pos) for lay in layers]
             flat = [x for lay, slot in zip(layers, slots, strict=True) for x in self._decode_inputs(lay, slot)]
             outs = graphs.decode(tokens[:, None], pos, *flat)
@@ -382,9 +393,12 @@ class DecodeSession:
             return (outs[0][:, -1].float(),)
 
         persistent = [t for lay in layers for t in lay.cache.tensors()]
-        big = {id(lay.cache.k) for lay in layers} | {id(lay.cache.v) for lay in layers}
-        restore = [t for t in persistent if id(t) not in big]        # what a step advances (K, V: rewritten alike)
-        return self.owner.decode_step(step, [tokens, self.pos], persistent, restore)[0]
+        if compress:                              # compression moves entries: everything is restored
+            restore = persistent
+        else:                                     # what a plain step advances (K, V: rewritten alike)
+            big = {id(lay.cache.k) for lay in layers} | {id(lay.cache.v) for lay in layers}
+            restore = [t for t in persistent if id(t) not in big]
+        return self.owner.decode_step(step, [tokens, self.pos], persistent, restore, variant=compress)[0]
 
     @staticmethod
     def _slot(lay: _Layer, pos: Tensor) -> Tensor:
