@@ -28,6 +28,9 @@ def import_kvpass_from_source() -> None:
     spec.loader.exec_module(module)
 
 
+if "--smoke" in sys.argv:                 # Triton decides at import whether to interpret its kernels
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 if os.environ.get("KVPASS_FROM_SOURCE") == "1":
     import_kvpass_from_source()
 else:

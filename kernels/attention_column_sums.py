@@ -8,11 +8,17 @@ where A_h is the prefill attention of query head h with the mask of ``prefill_at
 (causal, left pads, optional window, optional softcap). Pad query rows contribute nothing.
 Computed in blocks of query rows with an fp32 softmax: never materialises the T x T matrix of
 all heads at once. Shapes: q: [B, Hq, T, D]; k: [B, Hkv, T, D]; pad: [B] int64 -> [B, Hkv, T] fp32.
+
+On CUDA the per-head sums come from ``head_column_sums_triton``: two flash-attention-style passes
+(row log-sum-exps, then column sums of exp(s - lse)), tiles of q.k^T on the tensor cores, no T x T
+buffer, about the work of one attention forward.
 """
 
 from __future__ import annotations
 
 import torch
+from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
+from kvpass.kernels.decode_attention import _dot, _tanh
 from kvpass.kernels.prefill_attention import prefill_mask
 from torch import Tensor
 
@@ -20,18 +26,28 @@ from torch import Tensor
 def head_column_sums(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
                      softcap: float | None = None, block: int = 256) -> Tensor:
     """c[b, h, j] = sum over real query rows i of A_h[i, j], per query head: [B, Hq, T] fp32.
-    Row blocks of ``block`` queries with an fp32 softmax; pad query rows contribute nothing."""
+    The Triton kernels on CUDA; elsewhere ``head_column_sums_rows``."""
+    if q.device.type == "cuda" and HAS_TRITON:
+        return head_column_sums_triton(q, k, pad, scale, window, softcap)
+    return head_column_sums_rows(q, k, pad, scale, window, softcap, block)
+
+
+def head_column_sums_rows(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
+                          softcap: float | None = None, block: int = 256) -> Tensor:
+    """``head_column_sums`` in plain torch: row blocks of ``block`` queries with an fp32 softmax
+    (float64 for float64 inputs); pad query rows contribute nothing."""
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
     mask = prefill_mask(pad, t, window)                                  # [B, 1, T, T]
     real_row = torch.arange(t, device=q.device)[None, :] >= pad[:, None]  # [B, T]
-    kf = k.float()
-    out = torch.zeros(b, hq, t, dtype=torch.float32, device=q.device)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    kf = k.to(acc)
+    out = torch.zeros(b, hq, t, dtype=acc, device=q.device)
     for start in range(0, t, block):
         rows = slice(start, start + block)
         nrows = q[:, :, rows].shape[2]
-        qb = q[:, :, rows].float().reshape(b, hkv, group * nrows, d)
+        qb = q[:, :, rows].to(acc).reshape(b, hkv, group * nrows, d)
         s = torch.matmul(qb, kf.transpose(-1, -2)) * scale            # [B, Hkv, G*rows, T]
         if softcap is not None:
             s = softcap * torch.tanh(s / softcap)
@@ -39,6 +55,118 @@ def head_column_sums(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: in
         p = torch.softmax(s, dim=-1) * real_row[:, None, None, rows, None]
         out += p.sum(dim=3).reshape(b, hq, t)
     return out
+
+
+# --------------------------------------------------------------------------------------- Triton
+# Query head h (KV head g = h // G) of batch row b, rows i, keys j, base 2 (x2 = x * log2 e):
+#     s2_ij = log2e * scale * q_i . k_j   (softcap c: log2e * c * tanh(scale * q_i . k_j / c))
+#     allowed(i, j) = pad <= j <= i and (no window or i - j < window); pad rows (i < pad) are skipped
+# pass 1, one program per (b, h, block of rows):  lse2_i = log2 sum_{j allowed} 2^(s2_ij)  (online max)
+# pass 2, one program per (b, h, block of keys):  c_j = sum_{i >= pad, allowed} 2^(s2_ij - lse2_i)
+# Each pass visits only the tiles under the causal (and window) band: about one attention forward.
+
+
+@triton.jit
+def _logits2_tile(Q, K, PAD, b, h, g, i0, j0, sqb, sqh, sqt, sqd, skb, skh, skt, skd, T, scale, softcap,
+                  HEAD_DIM: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT: tl.constexpr):
+    """Base-2 logits of rows [i0, i0 + BLOCK_M) x keys [j0, j0 + BLOCK_N), -inf where not allowed
+    (and on pad rows): [BLOCK_M, BLOCK_N] fp32."""
+    i = i0 + tl.arange(0, BLOCK_M)
+    j = j0 + tl.arange(0, BLOCK_N)
+    dd = tl.arange(0, BLOCK_D)
+    pad = tl.load(PAD + b)
+    q = tl.load(Q + b * sqb + h * sqh + i[:, None] * sqt + dd[None, :] * sqd,
+                mask=(i[:, None] < T) & (dd[None, :] < HEAD_DIM), other=0.0)
+    k = tl.load(K + b * skb + g * skh + j[:, None] * skt + dd[None, :] * skd,
+                mask=(j[:, None] < T) & (dd[None, :] < HEAD_DIM), other=0.0)
+    s = _dot(q, tl.trans(k), DOT) * scale
+    if HAS_SOFTCAP:
+        s = softcap * _tanh(s / softcap)
+    allowed = (j[None, :] <= i[:, None]) & (j[None, :] >= pad) & (i[:, None] >= pad) & (i[:, None] < T)
+    if WINDOW > 0:
+        allowed = allowed & (i[:, None] - j[None, :] < WINDOW)
+    return tl.where(allowed, s * 1.4426950408889634, float("-inf"))
+
+
+@triton.jit
+def _row_lse_kernel(Q, K, PAD, LSE, sqb, sqh, sqt, sqd, skb, skh, skt, skd, HQ, G, T, scale, softcap,
+                    HEAD_DIM: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT: tl.constexpr):
+    bh = tl.program_id(1)
+    b, h = bh // HQ, bh % HQ
+    g = h // G
+    i0 = tl.program_id(0) * BLOCK_M
+    pad = tl.load(PAD + b)
+    lo = pad
+    if WINDOW > 0:
+        lo = tl.maximum(lo, i0 - WINDOW + 1)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    hi = tl.minimum(i0 + BLOCK_M, T)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    for j0 in range(lo, hi, BLOCK_N):
+        s2 = _logits2_tile(Q, K, PAD, b, h, g, i0, j0, sqb, sqh, sqt, sqd, skb, skh, skt, skd, T, scale, softcap,
+                           HEAD_DIM, WINDOW, BLOCK_M, BLOCK_N, BLOCK_D, HAS_SOFTCAP, DOT)
+        m_new = tl.maximum(m, tl.max(s2, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l = l * tl.exp2(m - m_safe) + tl.sum(tl.exp2(s2 - m_safe[:, None]), axis=1)
+        m = m_new
+    i = i0 + tl.arange(0, BLOCK_M)
+    lse = tl.where(l > 0, m + tl.log2(tl.maximum(l, 1e-30)), float("inf"))    # +inf: row adds nothing
+    tl.store(LSE + bh * T + i, lse, mask=i < T)
+
+
+@triton.jit
+def _column_sum_kernel(Q, K, PAD, LSE, COL, sqb, sqh, sqt, sqd, skb, skh, skt, skd, HQ, G, T, scale, softcap,
+                       HEAD_DIM: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_D: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT: tl.constexpr):
+    bh = tl.program_id(1)
+    b, h = bh // HQ, bh % HQ
+    g = h // G
+    j0 = tl.program_id(0) * BLOCK_N
+    pad = tl.load(PAD + b)
+    lo = (tl.maximum(j0, pad) // BLOCK_M) * BLOCK_M
+    hi = T
+    if WINDOW > 0:
+        hi = tl.minimum(T, j0 + BLOCK_N - 1 + WINDOW)
+    col = tl.zeros([BLOCK_N], tl.float32)
+    for i0 in range(lo, hi, BLOCK_M):
+        s2 = _logits2_tile(Q, K, PAD, b, h, g, i0, j0, sqb, sqh, sqt, sqd, skb, skh, skt, skd, T, scale, softcap,
+                           HEAD_DIM, WINDOW, BLOCK_M, BLOCK_N, BLOCK_D, HAS_SOFTCAP, DOT)
+        i = i0 + tl.arange(0, BLOCK_M)
+        lse = tl.load(LSE + bh * T + i, mask=i < T, other=float("inf"))
+        col += tl.sum(tl.exp2(s2 - lse[:, None]), axis=0)
+    j = j0 + tl.arange(0, BLOCK_N)
+    tl.store(COL + bh * T + j, col, mask=j < T)
+
+
+def head_column_sums_triton(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
+                            softcap: float | None = None, *, block_m: int | None = None,
+                            block_n: int | None = None) -> Tensor:
+    """``head_column_sums`` by the two Triton passes: [B, Hq, T] fp32."""
+    require_triton()
+    for name, t in (("k", k), ("pad", pad)):
+        check_device(name, t, q.device)
+    check_device("q", q, q.device)
+    b, hq, t, d = q.shape
+    hkv = k.shape[1]
+    if k.shape != (b, hkv, t, d) or hq % hkv:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} do not match (k must be [B, Hkv, T, D], Hkv | Hq)")
+    on_gpu = q.device.type == "cuda"
+    block_m = block_m or (64 if on_gpu else 16)
+    block_n = block_n or (64 if on_gpu else 16)
+    block_d = max(16, next_pow2(d))
+    dot = 1 if q.dtype == torch.float32 else (2 if not on_gpu else 0)
+    pad = pad.to(torch.int64).contiguous()
+    lse = torch.empty(b * hq * t, device=q.device, dtype=torch.float32)
+    col = torch.empty(b, hq, t, device=q.device, dtype=torch.float32)
+    meta = dict(HEAD_DIM=d, WINDOW=int(window or 0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+                HAS_SOFTCAP=softcap is not None, DOT=dot, num_warps=4, num_stages=2 if on_gpu else 1)
+    args = (*q.stride(), *k.stride(), hq, hq // hkv, t, float(scale), float(softcap) if softcap is not None else 1.0)
+    _row_lse_kernel[(triton.cdiv(t, block_m), b * hq)](q, k, pad, lse, *args, **meta)
+    _column_sum_kernel[(triton.cdiv(t, block_n), b * hq)](q, k, pad, lse, col, *args, **meta)
+    return col
 
 
 def attention_column_sums_reference(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,

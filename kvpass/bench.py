@@ -228,6 +228,24 @@ def section_correctness(device: torch.device, smoke: bool, deadline: Deadline) -
         record("cosine_match", [b, hkv, s, n, d, chunk], {"abs_err_best": float((got_b - want_b).abs().max()),
                                                           "abs_deficit_of_pick": float((want_b - picked).max())},
                {"info_index_mismatch": float((got_i != want_i).float().mean())})
+    from kvpass.kernels.attention_column_sums import head_column_sums_rows, head_column_sums_triton
+    scases = [(2, 4, 2, 70, 16)] if smoke else [(1, 32, 8, 4096, 128), (1, 32, 8, 16384, 128)]
+    for i, (b, hq, hkv, t, d) in enumerate(scases):
+        if not deadline.allows(10):
+            continue
+        gen = torch.Generator(device=device).manual_seed(400 + i)
+        q = torch.randn(b, hq, t, d, device=device, generator=gen).to(dtype)
+        k = torch.randn(b, hkv, t, d, device=device, generator=gen).to(dtype)
+        v = torch.randn(b, hkv, t, d, device=device, generator=gen).to(dtype)
+        pad = torch.arange(b, device=device) * 7
+        want = head_column_sums_rows(q.float(), k.float(), pad, d ** -0.5)
+        got = head_column_sums_triton(q, k, pad, d ** -0.5)
+        times = {} if device.type != "cuda" else {
+            "info_triton_ms": time_fn(lambda: head_column_sums_triton(q, k, pad, d ** -0.5), device) * 1e3,
+            "info_rows_ms": _timed(device, lambda: head_column_sums_rows(q, k, pad, d ** -0.5)) * 1e3,
+            "info_sdpa_causal_ms": time_fn(lambda: torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=True), device) * 1e3}
+        record("head_column_sums", [b, hq, hkv, t, d], {"rel_err": rel_err(got, want)}, times)
     return {"rows": rows, "tolerance": tol, "all_ok": all(r.get("ok", True) for r in rows)}
 
 
@@ -360,6 +378,96 @@ def _measure(device, gen: Callable[[int], object], n1: int, n2: int, warm: Calla
     return out
 
 
+def _compression_cost(kv, ids: torch.Tensor, device: torch.device, row: dict) -> dict:
+    """Where a compressing policy's extra time goes, against the row's TTFT and time per token:
+    its prefill graph (with the statistics) vs the same graph without statistics (``full``), the
+    prefill compression (``start`` minus its prefill graph), and one decode-time compression of every
+    compressed layer (replayed from a CUDA graph), amortised over the policy's interval."""
+    from kvpass.policies.full import Full
+    from kvpass.rewrites import insert_compressed_cache
+
+    ids_, pad, pos = kv._prepare(ids, None, 0)
+    plain = insert_compressed_cache(kv.captured.gm, list(kv.graphs.sites), Full()).prefill
+    t_plain = min(_timed(device, lambda: plain(ids_, pos, pad)) for _ in range(2))
+    t_stats = min(_timed(device, lambda: kv.graphs.prefill(ids_, pos, pad)) for _ in range(2))
+    t_start = _timed(device, lambda: kv.start(ids, max_new_tokens=64))
+    session = kv.start(ids, max_new_tokens=64)
+    layers = [lay for lay in session.layers if lay.compressible]
+    compress_all = lambda: [kv.policy.compress(lay.cache, lay.budget) for lay in layers]   # noqa: E731
+    t_decode_compress = time_fn(compress_all, device) if layers else 0.0
+    interval = getattr(kv.policy, "interval", 1)
+    del session
+    out = {"prefill_graph_plain_s": t_plain, "prefill_graph_stats_s": t_stats, "start_s": t_start,
+           "prefill_stats_frac_of_ttft": max(t_stats - t_plain, 0.0) / row["ttft_s"],
+           "prefill_compress_frac_of_ttft": max(t_start - t_stats, 0.0) / row["ttft_s"],
+           "decode_compress_ms": t_decode_compress * 1e3, "interval": interval,
+           "decode_compress_frac_of_tpot": t_decode_compress * 1e3 / interval / row["tpot_ms"]}
+    return out
+
+
+def section_throughput(device: torch.device, smoke: bool, deadline: Deadline, prompt: int, budget: float,
+                       policy_name: str = "d2o") -> dict:
+    """Tokens/s at the largest batch that fits, plain transformers (full cache) vs kvpass ``policy_name``:
+    the batch is found by doubling from 1 until out of memory (or the time box), then each method's
+    tokens/s = batch / time per output token at its largest batch."""
+    import kvpass
+    from kvpass.rewrites import capture_causal_lm, insert_compressed_cache, match_attention
+    from kvpass.runtime import KVPassModel
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(TINY_LLAMA if smoke else LLAMA_8B, device, dtype)
+    cfg = model.config
+    captured = capture_causal_lm(model)
+    sites = match_attention(captured, cfg)
+    policy = kvpass.get_policy(policy_name)
+    kv = KVPassModel(model, policy, budget, captured, insert_compressed_cache(captured.gm, sites, policy))
+    n1, n2 = (2, 6) if smoke else (2, 18)
+    rows = []
+    for label in ("transformers", f"kvpass-{policy_name}"):
+        batch = 1
+        while True:
+            if not deadline.allows(60 if not smoke else 5):
+                rows.append({"method": label, "batch": batch, "skipped": "time"})
+                break
+            ids = torch.randint(1, cfg.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(batch)).to(device)
+            if label == "transformers":
+                def gen(n, ids=ids):
+                    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                          do_sample=False, eos_token_id=None, pad_token_id=0)
+            else:
+                def gen(n, ids=ids):
+                    return kv.generate(ids, max_new_tokens=n, do_sample=False)
+            row = {"method": label, "batch": batch, "prompt": prompt}
+            try:
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                t1 = _timed(device, lambda: gen(n1))
+                t2 = _timed(device, lambda: gen(n2))
+                tpot = max(t2 - t1, 1e-9) / (n2 - n1)
+                row.update(tpot_ms=tpot * 1e3, tokens_per_s=batch / tpot)
+                if device.type == "cuda":
+                    row["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            except torch.OutOfMemoryError:
+                row["oom"] = True
+            rows.append(row)
+            print(f"[bench] throughput {row}", flush=True)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            if row.get("oom") or (smoke and batch >= 4):
+                break
+            batch *= 2
+    best = {}
+    for r in rows:
+        if "tokens_per_s" in r and r["tokens_per_s"] > best.get(r["method"], {}).get("tokens_per_s", 0):
+            best[r["method"]] = r
+    ratio = None
+    if len(best) == 2:
+        ratio = best[f"kvpass-{policy_name}"]["tokens_per_s"] / best["transformers"]["tokens_per_s"]
+    return {"prompt": prompt, "budget": budget, "policy": policy_name, "n1": n1, "n2": n2, "rows": rows,
+            "best": best, "kvpass_over_transformers": ratio}
+
+
 def section_e2e(device: torch.device, smoke: bool, deadline: Deadline, copy_bw: float,
                 prompts: list[int], budget: float, methods_wanted: set[str] | None = None) -> dict:
     import kvpass
@@ -428,6 +536,8 @@ def section_e2e(device: torch.device, smoke: bool, deadline: Deadline, copy_bw: 
                         return kv.generate(ids, max_new_tokens=n, do_sample=False)
                     row.update(_measure(device, gen, n1, n2, functools.partial(kv.generate, short, max_new_tokens=n1,
                                                                                do_sample=False)))
+                    if policy.compresses and not label.endswith("-eager"):
+                        row.update(_compression_cost(kv, ids, device, row))
                     rep = kv.last_report
                     row.update(cache_bytes=rep.cache_bytes, full_cache_bytes=rep.full_cache_bytes,
                                compressions=rep.compressions, budget_tokens=rep.budget_tokens,
@@ -485,6 +595,15 @@ def targets(results: dict) -> list[str]:
         if r is not None:
             out.append(f"- {method} at 32k, batch 1: {r['tpot_over_floor']:.2f}x the floor (target <= 1.3), "
                        f"{_fmt(r.get('speedup_vs_transformers'), '.1f')}x transformers (target >= 8)")
+    for r in e2e:
+        if r["prompt"] == 32768 and "decode_compress_frac_of_tpot" in r:
+            cost = r["prefill_stats_frac_of_ttft"] + r["prefill_compress_frac_of_ttft"]
+            out.append(f"- {r['method']} at 32k: prefill statistics + compression {100 * cost:.1f}% of TTFT (target <= 15%), "
+                       f"decode-time compression {100 * r['decode_compress_frac_of_tpot']:.1f}% of decode time (target <= 5%)")
+    thr = results.get("throughput") or {}
+    if thr.get("kvpass_over_transformers") is not None:
+        out.append(f"- largest-batch tokens/s at {thr['prompt']}: kvpass {thr['policy']} / transformers "
+                   f"{thr['kvpass_over_transformers']:.2f} (target >= 4)")
     return out
 
 
@@ -538,6 +657,30 @@ def markdown(results: dict) -> str:
                 why = r.get("skipped") or (r.get("error", "").strip().splitlines() or ["?"])[-1][:80]
                 lines.append(f"| {r['prompt']} | {r['method']} | {why} | | | | | | | |")
         lines.append("")
+    costs = [r for r in (e2e or {}).get("rows", []) if "decode_compress_ms" in r]
+    if costs:
+        lines += ["## Compression cost", "",
+                  "prefill stats = (prefill graph with the policy's statistics - without) / TTFT; prefill compress = "
+                  "(start - prefill graph) / TTFT; decode compress = one compression of every layer (CUDA graph) / "
+                  "interval / ms per token.", "",
+                  "| prompt | method | prefill stats % TTFT | prefill compress % TTFT | decode compress ms | interval | % of ms/token |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in costs:
+            lines.append(f"| {r['prompt']} | {r['method']} | {100 * r['prefill_stats_frac_of_ttft']:.1f} | "
+                         f"{100 * r['prefill_compress_frac_of_ttft']:.1f} | {r['decode_compress_ms']:.2f} | {r['interval']} | "
+                         f"{100 * r['decode_compress_frac_of_tpot']:.1f} |")
+        lines.append("")
+    thr = results.get("throughput")
+    if thr:
+        lines += [f"## Largest batch, prompt {thr['prompt']}, budget {thr['budget']}", "",
+                  "| method | batch | ms/token | tokens/s | peak GiB |", "|---|---|---|---|---|"]
+        for r in thr["rows"]:
+            if "tokens_per_s" in r:
+                lines.append(f"| {r['method']} | {r['batch']} | {r['tpot_ms']:.2f} | {r['tokens_per_s']:.1f} | "
+                             f"{_fmt(r.get('peak_memory_gib'), '.1f')} |")
+            else:
+                lines.append(f"| {r['method']} | {r['batch']} | {'out of memory' if r.get('oom') else r.get('skipped')} | | |")
+        lines += ["", f"kvpass / transformers tokens/s at their largest batches: {_fmt(thr.get('kvpass_over_transformers'), '.2f')}", ""]
     if targets(results):
         lines += ["## Targets (issue 6)", ""] + targets(results) + [""]
     if results.get("errors"):
@@ -578,7 +721,8 @@ def plot(results: dict, path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------ main
-def run(out: Path, smoke: bool = False, total_s: float = 450.0, sections: tuple[str, ...] = ("correctness", "kernels", "e2e"),
+def run(out: Path, smoke: bool = False, total_s: float = 450.0,
+        sections: tuple[str, ...] = ("correctness", "kernels", "e2e", "throughput"),
         prompts: list[int] | None = None, budget: float = 0.2, methods: set[str] | None = None) -> dict:
     """Run the benchmark, write JSON, Markdown and PNG under ``out``; returns the results."""
     start = time.monotonic()
@@ -592,7 +736,7 @@ def run(out: Path, smoke: bool = False, total_s: float = 450.0, sections: tuple[
     if prompts is None:
         prompts = [48, 80] if smoke else [16384, 32768, 65536]
     # time boxes, as fractions of what is left when the section starts (e2e takes the rest)
-    boxes = {"correctness": 0.08, "kernels": 0.3, "e2e": 1.0}
+    boxes = {"correctness": 0.08, "kernels": 0.3, "e2e": 1.0, "throughput": 1.0}
     for name in sections:
         box = Deadline(max(0.0, min(total.left() - 15.0, boxes[name] * (total.left() - 15.0))))
         if name == "correctness":
@@ -601,6 +745,8 @@ def run(out: Path, smoke: bool = False, total_s: float = 450.0, sections: tuple[
             guarded(results, name, lambda box=box: section_kernels(device, smoke, box, copy_bw))
         elif name == "e2e":
             guarded(results, name, lambda box=box: section_e2e(device, smoke, box, copy_bw, prompts, budget, methods))
+        elif name == "throughput":
+            guarded(results, name, lambda box=box: section_throughput(device, smoke, box, max(prompts), budget))
     results["total_seconds"] = round(time.monotonic() - start, 1)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"speed-{slug(results.get('env', {}).get('device', 'unknown'))}"
@@ -620,7 +766,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"), help="output folder")
     ap.add_argument("--smoke", action="store_true", help="tiny model and shapes on CPU (CI)")
     ap.add_argument("--total-s", type=float, default=450.0, help="wall-clock budget for all sections")
-    ap.add_argument("--sections", default="correctness,kernels,e2e")
+    ap.add_argument("--sections", default="correctness,kernels,e2e,throughput")
     ap.add_argument("--prompts", default=None, help="comma-separated prompt lengths (default 16k,32k,64k)")
     ap.add_argument("--budget", type=float, default=0.2)
     ap.add_argument("--methods", default=None,

@@ -85,3 +85,22 @@ def test_replayed_generate_matches_eager_with_bounded_captures(monkeypatch, poli
     before = kv.decode_step.captures
     kv.generate(ids[:1], max_new_tokens=3, do_sample=False)              # new buffers: new captures
     assert kv.decode_step.captures > before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy, budget", [("d2o", 24), ("h2o", 24), ("streamingllm", 24), ("snapkv", 24)])
+def test_cuda_graph_decode_with_compression_matches_eager(policy, budget):
+    """On CUDA: the replayed steps (compression inside the graph) give the eager tokens, and the number
+    of captures stays bounded (one per step variant, not one per token)."""
+    torch.manual_seed(0)
+    model = build_model(TINY_LLAMA, torch.device("cuda"), torch.float32)
+    ids = torch.randint(1, TINY_LLAMA["vocab_size"], (2, 40), device="cuda")
+    kv = kvpass.apply(model, policy=policy, budget=budget)
+    kv.decode_step.enabled = False
+    want = kv.generate(ids, max_new_tokens=32, do_sample=False)
+    kv.decode_step = StaticDecodeStep()
+    got = kv.generate(ids, max_new_tokens=32, do_sample=False)
+    assert torch.equal(got, want)
+    assert 1 <= kv.decode_step.captures <= 3
+    assert kv.last_report.compressions > 1
