@@ -48,11 +48,14 @@ def _softcapped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: 
 
 def prefill_attention_reference(q: Tensor, k: Tensor, v: Tensor, pad: Tensor, scale: float,
                                 window: int | None = None, softcap: float | None = None) -> Tensor:
+    gqa = q.shape[1] != k.shape[1]
+    if window is None and softcap is None and not bool(pad.any()):
+        # no pads: plain causal attention, which SDPA runs with its fused (flash) kernels, no T x T mask
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     mask = prefill_mask(pad, q.shape[2], window)
     if softcap is not None:
         return _softcapped_attention(q, k, v, mask, scale, softcap)
-    return torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
 @torch.library.custom_op("kvpass::prefill_attention", mutates_args=())

@@ -378,6 +378,22 @@ def _measure(device, gen: Callable[[int], object], n1: int, n2: int, warm: Calla
     return out
 
 
+def _stepped_tpot(kv, ids: torch.Tensor, device: torch.device, warm: int = 8, steps: int = 48) -> dict:
+    """kvpass's time per output token without prefill noise: after ``start``, ``warm`` steps (CUDA
+    graph captures, the first compressions), then the mean of ``steps`` timed steps (greedy tokens)."""
+    session = kv.start(ids, max_new_tokens=warm + steps)
+    tok = session.logits.argmax(-1)
+    for _ in range(warm):
+        tok = session.step(tok).argmax(-1)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        tok = session.step(tok).argmax(-1)
+    sync(device)
+    tpot = (time.perf_counter() - t0) / steps
+    return {"tpot_ms": tpot * 1e3, "decode_tokens_per_s": ids.shape[0] / tpot, "tpot_method": f"{steps} stepped tokens"}
+
+
 def _compression_cost(kv, ids: torch.Tensor, device: torch.device, row: dict) -> dict:
     """Where a compressing policy's extra time goes, against the row's TTFT and time per token:
     its prefill graph (with the statistics) vs the same graph without statistics (``full``), the
@@ -421,7 +437,7 @@ def section_throughput(device: torch.device, smoke: bool, deadline: Deadline, pr
     sites = match_attention(captured, cfg)
     policy = kvpass.get_policy(policy_name)
     kv = KVPassModel(model, policy, budget, captured, insert_compressed_cache(captured.gm, sites, policy))
-    n1, n2 = (2, 6) if smoke else (2, 18)
+    n1, n2 = (2, 6) if smoke else (2, 34)
     rows = []
     for label in ("transformers", f"kvpass-{policy_name}"):
         batch = 1
@@ -441,9 +457,12 @@ def section_throughput(device: torch.device, smoke: bool, deadline: Deadline, pr
             try:
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
-                t1 = _timed(device, lambda: gen(n1))
-                t2 = _timed(device, lambda: gen(n2))
-                tpot = max(t2 - t1, 1e-9) / (n2 - n1)
+                if label == "transformers":
+                    t1 = _timed(device, lambda: gen(n1))
+                    t2 = _timed(device, lambda: gen(n2))
+                    tpot = max(t2 - t1, 1e-9) / (n2 - n1)
+                else:
+                    tpot = _stepped_tpot(kv, ids, device, warm=4, steps=16)["tpot_ms"] / 1e3
                 row.update(tpot_ms=tpot * 1e3, tokens_per_s=batch / tpot)
                 if device.type == "cuda":
                     row["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -489,7 +508,7 @@ def section_e2e(device: torch.device, smoke: bool, deadline: Deadline, copy_bw: 
     except Exception as exc:  # noqa: BLE001
         capture_error = "".join(traceback.format_exception(exc))[-3000:]
     capture_s = time.monotonic() - t0
-    n1, n2 = (2, 6) if smoke else (4, 36)
+    n1, n2 = (2, 6) if smoke else (4, 52)
     names = [p for p in POLICY_ORDER if p in kvpass.POLICIES] + \
         sorted(p for p in kvpass.POLICIES if p not in POLICY_ORDER)
     rows = []
@@ -501,7 +520,8 @@ def section_e2e(device: torch.device, smoke: bool, deadline: Deadline, copy_bw: 
         short = ids[:, : max(64, prompt // 16)]
         # rough seconds per configuration (3 prefills, ~quadratic, plus decoding); raised to the last measured
         est = 5.0 if smoke else 5.0 + 3.0 * (prompt / 16384) ** 2
-        methods = [("transformers", None)] + [(f"kvpass-{p}", p) for p in names] + [("kvpass-streamingllm-eager", "streamingllm")]
+        methods = [("transformers", None)] + [(f"kvpass-{p}", p) for p in names] + \
+            [("kvpass-streamingllm-eager", "streamingllm")] + ([] if smoke else [("kvpass-d2o-compiled", "d2o")])
         for label, pname in methods:
             if pname is not None and pname not in kvpass.POLICIES:
                 continue
@@ -532,23 +552,32 @@ def section_e2e(device: torch.device, smoke: bool, deadline: Deadline, copy_bw: 
                     if label.endswith("-eager"):
                         kv.decode_step.enabled = False
 
+                    if label.endswith("-compiled"):
+                        kv.compress_fn = torch.compile(policy.compress, dynamic=True)
+
                     def gen(n, kv=kv, ids=ids):
                         return kv.generate(ids, max_new_tokens=n, do_sample=False)
                     row.update(_measure(device, gen, n1, n2, functools.partial(kv.generate, short, max_new_tokens=n1,
                                                                                do_sample=False)))
-                    if policy.compresses and not label.endswith("-eager"):
-                        row.update(_compression_cost(kv, ids, device, row))
+                    row["tpot_generate_diff_ms"] = row["tpot_ms"]
+                    row.update(_stepped_tpot(kv, ids, device))
+                    if policy.compresses and not label.endswith(("-eager", "-compiled")):
+                        try:
+                            row.update(_compression_cost(kv, ids, device, row))
+                        except Exception as exc:  # noqa: BLE001  (keep the row's timings)
+                            row["cost_error"] = "".join(traceback.format_exception(exc))[-800:]
                     rep = kv.last_report
                     row.update(cache_bytes=rep.cache_bytes, full_cache_bytes=rep.full_cache_bytes,
                                compressions=rep.compressions, budget_tokens=rep.budget_tokens,
                                cuda_graph_captures=kv.decode_step.captures)
                     row["kv_bytes_per_step"] = rep.cache_bytes
-                    del kv, graphs
                 floor = (weight_bytes + row["kv_bytes_per_step"]) / copy_bw
                 row["floor_ms"] = floor * 1e3
                 row["tpot_over_floor"] = row["tpot_ms"] / row["floor_ms"]
             except Exception as exc:  # noqa: BLE001  (e.g. out of memory at 64k: record, go on)
                 row["error"] = "".join(traceback.format_exception(exc))[-1500:]
+            finally:
+                kv = graphs = gen = None          # free this method's caches and graphs before the next
             row["wall_s"] = time.monotonic() - started
             est = max(est, row["wall_s"])
             rows.append(row)
@@ -648,7 +677,7 @@ def markdown(results: dict) -> str:
                   "| prompt | method | TTFT s | ms/token | tokens/s | floor ms | x floor | x transformers | peak GiB | cache MiB |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for r in e2e["rows"]:
-            if "tpot_ms" in r:
+            if "floor_ms" in r:
                 lines.append(f"| {r['prompt']} | {r['method']} | {r['ttft_s']:.3f} | {r['tpot_ms']:.2f} | "
                              f"{r['decode_tokens_per_s']:.1f} | {r['floor_ms']:.2f} | {r['tpot_over_floor']:.2f} | "
                              f"{_fmt(r.get('speedup_vs_transformers'), '.2f')} | {_fmt(r.get('peak_memory_gib'), '.1f')} | "
@@ -736,7 +765,7 @@ def run(out: Path, smoke: bool = False, total_s: float = 450.0,
     if prompts is None:
         prompts = [48, 80] if smoke else [16384, 32768, 65536]
     # time boxes, as fractions of what is left when the section starts (e2e takes the rest)
-    boxes = {"correctness": 0.08, "kernels": 0.3, "e2e": 1.0, "throughput": 1.0}
+    boxes = {"correctness": 0.08, "kernels": 0.3, "e2e": 0.65 if "throughput" in sections else 1.0, "throughput": 1.0}
     for name in sections:
         box = Deadline(max(0.0, min(total.left() - 15.0, boxes[name] * (total.left() - 15.0))))
         if name == "correctness":

@@ -117,6 +117,9 @@ class KVPassModel(nn.Module):
         self._all_logits_prefill = None
         # Each decode step's device work, replayed from a CUDA graph on CUDA (eager on CPU); decode_step.py.
         self.decode_step = StaticDecodeStep()
+        # What decode steps call to compress a layer: the policy's compress, or a compiled version of it
+        # (the benchmark's `-compiled` rows: torch.compile(policy.compress, dynamic=True)).
+        self.compress_fn = policy.compress
 
     @property
     def model(self) -> nn.Module:
@@ -378,11 +381,11 @@ class DecodeSession:
         graph (writes K, V, attends), score accumulation, lengths and positions. tokens: [B] -> logits
         [B, V] fp32. On CUDA it is replayed from a CUDA graph (decode_step.py), one per set of
         compressed layers: it reads and writes only the layers' cache tensors."""
-        layers, graphs, policy = self.layers, self.owner.graphs, self.policy
+        layers, graphs = self.layers, self.owner.graphs
 
         def step(tokens: Tensor, pos: Tensor) -> tuple[Tensor]:
             for i in compress:
-                load_into(layers[i].cache, policy.compress(layers[i].cache, layers[i].budget))
+                load_into(layers[i].cache, self.owner.compress_fn(layers[i].cache, layers[i].budget))
             slots = [self._slot(lay, pos) for lay in layers]
             flat = [x for lay, slot in zip(layers, slots, strict=True) for x in self._decode_inputs(lay, slot)]
             outs = graphs.decode(tokens[:, None], pos, *flat)

@@ -54,3 +54,15 @@ def test_triton_head_column_sums_equal_dense(hq, hkv, t, window, softcap, triton
     if want is not None:
         torch.testing.assert_close(got.cpu().double(), want, rtol=1e-4, atol=1e-4)
     assert (got[2, :, :18] == 0).all()                        # pad keys get no attention
+
+
+def test_head_column_sums_reuses_only_the_same_unmodified_inputs():
+    from kvpass.kernels.attention_column_sums import head_column_sums
+
+    q, k, pad = torch.randn(1, 2, 9, 8), torch.randn(1, 1, 9, 8), torch.tensor([2])
+    first = head_column_sums(q, k, pad, 0.3)
+    assert head_column_sums(q, k, pad, 0.3) is first                     # the graph's second op on one layer
+    assert head_column_sums(q.clone(), k, pad, 0.3) is not first         # another tensor: computed again
+    q.mul_(2.0)                                                          # modified in place: computed again
+    again = head_column_sums(q, k, pad, 0.3)
+    assert again is not first and not torch.allclose(again, first)
