@@ -9,10 +9,11 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
 from kvpass.cache import EMPTY, LayerCache, keep_slots
 from kvpass.policies.allocation import apportion
 from kvpass.policies.base import Policy, Stat, require
-from kvpass.policies.selection import cosine, kept_slots, ordered_slots, select_kept
+from kvpass.policies.selection import kept_slots, ordered_slots, select_kept
 
 TAU, TAU_SET = "d2o_tau", "d2o_tau_set"     # LayerCache.state: EMA threshold [B] fp32, initialised [B] bool
 
@@ -158,8 +159,9 @@ class D2O(Policy):
         d = cache.k.shape[-1]
         k_e = torch.gather(cache.k, 2, e_idx[..., None].expand(-1, -1, -1, d))
         v_e = torch.gather(cache.v, 2, e_idx[..., None].expand(-1, -1, -1, d))
-        u = cosine(k_e, out.k).masked_fill(~out.live[:, :, None, :], float("-inf"))   # [B, Hkv, E, K]
-        u_star, nearest = u.max(dim=-1)                                        # [B, Hkv, E]
+        # nearest live kept key per evicted entry, never the [E, K] similarity matrix on CUDA
+        nearest, u_star = torch.ops.kvpass.cosine_match(k_e, out.k, out.live)   # [B, Hkv, E]
+        nearest = nearest.clamp(min=0)
         u_star = torch.where(valid, u_star, 0.0)
         tau = self._update_tau(out, u_star, valid)                            # [B]
         merged, w_e, w_self = self._merge_weights(u_star, valid, tau)
@@ -192,8 +194,8 @@ class D2O(Policy):
         flat_e = (e + row0).reshape(-1)
         k_e = cache.k.reshape(b * h * c, d).index_select(0, flat_e).view(b, h, 1, d)
         v_e = cache.v.reshape(b * h * c, d).index_select(0, flat_e).view(b, h, 1, d)
-        u = cosine(k_e, cache.k).masked_fill(~(live & (j != e))[:, :, None, :], float("-inf"))   # [B, Hkv, 1, C]
-        u_star, nearest = u.max(dim=-1)                                        # [B, Hkv, 1]
+        nearest, u_star = torch.ops.kvpass.cosine_match(k_e, cache.k, live & (j != e))   # [B, Hkv, 1]
+        nearest = nearest.clamp(min=0)
         valid = evict[..., None]
         u_star = torch.where(valid, u_star, 0.0)
         # slot i of the output is slot i (before e) or i + 1 (from e on) of the input

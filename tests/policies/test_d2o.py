@@ -74,8 +74,9 @@ def reference_d2o(cache: LayerCache, keep: int, policy: D2O, tau_prev: list[floa
 def _check(got: LayerCache, want: dict) -> None:
     for (b, g), (kept, k, v) in want.items():
         assert live_positions(got, b, g) == kept
-        torch.testing.assert_close(got.k[b, g, : len(kept)].double(), k)
-        torch.testing.assert_close(got.v[b, g, : len(kept)].double(), v)
+        # fp32 cache vs the float64 reference (cosines on CUDA come from the tf32 Triton matcher)
+        torch.testing.assert_close(got.k[b, g, : len(kept)].double(), k, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got.v[b, g, : len(kept)].double(), v, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("variant", ["paper", "code"])
