@@ -164,3 +164,25 @@ def ring_from_prompt(k: Tensor, v: Tensor, pad: Tensor, window: int) -> LayerCac
     ring.position = torch.where(ok, pos, -1)
     ring.length = ok.sum(-1).expand(b, hkv)
     return ring
+
+
+def concat_rows(caches: list[LayerCache]) -> LayerCache:
+    """Batch rows of several caches of one layer, stacked in order (capacities padded to the largest).
+    Every per-head or per-row tensor must agree in its other dimensions; ValueError otherwise."""
+    capacity = max(c.capacity for c in caches)
+    caches = [c if c.capacity == capacity else with_capacity(c, capacity) for c in caches]
+    first = caches[0]
+
+    def cat(name: str, ts: list[Tensor]) -> Tensor:
+        if any(t.shape[1:] != ts[0].shape[1:] for t in ts):
+            raise ValueError(f"cannot stack cache tensor {name!r} of shapes {[tuple(t.shape) for t in ts]} by batch rows")
+        return torch.cat(ts, dim=0)
+
+    for c in caches:
+        if c.slot_meta.keys() != first.slot_meta.keys() or c.state.keys() != first.state.keys():
+            raise ValueError("cannot stack caches holding different policy metadata")
+    return LayerCache(
+        **{f: cat(f, [getattr(c, f) for c in caches]) for f in ("k", "v", "log_weight", "length", "position")},
+        slot_meta={n: cat(n, [c.slot_meta[n] for c in caches]) for n in first.slot_meta},
+        state={n: cat(n, [c.state[n] for c in caches]) for n in first.state})
+

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from kvpass.budget import budget_tokens, check_budget
-from kvpass.cache import LayerCache, entries_from_prompt, load_into, ring_from_prompt, with_capacity
+from kvpass.cache import LayerCache, concat_rows, entries_from_prompt, load_into, ring_from_prompt, with_capacity
 from kvpass.decode_step import StaticDecodeStep
 from kvpass.policies.base import Policy, Stat
 from kvpass.rewrites import CapturedModel, RewrittenGraphs
@@ -120,6 +120,10 @@ class KVPassModel(nn.Module):
         # What decode steps call to compress a layer: the policy's compress, or a compiled version of it
         # (the benchmark's `-compiled` rows: torch.compile(policy.compress, dynamic=True)).
         self.compress_fn = policy.compress
+        # Rows prefilled at a time (None: the whole batch). Smaller groups bound the prefill's memory (the
+        # full K, V of every layer exist only for the group being compressed), so larger batches fit;
+        # per-layer budgets (D2O, PyramidKV) are then those of the first group [OURS].
+        self.prefill_rows: int | None = None
 
     @property
     def model(self) -> nn.Module:
@@ -174,7 +178,8 @@ class KVPassModel(nn.Module):
         return fallback if got is None else got
 
     def _build_layers(self, kv: Sequence[Tensor], stats: dict[int, dict[str, Tensor]], pad: Tensor,
-                      total: int, budget: int, recall_budget: int) -> tuple[list[_Layer], int]:
+                      total: int, budget: int, recall_budget: int,
+                      layer_budgets: list[int] | None = None) -> tuple[list[_Layer], int]:
         layers: list[_Layer] = []
         prompt_len = int(kv[0].shape[2] - pad.min())
         compressions = 0
@@ -191,7 +196,7 @@ class KVPassModel(nn.Module):
             layers.append(_Layer(cache, None, compressible, total, prompt_len, site.window is not None))
         compressed = [lay for lay in layers if lay.compressible]
         if compressed:
-            budgets = self.policy.layer_budgets(budget, [lay.cache for lay in compressed])
+            budgets = layer_budgets or self.policy.layer_budgets(budget, [lay.cache for lay in compressed])
             for lay, b in zip(compressed, budgets, strict=True):
                 lay.budget = int(b)
                 if lay.host_len > lay.budget:
@@ -217,6 +222,20 @@ class KVPassModel(nn.Module):
         if lay.host_len > lay.budget:
             raise RuntimeError(f"policy {self.policy.name} left {lay.host_len} entries for a budget of {lay.budget}")
 
+    def _prefill_layers(self, ids: Tensor, pos: Tensor, pad: Tensor, total: int, budget: int,
+                        layer_budgets: list[int] | None) -> tuple[list[_Layer], int]:
+        """The prefill graph over ``ids`` [b, T] and the compressed caches built from it; the next-token
+        logits [b, V] fp32 land in ``self._last_logits``."""
+        outs = self.graphs.prefill(ids, pos, pad)
+        n_sites = len(self.graphs.sites)
+        kv = outs[1:1 + 2 * n_sites]
+        stats: dict[int, dict[str, Tensor]] = {}
+        for (layer, stat), value in zip(self.graphs.prefill_stats, outs[1 + 2 * n_sites:], strict=True):
+            stats.setdefault(layer, {})[stat.value] = value
+        self._last_logits = outs[0][:, -1].float()
+        del outs
+        return self._build_layers(kv, stats, pad, total, budget, budget_tokens(self.budget, total), layer_budgets)
+
     @torch.no_grad()
     def start(self, input_ids: Tensor, attention_mask: Tensor | None = None, max_new_tokens: int = 0) -> DecodeSession:
         """Prefill ``input_ids`` [B, T] (left-padded with ``attention_mask``) and build the caches,
@@ -231,15 +250,16 @@ class KVPassModel(nn.Module):
             raise ValueError(f"budget of {budget} tokens (from {self.budget!r} of {total}) is smaller than "
                              f"{self.policy.name}'s minimum of {self.policy.min_budget()} (sinks + window)")
         start = time.perf_counter()
-        outs = self.graphs.prefill(ids, pos, pad)
-        n_sites = len(self.graphs.sites)
-        kv = outs[1:1 + 2 * n_sites]
-        stats: dict[int, dict[str, Tensor]] = {}
-        for (layer, stat), value in zip(self.graphs.prefill_stats, outs[1 + 2 * n_sites:], strict=True):
-            stats.setdefault(layer, {})[stat.value] = value
-        logits = outs[0][:, -1].float()
-        layers, compressions = self._build_layers(kv, stats, pad, total, budget, budget_tokens(self.budget, total))
-        del outs, kv, stats
+        rows = self.prefill_rows or ids.shape[0]
+        parts, layer_budgets, compressions = [], None, 0
+        for r in range(0, ids.shape[0], rows):     # prefill and compress a group of rows at a time
+            part = slice(r, r + rows)
+            layers, done = self._prefill_layers(ids[part], pos[part], pad[part], total, budget, layer_budgets)
+            layer_budgets = [lay.budget for lay in layers if lay.compressible] or None
+            logits = self._last_logits
+            parts.append((layers, logits))
+            compressions += done
+        layers, logits = parts[0] if len(parts) == 1 else _stack_rows(parts)
         session = DecodeSession(self, layers, pos[:, -1:] + 1, logits, budget, int(t - pad.min()), compressions)
         session.prefill_seconds = time.perf_counter() - start
         return session
@@ -287,6 +307,16 @@ class KVPassModel(nn.Module):
         if return_dict_in_generate:
             return GenerateOutput(sequences, step_logits, self.last_report)
         return sequences
+
+
+def _stack_rows(parts: list[tuple[list[_Layer], Tensor]]) -> tuple[list[_Layer], Tensor]:
+    """The layers and logits of groups of rows prefilled one after the other, as one batch."""
+    layers = []
+    for group in zip(*(p[0] for p in parts), strict=True):
+        first = group[0]
+        layers.append(_Layer(concat_rows([lay.cache for lay in group]), first.window, first.compressible,
+                             first.budget, max(lay.host_len for lay in group), first.sliding))
+    return layers, torch.cat([p[1] for p in parts], dim=0)
 
 
 class DecodeSession:
