@@ -402,6 +402,10 @@ def _compression_cost(kv, ids: torch.Tensor, device: torch.device, row: dict) ->
     from kvpass.policies.full import Full
     from kvpass.rewrites import insert_compressed_cache
 
+    kv.decode_step.reset()                 # the decode steps' CUDA graph pools: not needed here
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     ids_, pad, pos = kv._prepare(ids, None, 0)
     plain = insert_compressed_cache(kv.captured.gm, list(kv.graphs.sites), Full()).prefill
     t_plain = min(_timed(device, lambda: plain(ids_, pos, pad)) for _ in range(2))

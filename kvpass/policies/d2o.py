@@ -11,6 +11,7 @@ from torch import Tensor
 
 import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
 from kvpass.cache import EMPTY, LayerCache, keep_slots
+from kvpass.kernels.cosine_match import cosine_match_reference
 from kvpass.policies.allocation import apportion
 from kvpass.policies.base import Policy, Stat, require
 from kvpass.policies.selection import kept_slots, ordered_slots, select_kept
@@ -194,7 +195,8 @@ class D2O(Policy):
         flat_e = (e + row0).reshape(-1)
         k_e = cache.k.reshape(b * h * c, d).index_select(0, flat_e).view(b, h, 1, d)
         v_e = cache.v.reshape(b * h * c, d).index_select(0, flat_e).view(b, h, 1, d)
-        nearest, u_star = torch.ops.kvpass.cosine_match(k_e, cache.k, live & (j != e))   # [B, Hkv, 1]
+        # one source row per (b, g): the plain torch matcher (one [1, C] product) beats a kernel launch
+        nearest, u_star = cosine_match_reference(k_e, cache.k, live & (j != e))   # [B, Hkv, 1]
         nearest = nearest.clamp(min=0)
         valid = evict[..., None]
         u_star = torch.where(valid, u_star, 0.0)
