@@ -1,0 +1,116 @@
+"""Where a kvpass decode step's time goes: per-kernel CUDA time of decode steps of the
+Llama-3.1-8B-shaped random-weight model at a long prompt, per policy (torch.profiler, eager steps
+so every kernel is attributed; the CUDA-graph replayed step time is measured beside it).
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/profile_decode.py --out $OUT [--prompt 32768 --policies streamingllm,d2o]
+
+Writes ``profile-decode.json`` and ``profile-decode.md`` (top kernels per policy) under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import kvpass
+from kvpass.bench import LLAMA_8B, build_model, sync
+from kvpass.rewrites import capture_causal_lm, insert_compressed_cache, match_attention
+from kvpass.runtime import KVPassModel
+
+
+def _bucket(name: str) -> str:
+    """A coarse family for a kernel name (what a reader wants to sum)."""
+    n = name.lower()
+    for key, label in (("decode_attention", "decode attention (Triton)"), ("gemv", "matmul (GEMV/GEMM)"),
+                       ("gemm", "matmul (GEMV/GEMM)"), ("cublas", "matmul (GEMV/GEMM)"), ("nvjet", "matmul (GEMV/GEMM)"),
+                       ("cutlass", "matmul (GEMV/GEMM)"), ("reduce", "reductions"), ("scatter", "scatter/gather/index"),
+                       ("gather", "scatter/gather/index"), ("index", "scatter/gather/index"), ("copy", "copies"),
+                       ("cat", "copies"), ("elementwise", "elementwise"), ("vectorized", "elementwise")):
+        if key in n:
+            return label
+    return "other"
+
+
+def profile_policy(model, captured, sites, name: str, budget: float, prompt: int, steps: int) -> dict:
+    policy = kvpass.get_policy(name)
+    kv = KVPassModel(model, policy, budget if policy.compresses else 1.0, captured,
+                     insert_compressed_cache(captured.gm, sites, policy))
+    ids = torch.randint(1, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0)).cuda()
+    out: dict = {"policy": name}
+    for graphed in (True, False):
+        kv.decode_step.enabled = graphed
+        kv.decode_step.reset()
+        session = kv.start(ids, max_new_tokens=8 + 2 * steps)
+        tok = session.logits.argmax(-1)
+        for _ in range(8):
+            tok = session.step(tok).argmax(-1)
+        sync(ids.device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            tok = session.step(tok).argmax(-1)
+        sync(ids.device)
+        out["graphed_ms" if graphed else "eager_ms"] = (time.perf_counter() - t0) / steps * 1e3
+        if not graphed:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    tok = session.step(tok).argmax(-1)
+                sync(ids.device)
+            kernels: dict[str, list[float]] = {}
+            for ev in prof.events():
+                if ev.device_type == torch.autograd.DeviceType.CUDA:
+                    kernels.setdefault(ev.name, []).append(ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total)
+            rows = [{"kernel": k[:140], "us_per_step": sum(v) / steps, "calls_per_step": len(v) / steps, "family": _bucket(k)}
+                    for k, v in kernels.items()]
+            rows.sort(key=lambda r: -r["us_per_step"])
+            out["kernels"] = rows
+            out["kernel_us_per_step"] = sum(r["us_per_step"] for r in rows)
+            out["kernel_launches_per_step"] = sum(r["calls_per_step"] for r in rows)
+            fam: dict[str, float] = {}
+            for r in rows:
+                fam[r["family"]] = fam.get(r["family"], 0.0) + r["us_per_step"]
+            out["families_us_per_step"] = dict(sorted(fam.items(), key=lambda kv_: -kv_[1]))
+        del session
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--prompt", type=int, default=32768)
+    ap.add_argument("--policies", default="streamingllm,d2o")
+    ap.add_argument("--budget", type=float, default=0.2)
+    ap.add_argument("--steps", type=int, default=8)
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    model = build_model(LLAMA_8B, device, torch.bfloat16)
+    captured = capture_causal_lm(model)
+    sites = match_attention(captured, model.config)
+    results = {"device": torch.cuda.get_device_name(), "prompt": args.prompt, "budget": args.budget, "policies": []}
+    for name in args.policies.split(","):
+        res = profile_policy(model, captured, sites, name, args.budget, args.prompt, args.steps)
+        results["policies"].append(res)
+        print(json.dumps({k: v for k, v in res.items() if k != "kernels"}), flush=True)
+        torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile-decode.json").write_text(json.dumps(results, indent=1))
+    lines = [f"# Decode-step profile: {results['device']}, Llama-3.1-8B-shaped, prompt {args.prompt}, budget {args.budget}", ""]
+    for res in results["policies"]:
+        lines += [f"## {res['policy']}: {res['graphed_ms']:.2f} ms/step replayed, {res['eager_ms']:.2f} ms eager, "
+                  f"kernels {res['kernel_us_per_step'] / 1e3:.2f} ms in {res['kernel_launches_per_step']:.0f} launches", "",
+                  "| family | ms/step |", "|---|---|"]
+        lines += [f"| {k} | {v / 1e3:.3f} |" for k, v in res["families_us_per_step"].items()]
+        lines += ["", "| kernel | us/step | calls/step |", "|---|---|---|"]
+        lines += [f"| `{r['kernel'][:90]}` | {r['us_per_step']:.1f} | {r['calls_per_step']:.0f} |" for r in res["kernels"][:15]]
+        lines.append("")
+    (out / "profile-decode.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
