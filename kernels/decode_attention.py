@@ -154,35 +154,37 @@ def _decode_attention_split_kernel(
 @triton.jit
 def _decode_attention_combine_kernel(
     OUT, OPART, LSE, LSE_OUT, sob, soh, sot, sod, HKV, T, G, NUM_SPLITS,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
+    # One program per (b, g, row m): the splits' log-sum-exps and outputs are read BLOCK_S at a time
+    # (independent loads, not a chain of NUM_SPLITS dependent steps), first for their max, then summed.
     pid_bg = tl.program_id(0)
+    m = tl.program_id(1)
     b = (pid_bg // HKV).to(tl.int64)                  # 64-bit offsets: B*Hkv*C*D may pass 2^31
     g = pid_bg % HKV
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    m_mask = offs_m < G * T
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for s in range(0, NUM_SPLITS):
-        row = (pid_bg * NUM_SPLITS + s) * BLOCK_M + offs_m
-        lse_s = tl.load(LSE + row, mask=m_mask, other=float("-inf"))
-        o_s = tl.load(OPART + row[:, None] * BLOCK_D + offs_d[None, :], mask=m_mask[:, None], other=0.0)
-        m_new = tl.maximum(m_i, lse_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        w = tl.exp2(lse_s - m_safe)
-        l_i = l_i * alpha + w
-        acc = acc * alpha[:, None] + w[:, None] * o_s
-        m_i = m_new
-    o = acc / l_i[:, None]
-    head = g * G + offs_m // T
-    tok = offs_m % T
-    o_ptrs = OUT + b * sob + head[:, None] * soh + tok[:, None] * sot + offs_d[None, :] * sod
-    tl.store(o_ptrs, o.to(OUT.dtype.element_ty), mask=m_mask[:, None] & (offs_d < HEAD_DIM)[None, :])
-    lse = tl.where(l_i > 0.0, m_i + tl.log2(l_i), float("-inf"))
-    tl.store(LSE_OUT + pid_bg * BLOCK_M + offs_m, lse, mask=m_mask)
+    mx = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
+    for s0 in range(0, NUM_SPLITS, BLOCK_S):
+        s = s0 + offs_s
+        lse_s = tl.load(LSE + (pid_bg * NUM_SPLITS + s) * BLOCK_M + m, mask=s < NUM_SPLITS, other=float("-inf"))
+        mx = tl.maximum(mx, tl.max(lse_s, 0))
+    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    l_i = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, NUM_SPLITS, BLOCK_S):
+        s = s0 + offs_s
+        row = (pid_bg * NUM_SPLITS + s) * BLOCK_M + m
+        lse_s = tl.load(LSE + row, mask=s < NUM_SPLITS, other=float("-inf"))
+        w = tl.exp2(lse_s - mx_safe)                                     # 0 for missing / empty splits
+        o_s = tl.load(OPART + row[:, None] * BLOCK_D + offs_d[None, :], mask=(s < NUM_SPLITS)[:, None], other=0.0)
+        l_i += tl.sum(w, 0)
+        acc += tl.sum(w[:, None] * o_s, 0)
+    o = acc / l_i
+    head = g * G + m // T
+    tok = m % T
+    tl.store(OUT + b * sob + head * soh + tok * sot + offs_d * sod, o.to(OUT.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    tl.store(LSE_OUT + pid_bg * BLOCK_M + m, tl.where(l_i > 0.0, mx + tl.log2(l_i), float("-inf")))
 
 
 @triton.jit
@@ -299,9 +301,9 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor,
         lse_final = lse
     else:
         lse_final = torch.empty(b * hkv * block_m, device=q.device, dtype=torch.float32)
-        _decode_attention_combine_kernel[(b * hkv,)](
+        _decode_attention_combine_kernel[(b * hkv, rows)](
             o, part, lse, lse_final, *o.stride(), hkv, t, group, splits,
-            HEAD_DIM=d, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)
+            HEAD_DIM=d, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_S=min(32, next_pow2(splits)), num_warps=4)
     if not want_scores:
         return o, q.new_empty(0, dtype=torch.float32)
     scores = torch.empty(b, hkv, c, device=q.device, dtype=torch.float32)
