@@ -50,6 +50,19 @@ def test_triton_matches_float64_reference(hq, hkv, t, c, softcap, want_scores, n
         assert got_s.numel() == 0
 
 
+def test_combine_of_more_splits_than_one_block(triton_device):
+    """45 splits: the combine reads them in blocks of 32 (one full, one partial), with empty splits
+    (all slots of a split empty) mixed in."""
+    q, k, v, lw = random_case(1, 4, 2, 1, 45 * 16, 16, seed=11)
+    lw[:, :, 16 * 3:16 * 9] = float("-inf")                              # splits 3-8 hold nothing
+    want_o, want_s = decode_attention_reference(q.double(), k.double(), v.double(), lw, 0.25, None, True)
+    dev = torch.device(triton_device)
+    got_o, got_s = decode_attention_triton(q.to(dev), k.to(dev), v.to(dev), lw.to(dev), 0.25, None, True,
+                                           num_splits=45, block_n=16)
+    _close(got_o.cpu(), want_o, 1e-5, "o")
+    _close(got_s.cpu(), want_s, 1e-5, "scores")
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float16, 5e-3)])
 def test_triton_half_precision(dtype, tol, triton_device):
     q, k, v, lw = random_case(2, 8, 2, 1, 70, 32, seed=7, dtype=dtype)
