@@ -185,7 +185,7 @@ def graph_specs(model: KVPassModel, max_length: int, budget: int | None = None,
             plan.seeds[keep] = {k: {"shape": list(v.shape[1:]), "dtype": str(v.dtype).removeprefix("torch.")}
                                 for k, v in seeds.items()}
             example = to_flat(example_cache, m[layer], keys)
-            slots = Dim("slots", min=2, max=max_length)
+            slots = Dim("slots", min=keep + 1, max=max(keep + 2, max_length))   # compress runs on > keep slots
             dims = tuple({0: batch, 2: slots} if i < 5 + len(m[layer]) and x.dim() >= 3 else
                          ({0: batch} if x.dim() >= 1 else {}) for i, x in enumerate(example))
             fname = "compress.onnx" if len(set(budgets)) == 1 else f"compress_{keep}.onnx"

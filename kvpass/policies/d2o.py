@@ -161,7 +161,8 @@ class D2O(Policy):
         k_e = torch.gather(cache.k, 2, e_idx[..., None].expand(-1, -1, -1, d))
         v_e = torch.gather(cache.v, 2, e_idx[..., None].expand(-1, -1, -1, d))
         # nearest live kept key per evicted entry, never the [E, K] similarity matrix on CUDA
-        nearest, u_star = torch.ops.kvpass.cosine_match(k_e, out.k, out.live)   # [B, Hkv, E]
+        match = torch.ops.kvpass.cosine_match if k_e.is_cuda else cosine_match_reference   # CPU/export: plain torch
+        nearest, u_star = match(k_e, out.k, out.live)                          # [B, Hkv, E]
         nearest = nearest.clamp(min=0)
         u_star = torch.where(valid, u_star, 0.0)
         tau = self._update_tau(out, u_star, valid)                            # [B]

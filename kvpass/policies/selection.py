@@ -27,7 +27,8 @@ def select_kept(score: Tensor, length: Tensor, keep: int, sinks: int, recent: in
     prio = torch.where(forced, float("inf"), torch.where(live, score.double(), float("-inf")))
     top = prio.topk(min(keep, c), dim=-1).indices
     kept = torch.zeros_like(live).scatter(-1, top, True) & live
-    return torch.where(n <= keep, live, kept)
+    short = n <= keep                                       # and/or, not a boolean where (onnxruntime has none)
+    return (short & live) | (~short & kept)
 
 
 def ordered_slots(mask: Tensor, count: int) -> Tensor:
