@@ -20,7 +20,8 @@ from torch import Tensor
 def head_column_sums(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
                      softcap: float | None = None, block: int = 256) -> Tensor:
     """c[b, h, j] = sum over real query rows i of A_h[i, j], per query head: [B, Hq, T] fp32.
-    Row blocks of ``block`` queries with an fp32 softmax; pad query rows contribute nothing."""
+    Row blocks of ``block`` queries with an fp32 softmax over the keys up to the block's last row (the
+    later ones are masked anyway); pad query rows contribute nothing."""
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
@@ -31,13 +32,14 @@ def head_column_sums(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: in
     for start in range(0, t, block):
         rows = slice(start, start + block)
         nrows = q[:, :, rows].shape[2]
+        end = start + nrows                       # causal: rows < end attend to keys < end only
         qb = q[:, :, rows].float().reshape(b, hkv, group * nrows, d)
-        s = torch.matmul(qb, kf.transpose(-1, -2)) * scale            # [B, Hkv, G*rows, T]
+        s = torch.matmul(qb, kf[:, :, :end].transpose(-1, -2)) * scale     # [B, Hkv, G*rows, end]
         if softcap is not None:
             s = softcap * torch.tanh(s / softcap)
-        s = s.reshape(b, hkv, group, nrows, t).masked_fill(~mask[:, :, None, rows], float("-inf"))
+        s = s.reshape(b, hkv, group, nrows, end).masked_fill(~mask[:, :, None, rows, :end], float("-inf"))
         p = torch.softmax(s, dim=-1) * real_row[:, None, None, rows, None]
-        out += p.sum(dim=3).reshape(b, hq, t)
+        out[:, :, :end] += p.sum(dim=3).reshape(b, hq, end)
     return out
 
 
