@@ -47,8 +47,9 @@ _LAST: list = []
 
 def head_column_sums_rows(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
                           softcap: float | None = None, block: int = 256) -> Tensor:
-    """``head_column_sums`` in plain torch: row blocks of ``block`` queries with an fp32 softmax
-    (float64 for float64 inputs); pad query rows contribute nothing."""
+    """``head_column_sums`` in plain torch: row blocks of ``block`` queries with an fp32 softmax (float64
+    for float64 inputs) over the keys up to the block's last row (the later ones are masked anyway);
+    pad query rows contribute nothing."""
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
@@ -60,13 +61,14 @@ def head_column_sums_rows(q: Tensor, k: Tensor, pad: Tensor, scale: float, windo
     for start in range(0, t, block):
         rows = slice(start, start + block)
         nrows = q[:, :, rows].shape[2]
+        end = start + nrows                       # causal: rows < end attend to keys < end only
         qb = q[:, :, rows].to(acc).reshape(b, hkv, group * nrows, d)
-        s = torch.matmul(qb, kf.transpose(-1, -2)) * scale            # [B, Hkv, G*rows, T]
+        s = torch.matmul(qb, kf[:, :, :end].transpose(-1, -2)) * scale     # [B, Hkv, G*rows, end]
         if softcap is not None:
             s = softcap * torch.tanh(s / softcap)
-        s = s.reshape(b, hkv, group, nrows, t).masked_fill(~mask[:, :, None, rows], float("-inf"))
+        s = s.reshape(b, hkv, group, nrows, end).masked_fill(~mask[:, :, None, rows, :end], float("-inf"))
         p = torch.softmax(s, dim=-1) * real_row[:, None, None, rows, None]
-        out += p.sum(dim=3).reshape(b, hq, t)
+        out[:, :, :end] += p.sum(dim=3).reshape(b, hq, end)
     return out
 
 

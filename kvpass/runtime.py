@@ -72,6 +72,36 @@ class GenerateOutput:
 
 
 @dataclass
+class Prefill:
+    """What a prefill returns, before any compression (``KVPassModel.prefill``): ``logits`` [B, V] fp32
+    for the next position, ``kv`` [k_0, v_0, ..., k_{L-1}, v_{L-1}] each [B, Hkv, T, D], ``stats``
+    {layer: {stat name: [B, Hkv, T] or [B, H] fp32}}, ``pad`` [B] left pads, ``pos`` [B, T] positions,
+    ``max_new_tokens`` the tokens that will follow (they set the budget), ``seconds`` its wall time."""
+
+    logits: Tensor
+    kv: list[Tensor]
+    stats: dict[int, dict[str, Tensor]]
+    pad: Tensor
+    pos: Tensor
+    max_new_tokens: int
+    seconds: float = 0.0
+
+    @property
+    def batch(self) -> int:
+        return self.logits.shape[0]
+
+    def rows(self, index: Sequence[int]) -> Prefill:
+        """The prefill of the batch rows ``index`` only (left padding beyond the new batch's longest row
+        is kept, so each row's tensors are unchanged)."""
+        idx = torch.as_tensor(list(index), dtype=torch.long, device=self.logits.device)
+        if len(idx) == self.batch and bool((idx == torch.arange(self.batch, device=idx.device)).all()):
+            return self
+        return Prefill(logits=self.logits[idx], kv=[x[idx] for x in self.kv],
+                       stats={la: {n: x[idx] for n, x in d.items()} for la, d in self.stats.items()},
+                       pad=self.pad[idx], pos=self.pos[idx], max_new_tokens=self.max_new_tokens, seconds=self.seconds)
+
+
+@dataclass
 class _Layer:
     cache: LayerCache
     window: int | None           # a ring of this many slots, or None
@@ -222,19 +252,49 @@ class KVPassModel(nn.Module):
         if lay.host_len > lay.budget:
             raise RuntimeError(f"policy {self.policy.name} left {lay.host_len} entries for a budget of {lay.budget}")
 
-    def _prefill_layers(self, ids: Tensor, pos: Tensor, pad: Tensor, total: int, budget: int,
-                        layer_budgets: list[int] | None) -> tuple[list[_Layer], int]:
-        """The prefill graph over ``ids`` [b, T] and the compressed caches built from it; the next-token
-        logits [b, V] fp32 land in ``self._last_logits``."""
-        outs = self.graphs.prefill(ids, pos, pad)
-        n_sites = len(self.graphs.sites)
-        kv = outs[1:1 + 2 * n_sites]
+    def _check_min_budget(self, total: int) -> int:
+        """The token budget per compressed layer for ``total`` tokens; raises below the policy's minimum."""
+        budget = total if not self.policy.compresses else budget_tokens(self.budget, total)
+        if self.policy.compresses and budget < self.policy.min_budget():
+            raise ValueError(f"budget of {budget} tokens (from {self.budget!r} of {total}) is smaller than "
+                             f"{self.policy.name}'s minimum of {self.policy.min_budget()} (sinks + window)")
+        return budget
+
+    @torch.no_grad()
+    def prefill(self, input_ids: Tensor, attention_mask: Tensor | None = None, max_new_tokens: int = 0,
+                graphs: RewrittenGraphs | None = None) -> Prefill:
+        """Run the prefill graph over ``input_ids`` [B, T] (left-padded with ``attention_mask``) and keep
+        what it returns (last logits, per-layer K, V, statistics), uncompressed. ``graphs``: another
+        rewrite of the same captured model whose prefill emits a superset of this policy's statistics
+        (a shared prefill serving several policies, ``kvpass.eval.shared``); default this model's."""
+        ids, pad, pos = self._prepare(input_ids, attention_mask, max_new_tokens)
+        graphs = graphs or self.graphs
+        start = time.perf_counter()
+        outs = graphs.prefill(ids, pos, pad)
+        n_sites = len(graphs.sites)
         stats: dict[int, dict[str, Tensor]] = {}
-        for (layer, stat), value in zip(self.graphs.prefill_stats, outs[1 + 2 * n_sites:], strict=True):
+        for (layer, stat), value in zip(graphs.prefill_stats, outs[1 + 2 * n_sites:], strict=True):
             stats.setdefault(layer, {})[stat.value] = value
-        self._last_logits = outs[0][:, -1].float()
-        del outs
-        return self._build_layers(kv, stats, pad, total, budget, budget_tokens(self.budget, total), layer_budgets)
+        return Prefill(logits=outs[0][:, -1].float(), kv=list(outs[1:1 + 2 * n_sites]), stats=stats, pad=pad, pos=pos,
+                       max_new_tokens=max_new_tokens, seconds=time.perf_counter() - start)
+
+    @torch.no_grad()
+    def start_from(self, prefill: Prefill, layer_budgets: list[int] | None = None) -> DecodeSession:
+        """Build this policy's caches from a prefill (which stays unchanged, so several policies can
+        start from one) and return the session to step. Statistics the policy does not ask for are ignored.
+        ``layer_budgets``: the compressed layers' budgets to use instead of the policy's own choice."""
+        t = prefill.kv[0].shape[2]
+        total = t + prefill.max_new_tokens
+        budget = self._check_min_budget(total)
+        start = time.perf_counter()
+        wanted = {stat.value for stat in self.policy.stats} if self.policy.compresses else set()
+        stats = {layer: {n: x for n, x in got.items() if n in wanted} for layer, got in prefill.stats.items()}
+        layers, compressions = self._build_layers(prefill.kv, stats, prefill.pad, total, budget,
+                                                  budget_tokens(self.budget, total), layer_budgets)
+        session = DecodeSession(self, layers, prefill.pos[:, -1:] + 1, prefill.logits.clone(), budget,
+                                int(t - prefill.pad.min()), compressions)
+        session.prefill_seconds = prefill.seconds + time.perf_counter() - start
+        return session
 
     @torch.no_grad()
     def start(self, input_ids: Tensor, attention_mask: Tensor | None = None, max_new_tokens: int = 0) -> DecodeSession:
@@ -242,27 +302,20 @@ class KVPassModel(nn.Module):
         compressed to the budget for ``T + max_new_tokens`` tokens. Returns the session to step.
 
         ``max_new_tokens`` counts every token that will go through ``step``/``feed`` afterwards."""
-        ids, pad, pos = self._prepare(input_ids, attention_mask, max_new_tokens)
-        t = ids.shape[1]
-        total = t + max_new_tokens
-        budget = total if not self.policy.compresses else budget_tokens(self.budget, total)
-        if self.policy.compresses and budget < self.policy.min_budget():
-            raise ValueError(f"budget of {budget} tokens (from {self.budget!r} of {total}) is smaller than "
-                             f"{self.policy.name}'s minimum of {self.policy.min_budget()} (sinks + window)")
-        start = time.perf_counter()
-        rows = self.prefill_rows or ids.shape[0]
-        parts, layer_budgets, compressions = [], None, 0
-        for r in range(0, ids.shape[0], rows):     # prefill and compress a group of rows at a time
+        ids = torch.as_tensor(input_ids)
+        self._check_min_budget(ids.shape[-1] + max_new_tokens)
+        batch = ids.shape[0] if ids.dim() == 2 else 1
+        rows = self.prefill_rows or batch
+        if rows >= batch:
+            return self.start_from(self.prefill(input_ids, attention_mask, max_new_tokens))
+        mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask)
+        sessions: list[DecodeSession] = []
+        budgets = None
+        for r in range(0, batch, rows):            # prefill and compress a group of rows at a time
             part = slice(r, r + rows)
-            layers, done = self._prefill_layers(ids[part], pos[part], pad[part], total, budget, layer_budgets)
-            layer_budgets = [lay.budget for lay in layers if lay.compressible] or None
-            logits = self._last_logits
-            parts.append((layers, logits))
-            compressions += done
-        layers, logits = parts[0] if len(parts) == 1 else _stack_rows(parts)
-        session = DecodeSession(self, layers, pos[:, -1:] + 1, logits, budget, int(t - pad.min()), compressions)
-        session.prefill_seconds = time.perf_counter() - start
-        return session
+            sessions.append(self.start_from(self.prefill(ids[part], mask[part], max_new_tokens), budgets))
+            budgets = [lay.budget for lay in sessions[0].layers if lay.compressible] or None
+        return _stack_sessions(sessions)
 
     @torch.no_grad()
     def generate(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
@@ -309,14 +362,18 @@ class KVPassModel(nn.Module):
         return sequences
 
 
-def _stack_rows(parts: list[tuple[list[_Layer], Tensor]]) -> tuple[list[_Layer], Tensor]:
-    """The layers and logits of groups of rows prefilled one after the other, as one batch."""
+def _stack_sessions(sessions: list[DecodeSession]) -> DecodeSession:
+    """Sessions of groups of rows prefilled one after the other (``prefill_rows``), as one batch."""
     layers = []
-    for group in zip(*(p[0] for p in parts), strict=True):
+    for group in zip(*(s.layers for s in sessions), strict=True):
         first = group[0]
         layers.append(_Layer(concat_rows([lay.cache for lay in group]), first.window, first.compressible,
                              first.budget, max(lay.host_len for lay in group), first.sliding))
-    return layers, torch.cat([p[1] for p in parts], dim=0)
+    first = sessions[0]
+    out = DecodeSession(first.owner, layers, torch.cat([s.pos for s in sessions]), torch.cat([s.logits for s in sessions]),
+                        first.budget, max(s.prompt_tokens for s in sessions), sum(s.compressions for s in sessions))
+    out.prefill_seconds = sum(s.prefill_seconds for s in sessions)
+    return out
 
 
 class DecodeSession:

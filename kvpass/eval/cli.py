@@ -50,6 +50,9 @@ def _common(p: argparse.ArgumentParser, lm: bool, niah: bool) -> None:
         p.add_argument("--max-new-tokens", type=int, default=32)
         p.add_argument("--modes", nargs="+", default=["query_aware", "query_agnostic"],
                        choices=["query_aware", "query_agnostic"])
+        p.add_argument("--batch", type=int, default=8,
+                       help="needle cases of equal token counts decoded together per (policy, budget) (results "
+                            "do not depend on it)")
         p.add_argument("--no-reference", dest="reference", action="store_false",
                        help="skip the plain transformers generate run per case")
     if lm:
@@ -118,7 +121,7 @@ def run_niah(args: argparse.Namespace, store, loaded) -> None:
 
     cell_list = niah.cells(args.policies, args.budgets, args.modes, reference=args.reference)
     niah.run(loaded, niah_specs(args, loaded), cell_list, store, args.max_new_tokens,
-             shard=args.shard or (0, 1))
+             shard=args.shard or (0, 1), batch=args.batch)
 
 
 def run_lm(args: argparse.Namespace, store, loaded) -> None:

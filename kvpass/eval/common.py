@@ -36,23 +36,6 @@ def load(name: str) -> Loaded:
     return Loaded(name, model, tokenizer)
 
 
-class KVCache:
-    """``kvpass.apply`` results per (policy, budget), traced once per process (full: one for all budgets)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self._built: dict[tuple[str, object], object] = {}
-
-    def get(self, policy: str, budget: float | int):
-        import kvpass
-        from kvpass.policies import POLICIES
-
-        key = (policy, None if not POLICIES[policy].compresses else budget)
-        if key not in self._built:
-            self._built[key] = kvpass.apply(self.model, policy=policy, budget=budget if key[1] is not None else 1.0)
-        return self._built[key]
-
-
 def split_chat(tokenizer, context: str, question: str) -> tuple[list[int], list[int]]:
     """(context_ids, question_ids) whose concatenation is the chat prompt 'context\\n\\nquestion' with
     the generation prompt. Tokenized in two pieces (as kvpress's pipeline does), so the query-aware

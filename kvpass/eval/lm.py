@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from kvpass.eval.common import KVCache, Loaded, Timer
+from kvpass.eval.common import Loaded, Timer
 from kvpass.eval.store import Store, case_key
 
 REFERENCE = "transformers"
@@ -194,7 +194,9 @@ def run(loaded: Loaded, segments: Sequence[Segment], configs: Sequence[tuple[str
     configs = list(dict.fromkeys(configs))
     todo = [(s, c) for k, s in enumerate(segments) if k % shard[1] == shard[0]
             for c in [(REFERENCE, None), *configs] if key_of(loaded.name, c[0], c[1], s, probes) not in store]
-    models = KVCache(loaded.model)
+    from kvpass.eval.shared import Models
+
+    models = Models(loaded.model)        # one capture for every policy
     cached: dict[Segment, tuple[list[int], list[float], dict]] = {}
     bar = tqdm(todo, desc=desc, unit="run", position=shard[0], dynamic_ncols=True)
     for seg, (policy, budget) in bar:

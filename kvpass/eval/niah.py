@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from kvpass.eval.common import KVCache, Loaded, Timer, eos_pad, split_chat
+from kvpass.eval.common import Loaded, Timer, eos_pad, split_chat
 from kvpass.eval.store import Store, case_key
 from kvpass.prompts import needle_prompt
 
@@ -86,31 +86,88 @@ def is_correct(answer: str, output: str) -> bool:
     return answer in output
 
 
-@torch.no_grad()
-def answer_kvpass(kv_model, case: NeedleCase, mode: str, max_new_tokens: int) -> tuple[list[int], object]:
-    """Greedy answer tokens and the session report for one case in one mode."""
-    eos_ids, pad = eos_pad(kv_model.model)
-    ctx = torch.tensor([case.context_ids])
-    q = torch.tensor([case.question_ids])
-    if mode == "query_aware":
-        session = kv_model.start(torch.cat([ctx, q], dim=1), max_new_tokens=max_new_tokens)
-    elif mode == "query_agnostic":
-        session = kv_model.start(ctx, max_new_tokens=q.shape[1] + max_new_tokens)
-        session.feed(q)
-    else:
+@dataclass(frozen=True)
+class CaseBytes:
+    """Cache bytes of one batch row at the end of its answer (``GenerationReport`` fields, per row)."""
+
+    cache_bytes: int
+    full_cache_bytes: int
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
-    tokens, _ = session.sample(max_new_tokens, eos_ids, pad, do_sample=False)
-    return _strip(tokens[0].tolist(), eos_ids, pad), session.report()
+
+
+def _same_shape(cases: Sequence[NeedleCase]) -> None:
+    if len({(len(c.context_ids), len(c.question_ids)) for c in cases}) != 1:
+        raise ValueError("a batch of needle cases needs equal context and question token counts (no padding)")
+
+
+def prompt_ids(cases: Sequence[NeedleCase], mode: str) -> torch.Tensor:
+    """The tokens prefilled in ``mode``: [B, context + question] (query-aware) or [B, context]."""
+    _check_mode(mode)
+    _same_shape(cases)
+    if mode == "query_aware":
+        return torch.tensor([c.context_ids + c.question_ids for c in cases])
+    return torch.tensor([c.context_ids for c in cases])
+
+
+def prefill_new_tokens(case: NeedleCase, mode: str, max_new_tokens: int) -> int:
+    """The tokens that follow the prefill of ``mode`` (they set the budget)."""
+    return max_new_tokens + (len(case.question_ids) if mode == "query_agnostic" else 0)
 
 
 @torch.no_grad()
-def answer_transformers(model: nn.Module, case: NeedleCase, max_new_tokens: int) -> list[int]:
-    """Plain transformers greedy generation on the same tokens."""
+def answer_kvpass(kv_model, case: NeedleCase | Sequence[NeedleCase], mode: str, max_new_tokens: int,
+                  prefill=None):
+    """Greedy answers in one mode.
+
+    ``case`` a NeedleCase: -> (answer tokens, the session's GenerationReport), prefilling it alone.
+    ``case`` a list of B NeedleCases with equal token counts: one batched session -> a list of B
+    (answer tokens, CaseBytes); ``prefill`` (a ``runtime.Prefill`` of ``prompt_ids(case, mode)``
+    with ``prefill_new_tokens``, e.g. a shared one) replaces the session's own prefill. Each row gets
+    the answer it would get alone: no padding, rows never interact, finished rows are ignored."""
+    _check_mode(mode)
+    single = isinstance(case, NeedleCase)
+    cases = [case] if single else list(case)
+    eos_ids, pad = eos_pad(kv_model.model)
+    if prefill is None:
+        prefill = kv_model.prefill(prompt_ids(cases, mode), max_new_tokens=prefill_new_tokens(cases[0], mode,
+                                                                                              max_new_tokens))
+    session = kv_model.start_from(prefill)
+    fed = 0
+    if mode == "query_agnostic":
+        q = torch.tensor([c.question_ids for c in cases])
+        session.feed(q)
+        fed = q.shape[1]
+    tokens, _ = session.sample(max_new_tokens, eos_ids, pad, do_sample=False)
+    report = session.report()
+    answers = [_strip(row.tolist(), eos_ids, pad) for row in tokens]
+    if single:
+        return answers[0], report
+    # per row: cache tensors are [B, ...] of equal shapes; full-cache bytes count the row's own tokens
+    b = len(cases)
+    per_token = report.full_cache_bytes // (b * (report.prompt_tokens + report.new_tokens))
+    out = []
+    for ans in answers:
+        produced = min(len(ans) + 1, max_new_tokens)          # the answer and its end token, as alone
+        out.append((ans, CaseBytes(report.cache_bytes // b, per_token * (report.prompt_tokens + fed + produced))))
+    return out
+
+
+@torch.no_grad()
+def answer_transformers(model: nn.Module, case: NeedleCase | Sequence[NeedleCase], max_new_tokens: int):
+    """Plain transformers greedy generation on the same tokens: one NeedleCase -> answer tokens; a
+    list of cases with equal token counts -> a list of answers (one batched ``generate``, no padding)."""
     eos_ids, pad = eos_pad(model)
-    ids = torch.tensor([case.context_ids + case.question_ids])
+    single = isinstance(case, NeedleCase)
+    cases = [case] if single else list(case)
+    ids = prompt_ids(cases, "query_aware")
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          do_sample=False, pad_token_id=pad)
-    return _strip(out[0, ids.shape[1]:].tolist(), eos_ids, pad)
+    answers = [_strip(row[ids.shape[1]:].tolist(), eos_ids, pad) for row in out]
+    return answers[0] if single else answers
 
 
 def _strip(tokens: list[int], eos_ids: torch.Tensor, pad: int) -> list[int]:
@@ -153,35 +210,97 @@ def key_of(model: str, cell: Cell, spec: NeedleSpec, max_new_tokens: int) -> str
                     max_new_tokens=max_new_tokens, **asdict(spec))
 
 
+def batches(cases: Sequence[NeedleCase], size: int) -> list[list[NeedleCase]]:
+    """The cases grouped by (context, question) token counts, in their order of first appearance,
+    each group cut into batches of at most ``size``: the rows of a batch need no padding."""
+    groups: dict[tuple[int, int], list[NeedleCase]] = {}
+    for c in cases:
+        groups.setdefault((len(c.context_ids), len(c.question_ids)), []).append(c)
+    return [g[i:i + size] for g in groups.values() for i in range(0, len(g), max(size, 1))]
+
+
 def run(loaded: Loaded, specs: Sequence[NeedleSpec], cell_list: Sequence[Cell], store: Store,
-        max_new_tokens: int = 32, shard: tuple[int, int] = (0, 1), desc: str = "niah") -> Store:
-    """Score every (spec, cell) not yet in ``store``; specs outermost, so an interrupted run leaves
-    every cell with about the same number of cases. ``shard`` (i, n): only specs with index % n == i."""
+        max_new_tokens: int = 32, shard: tuple[int, int] = (0, 1), desc: str = "niah", batch: int = 8) -> Store:
+    """Score every (spec, cell) not yet in ``store``. ``shard`` (i, n): only specs with index % n == i.
+
+    Specs (in ``spread`` order) are batched by equal token counts (``batches``, at most ``batch`` rows).
+    Per batch and mode, one prefill serves every (policy, budget) cell (``shared``: the union of the
+    policies' statistics; one prefill per group of policies whose statistic options conflict); each
+    cell starts from it, restricted to the rows it still lacks, and decodes them in one session
+    (policies in ``shared.ROW_COUPLED``: one session per row, so each case is as if alone). The
+    reference is one batched ``generate``. A case's ``seconds`` is its share of the batch's wall time:
+    the cell's time over its rows plus the prefill's time over the (row, cell) pairs it served."""
+    from kvpass.eval.shared import ROW_COUPLED, Models, stat_groups
+
     mine = [s for k, s in enumerate(specs) if k % shard[1] == shard[0]]
-    todo = [(s, c) for s in spread(mine) for c in cell_list if key_of(loaded.name, c, s, max_new_tokens) not in store]
-    models = KVCache(loaded.model)
-    built: dict[NeedleSpec, NeedleCase] = {}
-    bar = tqdm(todo, desc=desc, unit="case", position=shard[0], dynamic_ncols=True)
-    for spec, cell in bar:
-        bar.set_postfix_str(f"{cell.policy}@{cell.budget} {cell.mode} L={spec.length} d={spec.depth:.2f}")
-        if spec not in built:
-            built.clear()
-            built[spec] = build_case(loaded.tokenizer, spec)
-        case = built[spec]
-        with Timer() as t:
-            if cell.policy == REFERENCE:
-                tokens, report = answer_transformers(loaded.model, case, max_new_tokens), None
-            else:
-                tokens, report = answer_kvpass(models.get(cell.policy, cell.budget), case, cell.mode, max_new_tokens)
-        output = loaded.tokenizer.decode(tokens, skip_special_tokens=True).strip()
-        store.add({
-            "key": key_of(loaded.name, cell, spec, max_new_tokens), "kind": "niah", "model": loaded.name,
-            "policy": cell.policy, "budget": cell.budget, "mode": cell.mode, "max_new_tokens": max_new_tokens,
-            **asdict(spec), "prompt_tokens": case.prompt_tokens, "context_tokens": len(case.context_ids),
-            "answer": case.answer, "output": output, "output_ids": tokens,
-            "correct": is_correct(case.answer, output),
-            "cache_bytes": report.cache_bytes if report else None,
-            "full_cache_bytes": report.full_cache_bytes if report else None,
-            "seconds": round(t.seconds, 3),
-        })
+    keyed = {(s, c): key_of(loaded.name, c, s, max_new_tokens) for s in spread(mine) for c in cell_list}
+    todo = {sc for sc, key in keyed.items() if key not in store}
+    bar = tqdm(total=len(todo), desc=desc, unit="case", position=shard[0], dynamic_ncols=True)
+    if not todo:
+        bar.close()
+        return store
+    needed = [s for s in spread(mine) if any((s, c) in todo for c in cell_list)]
+    models: Models | None = None
+    built = [build_case(loaded.tokenizer, s) for s in needed]
+    for group in batches(built, batch):
+        for mode in ["reference", *MODES]:
+            mode_cells = [c for c in cell_list if c.mode == mode and any((g.spec, c) in todo for g in group)]
+            if not mode_cells:
+                continue
+            if mode == "reference":
+                rows = [g for g in group if (g.spec, mode_cells[0]) in todo]
+                bar.set_postfix_str(f"transformers x{len(rows)} L={rows[0].prompt_tokens}")
+                with Timer() as t:
+                    answers = answer_transformers(loaded.model, rows, max_new_tokens)
+                store.add_many([_record(loaded, mode_cells[0], case, tokens, None, max_new_tokens, t.seconds / len(rows))
+                                for case, tokens in zip(rows, answers, strict=True)])
+                bar.update(len(rows))
+                continue
+            models = models or Models(loaded.model)
+            policies = [models.get(c.policy, c.budget).policy for c in mode_cells]
+            for union, members in stat_groups(list(dict.fromkeys(policies))):
+                names = {p.name for p in members}
+                cells_here = [c for c in mode_cells if c.policy in names]
+                need_rows = [i for i, g in enumerate(group) if any((g.spec, c) in todo for c in cells_here)]
+                served = sum((group[i].spec, c) in todo for i in need_rows for c in cells_here)
+                rows_cases = [group[i] for i in need_rows]
+                bar.set_postfix_str(f"prefill {mode} x{len(rows_cases)} L={rows_cases[0].prompt_tokens}")
+                shared = models.shared_prefill(union, prompt_ids(rows_cases, mode),
+                                               max_new_tokens=prefill_new_tokens(rows_cases[0], mode, max_new_tokens))
+                prefill_share = shared.seconds / max(served, 1)
+                for cell in cells_here:
+                    mine_rows = [j for j, case in enumerate(rows_cases) if (case.spec, cell) in todo]
+                    if not mine_rows:
+                        continue
+                    # rows of a row-coupled policy run one at a time (shared.ROW_COUPLED)
+                    sessions = [[j] for j in mine_rows] if cell.policy in ROW_COUPLED else [mine_rows]
+                    for session_rows in sessions:
+                        cases = [rows_cases[j] for j in session_rows]
+                        bar.set_postfix_str(f"{cell.policy}@{cell.budget} {mode} x{len(cases)} "
+                                            f"L={cases[0].prompt_tokens}")
+                        with Timer() as t:
+                            got = answer_kvpass(models.get(cell.policy, cell.budget), cases, mode, max_new_tokens,
+                                                prefill=shared.rows(session_rows))
+                        store.add_many([_record(loaded, cell, case, tokens, size, max_new_tokens,
+                                                t.seconds / len(cases) + prefill_share)
+                                        for case, (tokens, size) in zip(cases, got, strict=True)])
+                        bar.update(len(cases))
+                del shared
+    bar.close()
     return store
+
+
+def _record(loaded: Loaded, cell: Cell, case: NeedleCase, tokens: list[int], size: CaseBytes | None,
+            max_new_tokens: int, seconds: float) -> dict:
+    """The stored form of one scored case."""
+    output = loaded.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+    return {
+        "key": key_of(loaded.name, cell, case.spec, max_new_tokens), "kind": "niah", "model": loaded.name,
+        "policy": cell.policy, "budget": cell.budget, "mode": cell.mode, "max_new_tokens": max_new_tokens,
+        **asdict(case.spec), "prompt_tokens": case.prompt_tokens, "context_tokens": len(case.context_ids),
+        "answer": case.answer, "output": output, "output_ids": tokens,
+        "correct": is_correct(case.answer, output),
+        "cache_bytes": size.cache_bytes if size else None,
+        "full_cache_bytes": size.full_cache_bytes if size else None,
+        "seconds": round(seconds, 3),
+    }

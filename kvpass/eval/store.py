@@ -46,6 +46,15 @@ class Store:
         self.cases[case["key"]] = case
         self.save()
 
+    def add_many(self, cases: list[dict[str, Any]]) -> None:
+        """Store several cases and rewrite the file once."""
+        for case in cases:
+            if "key" not in case:
+                raise ValueError("a case needs a 'key'")
+            self.cases[case["key"]] = case
+        if cases:
+            self.save()
+
     def save(self) -> None:
         self.write_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.write_path.with_suffix(self.write_path.suffix + ".tmp")
