@@ -14,7 +14,15 @@ from torch import Tensor
 import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
 from kvpass.cache import EMPTY, LayerCache, gather_slots, with_capacity
 from kvpass.policies.base import Attention, Policy, Stat, require
-from kvpass.policies.ems_plan import CENTER, LOCAL, destinations, global_local_score, merge_into_centers, partition, unit
+from kvpass.policies.ems_plan import (
+    CENTER,
+    LOCAL,
+    destinations,
+    global_local_score,
+    merge_into_centers,
+    partition,
+    unit,
+)
 
 # The slot look-up table (§4.5), LayerCache.state, each [B, Hkv, S] with S = gamma * N_budget slots:
 ENTRY = "ems_entry"          # int64 entry the slot's token reads (-1: free, or the zero class)
