@@ -14,6 +14,7 @@ from kvpass.kernels.cluster_recall_attention import (
 )
 from kvpass.kernels.cosine_match import cosine_match, cosine_match_reference
 from kvpass.kernels.decode_attention import decode_attention, decode_attention_reference
+from kvpass.kernels.ems_expansion_attention import ems_expansion_attention, ems_expansion_attention_reference
 from kvpass.kernels.merge_entries import merge_entries, merge_entries_reference
 from kvpass.kernels.merge_weighted import merge_weighted, merge_weighted_reference
 from kvpass.kernels.page_recall_attention import page_recall_attention, page_recall_attention_reference
@@ -27,6 +28,7 @@ __all__ = [
     "cluster_recall_attention", "cluster_recall_attention_reference",
     "cosine_match", "cosine_match_reference",
     "decode_attention", "decode_attention_reference",
+    "ems_expansion_attention", "ems_expansion_attention_reference",
     "merge_entries", "merge_entries_reference",
     "merge_weighted", "merge_weighted_reference",
     "page_recall_attention", "page_recall_attention_reference",

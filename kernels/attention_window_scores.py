@@ -11,8 +11,9 @@ W = the last ``obs_window`` real query rows (all real rows if the prompt is shor
 A_h is the prefill attention (causal, left pads, optional sliding window and softcap) in an fp32
 softmax. Zeroing the window and pad columns before pooling is exactly SnapKV's zero padding of the
 pooled slice ``attn[..., -w:, :-w]`` at both of its ends. ``pool``: "avg" (avg_pool1d, count
-including padding, the official default) or "max". Only the w window rows are ever formed:
-memory Hq * w * T, never T x T. Shapes: q: [B, Hq, T, D]; k: [B, Hkv, T, D]; pad: [B] int64
+including padding, the official default) or "max". ``include_window=True`` keeps the window's own
+columns (EMS's local score s_Loc over every key, §4.3; with ``kernel=1`` nothing is pooled). Only
+the w window rows are ever formed: memory Hq * w * T, never T x T. Shapes: q: [B, Hq, T, D]; k: [B, Hkv, T, D]; pad: [B] int64
 -> [B, Hkv, T] fp32.
 """
 
@@ -26,7 +27,7 @@ from torch import Tensor
 
 def attention_window_scores_reference(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
                                       softcap: float | None = None, obs_window: int = 32, kernel: int = 5,
-                                      pool: str = "avg") -> Tensor:
+                                      pool: str = "avg", include_window: bool = False) -> Tensor:
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
@@ -43,7 +44,7 @@ def attention_window_scores_reference(q: Tensor, k: Tensor, pad: Tensor, scale: 
     p = torch.softmax(s, dim=-1) * in_window_row[:, None, None, :, None]
     raw = p.sum(dim=3).mean(dim=2)                                    # [B, Hkv, T]
     j = torch.arange(t, device=q.device)
-    before_window = (j[None, :] >= pad[:, None]) & (j[None, :] < (t - obs_window))   # [B, T]
+    before_window = (j[None, :] >= pad[:, None]) & ((j[None, :] < (t - obs_window)) | include_window)   # [B, T]
     raw = raw * before_window[:, None, :]
     flat = raw.reshape(b * hkv, 1, t)
     if pool == "avg":
@@ -59,10 +60,11 @@ def attention_window_scores_reference(q: Tensor, k: Tensor, pad: Tensor, scale: 
 @torch.library.custom_op("kvpass::attention_window_scores", mutates_args=())
 def attention_window_scores(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
                             softcap: float | None = None, obs_window: int = 32, kernel: int = 5,
-                            pool: str = "avg") -> Tensor:
-    return attention_window_scores_reference(q, k, pad, scale, window, softcap, obs_window, kernel, pool)
+                            pool: str = "avg", include_window: bool = False) -> Tensor:
+    return attention_window_scores_reference(q, k, pad, scale, window, softcap, obs_window, kernel, pool,
+                                             include_window)
 
 
 @attention_window_scores.register_fake
-def _(q, k, pad, scale, window=None, softcap=None, obs_window=32, kernel=5, pool="avg"):
+def _(q, k, pad, scale, window=None, softcap=None, obs_window=32, kernel=5, pool="avg", include_window=False):
     return q.new_empty(k.shape[0], k.shape[1], k.shape[2], dtype=torch.float32)

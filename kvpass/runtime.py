@@ -138,7 +138,7 @@ class KVPassModel(nn.Module):
                  captured: CapturedModel, graphs: RewrittenGraphs) -> None:
         super().__init__()
         check_budget(budget)
-        self.policy, self.budget = policy, budget
+        self.policy, self.budget = policy.bind_model(model), budget
         self.captured, self.graphs = captured, graphs
         self._model = [model]                      # not a submodule: its weights are not ours to own
         self.config = model.config

@@ -36,7 +36,8 @@ ops = torch.ops.kvpass
 # Attention variant -> decode op. New variants (cluster / page recall) add an entry here.
 DECODE_ATTENTION_OPS = {Attention.DENSE: ops.decode_attention.default,
                         Attention.PAGE_RECALL: ops.page_recall_attention.default,
-                        Attention.CLUSTER_RECALL: ops.cluster_recall_attention.default}
+                        Attention.CLUSTER_RECALL: ops.cluster_recall_attention.default,
+                        Attention.EMS_EXPANSION: ops.ems_expansion_attention.default}
 # Statistic -> prefill op computing it per layer (q, k, pad, scale, window, softcap, **policy.stat_options)
 # -> [B, Hkv, T] fp32 for per-slot statistics, [B, H] fp32 for per-head ones (Stat.per_slot).
 PREFILL_STAT_OPS = {Stat.COLUMN_SUM: ops.attention_column_sums.default,

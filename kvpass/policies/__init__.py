@@ -7,6 +7,7 @@ from kvpass.policies.cam import CaM
 from kvpass.policies.chelsea import Chelsea
 from kvpass.policies.clusterkv import ClusterKV
 from kvpass.policies.d2o import D2O
+from kvpass.policies.ems import EMS
 from kvpass.policies.full import Full
 from kvpass.policies.h2o import H2O
 from kvpass.policies.kvmerger import KVMerger
@@ -16,7 +17,7 @@ from kvpass.policies.snapkv import SnapKV
 from kvpass.policies.streamingllm import StreamingLLM
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Full, StreamingLLM, D2O, H2O, SnapKV, PyramidKV, CaM,
-                                                          Chelsea, KVMerger, ClusterKV, Quest)}
+                                                          Chelsea, KVMerger, EMS, ClusterKV, Quest)}
 DEFAULT_POLICY = "d2o"
 
 

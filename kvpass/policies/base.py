@@ -40,6 +40,7 @@ class Attention(Enum):
     DENSE = "dense"
     CLUSTER_RECALL = "cluster_recall"   # ClusterKV: score centroids, attend the selected clusters
     PAGE_RECALL = "page_recall"         # Quest: score pages by min/max keys, attend the selected pages
+    EMS_EXPANSION = "ems_expansion"     # EMS: shared entries expanded through a slot table (per-slot key norms)
 
 
 def require(condition: bool, message: str) -> None:
@@ -75,6 +76,12 @@ class Policy:
         """Extra keyword arguments of the prefill op computing ``stat`` (e.g. SnapKV's observation
         window and pooling kernel). The rewrite passes them through without interpreting them."""
         return {}
+
+    def bind_model(self, model) -> Policy:
+        """The policy to run on ``model`` (a transformers causal LM): facts a policy reads from the model
+        itself (e.g. EMS's RoPE frequencies, to compare keys without their positions) are filled in
+        here, once, before any cache exists. Default: unchanged."""
+        return self
 
     def min_budget(self) -> int:
         """The fewest entries per layer the policy can work with (e.g. sinks + recent window)."""

@@ -1,8 +1,8 @@
 """EMS (Li et al. 2024) prefill evict-then-merge planning (policies.md §4.3, §4.6 steps 2-6).
 
-Building blocks only: the EMS policy itself (the shared-entry expansion decode op of §4.7, the slot
-look-up table and the decode-time bookkeeping of §4.8) is not written yet, so nothing here is
-registered. Everything is vectorised over [B, Hkv] rows and works on ragged rows (live masks).
+Building blocks of the prefill step of the EMS policy (``kvpass/policies/ems.py``, which adds the slot
+look-up table, the decode op of §4.7 and the decode bookkeeping of §4.8). Everything is vectorised
+over [B, Hkv] rows and works on ragged rows (live masks).
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from kvpass.cache import gather_slots
 
 EVICTED, CENTER, TBM, LOCAL = 0, 1, 2, 3
 
@@ -40,19 +42,40 @@ def partition(s_hat: Tensor, candidate: Tensor, local: Tensor, n_imp: int, n_tbm
     return cls.masked_fill(local, LOCAL)
 
 
-def destinations(ks: Tensor, v: Tensor, cls: Tensor, tau: float) -> tuple[Tensor, Tensor]:
+def unit(x: Tensor) -> Tensor:
+    """x / (||x|| + 1e-6) along the last dimension, in fp32 (fp64 for fp64 inputs)."""
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    return x / (x.norm(dim=-1, keepdim=True) + 1e-6)
+
+
+def destinations(ks: Tensor, v: Tensor, cls: Tensor, tau: float, n_imp: int | None = None,
+                 n_tbm: int | None = None, s_hat: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Merge destination of every TBM slot (§4.6 step 5): d_i = argmax_d R[i, d] over the centres,
     R = cos(ks_i, ks_d) * cos(v_i, v_d) (ties: lowest slot); -1 (the zero class) when R < tau or the slot
     is not TBM. ks: [B, Hkv, C, D] keys used for similarity; v: [B, Hkv, C, D]. Returns (dest [B, Hkv, C]
-    int64, best R [B, Hkv, C] fp32)."""
-    def unit(x: Tensor) -> Tensor:
-        return x.float() / (x.float().norm(dim=-1, keepdim=True) + 1e-6)
+    int64, best R [B, Hkv, C] fp32, -inf off the TBM slots).
 
-    r = (unit(ks) @ unit(ks).transpose(-1, -2)) * (unit(v) @ unit(v).transpose(-1, -2))     # [B, Hkv, C, C]
-    r = r.masked_fill((cls != CENTER)[:, :, None, :], float("-inf"))
-    best, dest = r.max(-1)
-    keep = (cls == TBM) & (best >= tau)
-    return torch.where(keep, dest, -1), best
+    With ``n_imp``, ``n_tbm`` and ``s_hat`` (the partition's sizes and scores) only the n_tbm x n_imp
+    block of R between TBM tokens and centres is formed; otherwise the whole C x C matrix."""
+    b, hkv, c, _ = ks.shape
+    slot = torch.arange(c, device=ks.device)
+    if s_hat is None:
+        rows = cols = slot.expand(b, hkv, c)
+    else:
+        order = torch.sort(s_hat, dim=-1, descending=True, stable=True).indices
+        cols = torch.sort(order[..., :n_imp], dim=-1).values                  # centres, by slot
+        rows = order[..., n_imp:n_imp + n_tbm]                                # TBM tokens
+    uk, uv = unit(ks), unit(v)
+    r = (gather_slots(uk, rows) @ gather_slots(uk, cols).transpose(-1, -2)) * \
+        (gather_slots(uv, rows) @ gather_slots(uv, cols).transpose(-1, -2))     # [B, Hkv, rows, cols]
+    r = r.masked_fill((torch.gather(cls, -1, cols) != CENTER)[:, :, None, :], float("-inf"))
+    best, arg = r.max(-1)
+    is_tbm = torch.gather(cls, -1, rows) == TBM
+    dest_rows = torch.where(is_tbm & (best >= tau), torch.gather(cols, -1, arg), -1)
+    dest = torch.full_like(cls, -1).scatter(-1, rows, dest_rows)
+    best_all = torch.full(cls.shape, float("-inf"), dtype=best.dtype, device=best.device)
+    best_all = best_all.scatter(-1, rows, best.masked_fill(~is_tbm, float("-inf")))
+    return dest, best_all
 
 
 @dataclass(frozen=True)
@@ -60,17 +83,23 @@ class CenterMerge:
     """khat: [B, Hkv, C, D] unit key direction of every centre (members' unit keys, weighted, then
     renormalised); vent: [B, Hkv, C, D] weighted mean value; knorm: [B, Hkv, C] every slot's own
     ||k||; entry: [B, Hkv, C] int64 the centre slot each slot reads (itself for centres and locals,
-    -1 for evicted and zero-class slots)."""
+    -1 for evicted and zero-class slots); members: [B, Hkv, C] int64 tokens merged into each centre
+    besides itself; dirs: [B, Hkv, C, D] the extra directions (e.g. pre-RoPE keys) merged like the keys,
+    or None."""
 
     khat: Tensor
     vent: Tensor
     knorm: Tensor
     entry: Tensor
+    members: Tensor
+    dirs: Tensor | None = None
 
 
-def merge_into_centers(k: Tensor, v: Tensor, s_hat: Tensor, cls: Tensor, dest: Tensor) -> CenterMerge:
+def merge_into_centers(k: Tensor, v: Tensor, s_hat: Tensor, cls: Tensor, dest: Tensor,
+                       dirs: Tensor | None = None) -> CenterMerge:
     """§4.6 step 6: for centre d with members M_d = {d} ∪ {i : dest_i = d}, w_j = s_hat_j / sum s_hat,
-    Khat_d = normalize(sum w_j k_j / ||k_j||), Vent_d = sum w_j v_j; members keep their own ||k_j||."""
+    Khat_d = normalize(sum w_j k_j / ||k_j||), Vent_d = sum w_j v_j; members keep their own ||k_j||.
+    ``dirs`` [B, Hkv, C, D] (the "w.o. pos" pre-RoPE keys, §4.5) are merged like the keys."""
     acc = torch.promote_types(k.dtype, torch.float32)
     own = (cls == CENTER) | (cls == LOCAL)
     slot = torch.arange(k.shape[2], device=k.device)
@@ -87,4 +116,10 @@ def merge_into_centers(k: Tensor, v: Tensor, s_hat: Tensor, cls: Tensor, dest: T
     vsum = torch.zeros_like(unit).scatter_add_(2, idx, w[..., None] * v.to(acc))
     khat = ksum / (ksum.norm(dim=-1, keepdim=True) + 1e-12)
     vent = vsum / wsum.clamp(min=torch.finfo(acc).tiny)[..., None]
-    return CenterMerge(khat=khat, vent=vent, knorm=knorm, entry=entry)
+    members = torch.zeros_like(entry).scatter_add_(-1, tgt, (src & (cls == TBM)).long())
+    merged_dirs = None
+    if dirs is not None:
+        dsum = torch.zeros_like(unit).scatter_add_(2, idx, w[..., None] * (dirs.to(acc) / (dirs.to(acc).norm(
+            dim=-1, keepdim=True) + 1e-6)))
+        merged_dirs = dsum / (dsum.norm(dim=-1, keepdim=True) + 1e-12)
+    return CenterMerge(khat=khat, vent=vent, knorm=knorm, entry=entry, members=members, dirs=merged_dirs)
