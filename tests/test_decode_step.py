@@ -62,14 +62,14 @@ def test_warm_up_restores_what_the_step_advances():
 
 @pytest.mark.parametrize("policy, budget", [("full", 1.0), ("streamingllm", 24), ("d2o", 24), ("h2o", 24),
                                             ("snapkv", 24), ("pyramidkv", 24), ("cam", 24), ("chelsea", 100),
-                                            ("kvmerger", 24), ("clusterkv", 24), ("quest", 24)])
+                                            ("kvmerger", 24), ("clusterkv", 24), ("quest", 24), ("ems", 40)])
 def test_replayed_generate_matches_eager_with_bounded_captures(monkeypatch, policy, budget):
     """Through the runtime: replaying the recorded steps (the plain step, and the step that first
     compresses every due layer) gives eager's tokens; compressions write into the same buffers, so
     there is one capture per variant, not one per token."""
     torch.manual_seed(0)
     model = build_model(TINY_LLAMA, torch.device("cpu"), torch.float32)
-    ids = torch.randint(1, TINY_LLAMA["vocab_size"], (2, 200 if policy == "chelsea" else 40))
+    ids = torch.randint(1, TINY_LLAMA["vocab_size"], (2, {"chelsea": 200, "ems": 80}.get(policy, 40)))
     kv = kvpass.apply(model, policy=policy, budget=budget)
     want = kv.generate(ids, max_new_tokens=24, do_sample=False)
     eager_compressions = kv.last_report.compressions
