@@ -132,8 +132,14 @@ def _eval_parser(sub) -> None:
     add_eval_parser(sub)
 
 
+def _calibrate_parser(sub) -> None:
+    from kvpass.calibrate import add_calibrate_parser
+
+    add_calibrate_parser(sub)
+
+
 # Each entry adds one subcommand to the parser.
-COMMANDS: list[Callable] = [_generate_parser, _policies_parser, _eval_parser, _bench_parser]
+COMMANDS: list[Callable] = [_generate_parser, _policies_parser, _eval_parser, _calibrate_parser, _bench_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

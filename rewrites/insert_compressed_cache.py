@@ -197,29 +197,38 @@ def _take(graph: Graph, pieces: list[tuple[Node, int, int]]) -> Node:
     return parts[0] if len(parts) == 1 else graph.call_function(aten.cat.default, (parts, 1))
 
 
-def _split_attend(graph: Graph, site: AttentionSite, q: Node, k: Node, v: Node, full: tuple[int, ...],
-                  compressed_call, full_inputs: list[Node]) -> Node:
+def _write_and_attend(graph: Graph, site: AttentionSite, attend, q: Node, k: Node, v: Node,
+                      cache: list[Node], extra: list[Node], want: bool) -> Node:
+    """write_kv of the step's k, v [B, H, 1, D] into ``cache`` = (k_cache, v_cache, log_weight, slot),
+    then the decode op over it; returns the op's (output, scores) node."""
+    graph.call_function(ops.write_kv.default, (*cache, k, v))
+    return graph.call_function(attend, (q, *cache[:3], *extra),
+                               {"scale": site.scale, "softcap": site.softcap, "want_scores": want})
+
+
+def _split_attend(graph: Graph, site: AttentionSite, attend, cache: list[Node], extra: list[Node], want: bool,
+                  full: tuple[int, ...], full_cache: list[Node], q: Node, k: Node, v: Node) -> tuple[Node, Node]:
     """The split-group decode attention of one layer (§0.6 b): the new K, V [B, Hkv, 1, D] go to
     their group's buffers, each group attends with its query heads (KV head g owns query heads
-    g*G..g*G+G-1), the outputs [B, Hq_group, 1, D] are put back into query-head order [B, Hq, 1, D].
-    ``compressed_call(q, k, v)`` writes and attends for the compressed group; returns its result node."""
+    g*G..g*G+G-1) and the outputs [B, G * heads of the group, 1, D] are put back into query-head order
+    [B, Hq, 1, D]. The compressed group uses ``attend`` with the policy's ``extra`` inputs, the full one
+    the dense op. Returns (output, the compressed group's op result)."""
     g_size = site.group
-    comp = [h for h in range(site.n_kv_heads) if h not in full]
-    kv_pieces = lambda x, heads: [(x, h, h + 1) for h in heads]                  # noqa: E731
-    q_pieces = lambda heads: [(q, h * g_size, (h + 1) * g_size) for h in heads]   # noqa: E731
-    res_c = compressed_call(_take(graph, q_pieces(comp)), _take(graph, kv_pieces(k, comp)),
-                            _take(graph, kv_pieces(v, comp)))
-    kf, vf, lwf, slotf = full_inputs
-    graph.call_function(ops.write_kv.default, (kf, vf, lwf, slotf, _take(graph, kv_pieces(k, list(full))),
-                                               _take(graph, kv_pieces(v, list(full)))))
-    res_f = graph.call_function(DECODE_ATTENTION_OPS[Attention.DENSE],
-                                (_take(graph, q_pieces(list(full))), kf, vf, lwf),
-                                {"scale": site.scale, "softcap": site.softcap, "want_scores": False})
-    out_c = graph.call_function(operator.getitem, (res_c, 0))
-    out_f = graph.call_function(operator.getitem, (res_f, 0))
-    order = [(out_f, full.index(h) * g_size, (full.index(h) + 1) * g_size) if h in full
-             else (out_c, comp.index(h) * g_size, (comp.index(h) + 1) * g_size) for h in range(site.n_kv_heads)]
-    return _take(graph, order), res_c
+    groups = {"compressed": [h for h in range(site.n_kv_heads) if h not in full], "full": list(full)}
+    results = {}
+    for name, heads in groups.items():
+        q_g = _take(graph, [(q, h * g_size, (h + 1) * g_size) for h in heads])
+        k_g, v_g = (_take(graph, [(x, h, h + 1) for h in heads]) for x in (k, v))
+        op, args = (attend, extra) if name == "compressed" else (DECODE_ATTENTION_OPS[Attention.DENSE], [])
+        results[name] = _write_and_attend(graph, site, op, q_g, k_g, v_g, cache if name == "compressed" else full_cache,
+                                          args, want and name == "compressed")
+    outs = {name: graph.call_function(operator.getitem, (res, 0)) for name, res in results.items()}
+    order = []
+    for h in range(site.n_kv_heads):
+        name = "full" if h in full else "compressed"
+        i = groups[name].index(h)
+        order.append((outs[name], i * g_size, (i + 1) * g_size))
+    return _take(graph, order), results["compressed"]
 
 
 def build_decode(gm: GraphModule, sites: list[AttentionSite], policy: Policy,
@@ -240,23 +249,18 @@ def build_decode(gm: GraphModule, sites: list[AttentionSite], policy: Policy,
     scores, score_layers = [], []
     for site in sites:
         attend = dense if site.window is not None else DECODE_ATTENTION_OPS[policy.attention]
-        kc, vc, lw, slot = (next(inputs) for _ in base)
+        cache = [next(inputs) for _ in base]
         extra = [next(inputs) for _ in policy_inputs] if site.window is None else []
         target = env[site.output]
         want = bool(policy.stats & DECODE_STATS) and site.window is None and policy.compresses
-
-        def write_and_attend(q: Node, k: Node, v: Node) -> Node:
-            graph.call_function(ops.write_kv.default, (kc, vc, lw, slot, k, v))
-            return graph.call_function(attend, (q, kc, vc, lw, *extra),
-                                       {"scale": site.scale, "softcap": site.softcap, "want_scores": want})
-
+        q, k, v = env[site.q], env[site.k], env[site.v]
         with graph.inserting_before(target):
             if site.layer in split:
-                full_inputs = [next(inputs) for _ in full_base]
-                attn, res = _split_attend(graph, site, env[site.q], env[site.k], env[site.v], split[site.layer],
-                                          write_and_attend, full_inputs)
+                full_cache = [next(inputs) for _ in full_base]
+                attn, res = _split_attend(graph, site, attend, cache, extra, want, split[site.layer], full_cache,
+                                          q, k, v)
             else:
-                res = write_and_attend(env[site.q], env[site.k], env[site.v])
+                res = _write_and_attend(graph, site, attend, q, k, v, cache, extra, want)
                 attn = graph.call_function(operator.getitem, (res, 0))
             if want:
                 scores.append(graph.call_function(operator.getitem, (res, 1)))

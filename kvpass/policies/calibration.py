@@ -74,7 +74,7 @@ class Calibration:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         data = self.to_dict()
-        p_rows = ",\n    ".join(json.dumps([None if x is None else round(x, 6) for x in row]) for row in self.p)
+        p_rows = ",\n    ".join(json.dumps(list(row)) for row in self.p)     # full precision: exact round trip
         data["p"] = "@P@"           # one layer per line: the file stays readable
         text = json.dumps(data, indent=2).replace('"@P@"', f"[\n    {p_rows}\n  ]")
         path.write_text(text + "\n", encoding="utf-8")
@@ -178,12 +178,12 @@ def select_outliers(p: Sequence[Sequence[float | None]], ratio: float = OUTLIER_
     ceil(ratio * eligible heads) are chosen. Ties go to the lower (layer, head) [OURS]."""
     if not 0.0 < ratio < 1.0:
         raise ValueError(f"outlier ratio must lie in (0, 1), got {ratio}")
-    if any(not 0 <= l < len(p) for l in forced_layers):
+    if any(not 0 <= layer < len(p) for layer in forced_layers):
         raise ValueError(f"forced layers {list(forced_layers)} must lie in 0..{len(p) - 1}")
-    eligible = [(l, g) for l, row in enumerate(p) for g, x in enumerate(row) if x is not None]
+    eligible = [(layer, g) for layer, row in enumerate(p) for g, x in enumerate(row) if x is not None]
     count = math.ceil(ratio * len(eligible))
-    chosen = [(l, g) for l in forced_layers for g in range(len(p[l])) if p[l][g] is not None]
-    if len(chosen) != sum(len(p[l]) for l in forced_layers):
+    chosen = [(layer, g) for layer in forced_layers for g in range(len(p[layer])) if p[layer][g] is not None]
+    if len(chosen) != sum(len(p[layer]) for layer in forced_layers):
         raise ValueError(f"forced layers {list(forced_layers)} include a layer that is not calibrated")
     rest = sorted((pair for pair in eligible if pair not in chosen), key=lambda lg: (-p[lg[0]][lg[1]], lg))
     return tuple(chosen + rest[:max(count - len(chosen), 0)])
