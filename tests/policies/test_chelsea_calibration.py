@@ -146,6 +146,7 @@ def test_split_layout_is_exact_at_full_budget(outliers):
     ids = prompt(2, 40)
     want = apply_cached("llama", "full", 1.0).generate(ids, max_new_tokens=10, eos_token_id=[])
     km = apply_cached("llama", "chelsea", 1.0, calibration=tiny_calibration(outliers), **SMALL)
+    km.prefill_rows = 1                                              # rows prefilled apart, then stacked
     assert torch.equal(km.generate(ids, max_new_tokens=10, eos_token_id=[]), want)
     assert km.last_report.full_heads == {layer: tuple(h for lh, h in outliers if lh == layer)
                                          for layer in sorted({lh for lh, _ in outliers})}
@@ -226,3 +227,26 @@ def test_calibrate_skips_sliding_window_layers():
     with pytest.raises(ValueError, match="at least one head must be compressed"):   # its only compressible head
         apply_cached("gemma3", "chelsea", 0.5, calibration=cal, sinks=2, recent=4, chunk=8).generate(
             prompt(1, 40), max_new_tokens=2)
+
+
+@pytest.mark.real_model
+def test_shipped_smollm2_calibration_on_the_real_model(smollm2):
+    """kvpass/calibrations/smollm2.json (written by `kvpass calibrate`) fits SmolLM2; its heads stay
+    full and the cache is no larger than the uncalibrated one at the same budget."""
+    from kvpass.prompts import chat_ids, needle_prompt
+    from kvpass.rewrites import insert_compressed_cache
+    from kvpass.runtime import KVPassModel
+
+    model, tokenizer = smollm2
+    ids = torch.tensor([chat_ids(tokenizer, needle_prompt(tokenizer, 1500, 0.5, seed=1).messages())])
+    km = kvpass.apply(model, policy="chelsea", budget=0.2, calibration="smollm2")
+    km.generate(ids, max_new_tokens=4, do_sample=False)
+    nominal = KVPassModel(model, Chelsea(), 0.2, km.captured, insert_compressed_cache(km.captured.gm,
+                                                                                    list(km.graphs.sites), Chelsea()))
+    nominal.generate(ids, max_new_tokens=4, do_sample=False)
+    got, ref = km.last_report, nominal.last_report
+    cal = load_calibration("smollm2")
+    assert got.full_heads == cal.heads_by_layer(km.graphs.sites) and sum(map(len, got.full_heads.values())) == 4
+    total = ids.shape[1] + 4
+    assert set(got.layer_budgets.values()) == {budget_with_full_heads(0.2, total, 90, 4)}
+    assert got.cache_bytes <= ref.cache_bytes < ref.full_cache_bytes
