@@ -229,6 +229,7 @@ def test_calibrate_skips_sliding_window_layers():
             prompt(1, 40), max_new_tokens=2)
 
 
+@pytest.mark.slow          # ~30-80 s on 2 cores: a trace of SmolLM2 and two 1.5k-token generates
 @pytest.mark.real_model
 def test_shipped_smollm2_calibration_on_the_real_model(smollm2):
     """kvpass/calibrations/smollm2.json (written by `kvpass calibrate`) fits SmolLM2; its heads stay
