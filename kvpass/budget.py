@@ -29,3 +29,25 @@ def budget_tokens(budget: float | int, total_tokens: int) -> int:
     if isinstance(budget, float):
         return max(1, math.floor(budget * total_tokens))
     return budget
+
+
+def budget_with_full_heads(budget: float | int, total_tokens: int, heads: int, full_heads: int) -> int:
+    """Entries per compressed KV head when ``full_heads`` of the ``heads`` KV heads of the compressible
+    layers keep all ``total_tokens`` (Chelsea's outlier heads, policies.md §1.10), so that the total
+    stays what ``budget`` gives every head: R' = (R * heads - full_heads) / (heads - full_heads) of
+    ``total_tokens`` for a fraction R; (b * heads - full_heads * total) / (heads - full_heads) for a
+    token count b. Rounds down. Raises ValueError when the full heads alone exceed the total."""
+    check_budget(budget)
+    if full_heads == 0:
+        return budget_tokens(budget, total_tokens)
+    if not 0 < full_heads < heads:
+        raise ValueError(f"{full_heads} full-cache heads out of {heads}: at least one head must be compressed")
+    if isinstance(budget, float):
+        ratio = (budget * heads - full_heads) / (heads - full_heads)
+        kept = math.floor(ratio * total_tokens + 1e-9)
+    else:
+        kept = (budget * heads - full_heads * total_tokens) // (heads - full_heads)
+    if kept < 1:
+        raise ValueError(f"budget {budget!r} of {total_tokens} tokens cannot keep {full_heads} of {heads} KV heads "
+                         f"full: they alone need {full_heads / heads:.1%} of the full cache; raise the budget")
+    return kept

@@ -8,6 +8,7 @@ Sliding-window layers are rings instead (slot = position % window) and are never
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -186,3 +187,13 @@ def concat_rows(caches: list[LayerCache]) -> LayerCache:
         slot_meta={n: cat(n, [c.slot_meta[n] for c in caches]) for n in first.slot_meta},
         state={n: cat(n, [c.state[n] for c in caches]) for n in first.state})
 
+
+def select_heads(cache: LayerCache, heads: Sequence[int]) -> LayerCache:
+    """The KV heads ``heads`` (ascending) of a cache: [B, Hkv, C, ...] -> [B, len(heads), C, ...] for K, V,
+    log-weights, lengths, positions and slot metadata; state (per layer or per query head) is carried
+    unchanged. For the split-group layout of a layer whose heads are partly kept full (policies.md §0.6 b)."""
+    idx = torch.tensor(list(heads), dtype=torch.long, device=cache.k.device)
+    pick = lambda t: t.index_select(1, idx)          # noqa: E731
+    return LayerCache(k=pick(cache.k), v=pick(cache.v), log_weight=pick(cache.log_weight), length=pick(cache.length),
+                      position=pick(cache.position), slot_meta={n: pick(t) for n, t in cache.slot_meta.items()},
+                      state=dict(cache.state))

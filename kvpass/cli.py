@@ -86,6 +86,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if answer is not None:
         print(f"expected:          {answer}  ({'correct' if answer in text else 'wrong'})")
     print(f"policy:            {r.policy} at budget {args.budget} = {r.budget_tokens} entries per layer")
+    if r.full_heads:
+        heads = ", ".join(f"L{layer}.H{h}" for layer, hs in r.full_heads.items() for h in hs)
+        print(f"full-cache heads:  {heads} (calibration, §1.10); the other heads keep "
+              f"{min(r.layer_budgets.values())} entries")
     print(f"prompt tokens:     {r.prompt_tokens}")
     print(f"cache bytes:       {r.cache_bytes / 2**20:.2f} MiB compressed vs {r.full_cache_bytes / 2**20:.2f} MiB "
           f"full ({r.compression_ratio:.1%})")
@@ -132,8 +136,14 @@ def _eval_parser(sub) -> None:
     add_eval_parser(sub)
 
 
+def _calibrate_parser(sub) -> None:
+    from kvpass.calibrate import add_calibrate_parser
+
+    add_calibrate_parser(sub)
+
+
 # Each entry adds one subcommand to the parser.
-COMMANDS: list[Callable] = [_generate_parser, _policies_parser, _eval_parser, _bench_parser]
+COMMANDS: list[Callable] = [_generate_parser, _policies_parser, _eval_parser, _calibrate_parser, _bench_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,8 +21,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from kvpass.budget import budget_tokens, check_budget
-from kvpass.cache import LayerCache, concat_rows, entries_from_prompt, load_into, ring_from_prompt, with_capacity
+from kvpass.budget import budget_tokens, budget_with_full_heads, check_budget
+from kvpass.cache import (
+    LayerCache,
+    concat_rows,
+    entries_from_prompt,
+    load_into,
+    ring_from_prompt,
+    select_heads,
+    with_capacity,
+)
 from kvpass.decode_step import StaticDecodeStep
 from kvpass.policies.base import Policy, Stat
 from kvpass.rewrites import CapturedModel, RewrittenGraphs
@@ -49,9 +57,10 @@ class GenerationReport:
     compressions: int
     prefill_seconds: float
     decode_seconds: float
-    entries: dict[int, int] = field(default_factory=dict)   # layer -> live entries (max over rows/heads)
+    entries: dict[int, int] = field(default_factory=dict)   # layer -> live entries (max over rows/compressed heads)
     host_bytes: int = 0          # cache tensors kept in host memory while the model runs on an accelerator
     policy_stats: dict[str, float] = field(default_factory=dict)   # Policy.report (e.g. a recall hit rate)
+    full_heads: dict[int, tuple[int, ...]] = field(default_factory=dict)   # layer -> KV heads that keep every token
 
     @property
     def tokens_per_second(self) -> float:
@@ -109,6 +118,11 @@ class _Layer:
     budget: int
     host_len: int                # max live entries over rows/heads, tracked without a device sync
     sliding: bool = False        # a sliding-window layer: dense decode op, no policy inputs, never prepared
+    full: LayerCache | None = None   # the layer's KV heads kept full (split-group layout, §0.6 b); ``cache``
+                                     # then holds only its other heads
+
+    def caches(self) -> list[LayerCache]:
+        return [self.cache] if self.full is None else [self.cache, self.full]
 
 
 _UNSET = object()          # an argument left out, as opposed to an explicit None
@@ -213,6 +227,14 @@ class KVPassModel(nn.Module):
         layers: list[_Layer] = []
         prompt_len = int(kv[0].shape[2] - pad.min())
         compressions = 0
+        full_heads = self.graphs.full_heads
+        if full_heads:              # §1.10: the other heads share what the full ones leave of the total
+            heads = sum(s.n_kv_heads for s in self.graphs.sites if s.window is None)
+            budget = budget_with_full_heads(self.budget, total, heads, sum(map(len, full_heads.values())))
+            if budget < self.policy.min_budget():
+                raise ValueError(f"budget {self.budget!r} of {total} tokens leaves {budget} entries per compressed "
+                                 f"head after keeping {full_heads} full, below {self.policy.name}'s minimum of "
+                                 f"{self.policy.min_budget()}; raise the budget")
         for site in self.graphs.sites:
             k, v = kv[2 * site.layer], kv[2 * site.layer + 1]
             if site.window is not None and site.window < total:
@@ -222,8 +244,13 @@ class KVPassModel(nn.Module):
             layer_stats = stats.get(site.layer, {})
             cache = entries_from_prompt(k, v, pad, {n: x for n, x in layer_stats.items() if Stat(n).per_slot})
             cache.state.update({n: x for n, x in layer_stats.items() if not Stat(n).per_slot})
-            compressible = self.policy.compresses and site.window is None
-            layers.append(_Layer(cache, None, compressible, total, prompt_len, site.window is not None))
+            kept_full = full_heads.get(site.layer, ())
+            compressible = self.policy.compresses and site.window is None and len(kept_full) < site.n_kv_heads
+            full = None
+            if compressible and kept_full:
+                compressed_heads = [h for h in range(site.n_kv_heads) if h not in kept_full]
+                cache, full = select_heads(cache, compressed_heads), select_heads(cache, kept_full)
+            layers.append(_Layer(cache, None, compressible, total, prompt_len, site.window is not None, full))
         compressed = [lay for lay in layers if lay.compressible]
         if compressed:
             budgets = layer_budgets or self.policy.layer_budgets(budget, [lay.cache for lay in compressed])
@@ -239,6 +266,8 @@ class KVPassModel(nn.Module):
                 interval = getattr(self.policy, "interval", 1) if lay.compressible else 0
                 capacity = total if not lay.compressible else min(lay.budget + interval, total)
                 lay.cache = with_capacity(lay.cache, max(capacity, lay.host_len))
+            if lay.full is not None:
+                lay.full = with_capacity(lay.full, total)
         on_host = self.device.type != "cpu"
         for site, lay in zip(self.graphs.sites, layers, strict=True):
             if lay.sliding:
@@ -367,8 +396,9 @@ def _stack_sessions(sessions: list[DecodeSession]) -> DecodeSession:
     layers = []
     for group in zip(*(s.layers for s in sessions), strict=True):
         first = group[0]
+        full = None if first.full is None else concat_rows([lay.full for lay in group])
         layers.append(_Layer(concat_rows([lay.cache for lay in group]), first.window, first.compressible,
-                             first.budget, max(lay.host_len for lay in group), first.sliding))
+                             first.budget, max(lay.host_len for lay in group), first.sliding, full))
     first = sessions[0]
     out = DecodeSession(first.owner, layers, torch.cat([s.pos for s in sessions]), torch.cat([s.logits for s in sessions]),
                         first.budget, max(s.prompt_tokens for s in sessions), sum(s.compressions for s in sessions))
@@ -461,7 +491,8 @@ class DecodeSession:
         if lay.sliding:                           # sliding-window layers always use the dense op
             return [cache.k, cache.v, cache.log_weight, slot]
         extra = [cache.slot_meta[n] if n in cache.slot_meta else cache.state[n] for n in self.policy.decode_inputs]
-        return [cache.k, cache.v, cache.log_weight, slot, *extra]
+        full = [] if lay.full is None else [lay.full.k, lay.full.v, lay.full.log_weight, lay.full.length.clone()]
+        return [cache.k, cache.v, cache.log_weight, slot, *extra, *full]
 
     def _device_step(self, tokens: Tensor, compress: tuple[int, ...] = ()) -> Tensor:
         """The device work of one step: compression of the layers ``compress`` names, slots, the decode
@@ -482,11 +513,11 @@ class DecodeSession:
                 self._advance(lay, slot, pos)
             return (outs[0][:, -1].float(),)
 
-        persistent = [t for lay in layers for t in lay.cache.tensors()]
+        persistent = [t for lay in layers for c in lay.caches() for t in c.tensors()]
         if compress:                              # compression moves entries: everything is restored
             restore = persistent
         else:                                     # what a plain step advances (K, V: rewritten alike)
-            big = {id(lay.cache.k) for lay in layers} | {id(lay.cache.v) for lay in layers}
+            big = {id(t) for lay in layers for c in lay.caches() for t in (c.k, c.v)}
             restore = [t for t in persistent if id(t) not in big]
         return self.owner.decode_step(step, [tokens, self.pos], persistent, restore, variant=compress)[0]
 
@@ -505,6 +536,10 @@ class DecodeSession:
             cache.length.clamp_(max=lay.window - 1).add_(1)
         else:
             cache.length.add_(1)
+        if lay.full is not None:                # every token stays: slot = length
+            full = lay.full
+            full.position.scatter_(2, full.length[:, :, None], pos[:, :, None].expand(*full.length.shape, 1))
+            full.length.add_(1)
 
     @staticmethod
     def _advance_host(lay: _Layer) -> None:
@@ -516,7 +551,7 @@ class DecodeSession:
         b, layers, new_tokens = self.batch, self.layers, self.steps + 1
         full = sum(2 * b * s.n_kv_heads * s.head_dim * (self.prompt_tokens + new_tokens) * lay.cache.k.element_size()
                    for s, lay in zip(self.owner.graphs.sites, layers, strict=True))
-        tensors = [t for lay in layers for t in lay.cache.tensors()]
+        tensors = [t for lay in layers for c in lay.caches() for t in c.tensors()]
         on_host = [self.owner.device.type != "cpu" and t.device.type == "cpu" for t in tensors]
         host = sum(t.numel() * t.element_size() for t, h in zip(tensors, on_host, strict=True) if h)
         device = sum(t.numel() * t.element_size() for t, h in zip(tensors, on_host, strict=True) if not h)
@@ -527,4 +562,5 @@ class DecodeSession:
             cache_bytes=device, full_cache_bytes=full, host_bytes=host,
             policy_stats=self.policy.report([lay.cache for lay in layers if not lay.sliding]),
             compressions=self.compressions, prefill_seconds=self.prefill_seconds,
-            decode_seconds=self.decode_seconds, entries={i: lay.host_len for i, lay in enumerate(layers)})
+            decode_seconds=self.decode_seconds, entries={i: lay.host_len for i, lay in enumerate(layers)},
+            full_heads=dict(self.owner.graphs.full_heads))

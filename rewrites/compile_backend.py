@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -141,6 +141,5 @@ def compile_graphs(model, opts: CompileOptions | None = None) -> None:
     graphs = model.graphs
     prefill = torch.compile(graphs.prefill, backend=BACKEND, options=options, dynamic=True)
     decode = torch.compile(graphs.decode, backend=BACKEND, options=options, dynamic=False, fullgraph=True)
-    model.graphs = type(graphs)(prefill=prefill, decode=decode, sites=graphs.sites,
-                                prefill_stats=graphs.prefill_stats, decode_scores=graphs.decode_scores)
+    model.graphs = replace(graphs, prefill=prefill, decode=decode)
     model.eager_graphs = graphs

@@ -14,13 +14,19 @@ decode(input_ids [B, 1], position_ids [B, 1], then per layer: k_cache_l, v_cache
     writes the step's K, V into slot_l of the cache buffers in place, then attends over the cache with
     the policy's decode op (sliding-window layers always with the dense op: a ring is never recalled);
     scores: [B, Hkv, C_l] fp32 per compressible layer when the policy accumulates attention.
+    A layer some of whose KV heads keep every token (``Policy.full_kv_heads``, Chelsea's outlier heads)
+    is split into two dense sub-groups (policies.md §0.6 b): k_cache_l, v_cache_l, log_weight_l, slot_l
+    (and the scores) cover its other heads, in order, [B, Hkv - F, C_l, ...], and the inputs
+    k_full_l, v_full_l, log_weight_full_l, slot_full_l that follow the policy's inputs hold the F full
+    heads [B, F, C_full, ...]; each group attends with its own query heads and the outputs are put back
+    into head order. A layer all of whose heads are full is not split (one dense cache, never compressed).
 """
 
 from __future__ import annotations
 
 import logging
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
 import torch
@@ -57,6 +63,7 @@ class RewrittenGraphs:
     sites: tuple[AttentionSite, ...]
     prefill_stats: tuple[tuple[int, Stat], ...]    # (layer, stat) of each stats output, in order
     decode_scores: tuple[int, ...]                 # layers whose step scores the decode graph returns
+    full_heads: dict[int, tuple[int, ...]] = field(default_factory=dict)   # layer -> KV heads kept full
 
 
 def copy_graph(gm: GraphModule) -> tuple[Graph, dict[Node, Node], object]:
@@ -160,27 +167,102 @@ def _final_logits(graph: Graph, out) -> Node:
     return users[0] if users else logits
 
 
-def build_decode(gm: GraphModule, sites: list[AttentionSite], policy: Policy) -> tuple[GraphModule, tuple[int, ...]]:
+def split_heads(full_heads: dict[int, tuple[int, ...]], sites: list[AttentionSite]) -> dict[int, tuple[int, ...]]:
+    """The layers whose KV heads are split into a compressed and a full sub-group: those with some,
+    but not all, heads full (a layer all of whose heads are full stays one dense cache)."""
+    return {s.layer: full_heads[s.layer] for s in sites
+            if full_heads.get(s.layer) and len(full_heads[s.layer]) < s.n_kv_heads}
+
+
+def _runs(heads: list[int]) -> list[tuple[int, int]]:
+    """Ascending indices -> maximal runs [start, stop) of consecutive ones."""
+    runs: list[tuple[int, int]] = []
+    for h in heads:
+        if runs and runs[-1][1] == h:
+            runs[-1] = (runs[-1][0], h + 1)
+        else:
+            runs.append((h, h + 1))
+    return runs
+
+
+def _take(graph: Graph, pieces: list[tuple[Node, int, int]]) -> Node:
+    """cat(x[:, start:stop] for x, start, stop in pieces) along dim 1 (heads), adjacent pieces of one
+    tensor fused. Slices and a cat rather than index_select: no index tensor on any device."""
+    fused: list[tuple[Node, int, int]] = []
+    for x, a, b in pieces:
+        if fused and fused[-1][0] is x and fused[-1][2] == a:
+            fused[-1] = (x, fused[-1][1], b)
+        else:
+            fused.append((x, a, b))
+    parts = [graph.call_function(aten.slice.Tensor, (x, 1, a, b)) for x, a, b in fused]
+    return parts[0] if len(parts) == 1 else graph.call_function(aten.cat.default, (parts, 1))
+
+
+def _write_and_attend(graph: Graph, site: AttentionSite, attend, q: Node, k: Node, v: Node,
+                      cache: list[Node], extra: list[Node], want: bool) -> Node:
+    """write_kv of the step's k, v [B, H, 1, D] into ``cache`` = (k_cache, v_cache, log_weight, slot),
+    then the decode op over it; returns the op's (output, scores) node."""
+    graph.call_function(ops.write_kv.default, (*cache, k, v))
+    return graph.call_function(attend, (q, *cache[:3], *extra),
+                               {"scale": site.scale, "softcap": site.softcap, "want_scores": want})
+
+
+def _split_attend(graph: Graph, site: AttentionSite, attend, cache: list[Node], extra: list[Node], want: bool,
+                  full: tuple[int, ...], full_cache: list[Node], q: Node, k: Node, v: Node) -> tuple[Node, Node]:
+    """The split-group decode attention of one layer (§0.6 b): the new K, V [B, Hkv, 1, D] go to
+    their group's buffers, each group attends with its query heads (KV head g owns query heads
+    g*G..g*G+G-1) and the outputs [B, G * heads of the group, 1, D] are put back into query-head order
+    [B, Hq, 1, D]. The compressed group uses ``attend`` with the policy's ``extra`` inputs, the full one
+    the dense op. Returns (output, the compressed group's op result)."""
+    g_size = site.group
+    groups = {"compressed": [h for h in range(site.n_kv_heads) if h not in full], "full": list(full)}
+    results = {}
+    for name, heads in groups.items():
+        q_g = _take(graph, [(q, h * g_size, (h + 1) * g_size) for h in heads])
+        k_g, v_g = (_take(graph, [(x, h, h + 1) for h in heads]) for x in (k, v))
+        op, args = (attend, extra) if name == "compressed" else (DECODE_ATTENTION_OPS[Attention.DENSE], [])
+        results[name] = _write_and_attend(graph, site, op, q_g, k_g, v_g, cache if name == "compressed" else full_cache,
+                                          args, want and name == "compressed")
+    outs = {name: graph.call_function(operator.getitem, (res, 0)) for name, res in results.items()}
+    order = []
+    for h in range(site.n_kv_heads):
+        name = "full" if h in full else "compressed"
+        i = groups[name].index(h)
+        order.append((outs[name], i * g_size, (i + 1) * g_size))
+    return _take(graph, order), results["compressed"]
+
+
+def build_decode(gm: GraphModule, sites: list[AttentionSite], policy: Policy,
+                 full_heads: dict[int, tuple[int, ...]] | None = None) -> tuple[GraphModule, tuple[int, ...]]:
     if policy.attention not in DECODE_ATTENTION_OPS:
         raise NotImplementedError(f"decode attention variant {policy.attention.value} has no op yet")
+    split = split_heads(full_heads or {}, sites)
+    if split and policy.attention is not Attention.DENSE:
+        raise NotImplementedError(f"full-cache heads need the dense decode attention; {policy.name} uses "
+                                  f"{policy.attention.value}")
     dense = DECODE_ATTENTION_OPS[Attention.DENSE]
     graph, env, out = copy_graph(gm)
     base, policy_inputs = ("k_cache", "v_cache", "log_weight", "slot"), tuple(policy.decode_inputs)
+    full_base = ("k_full", "v_full", "log_weight_full", "slot_full")
     names = [f"{what}_{s.layer}" for s in sites
-             for what in base + (policy_inputs if s.window is None else ())]
+             for what in base + (policy_inputs if s.window is None else ()) + (full_base if s.layer in split else ())]
     inputs = iter(_add_inputs(graph, names))
     scores, score_layers = [], []
     for site in sites:
         attend = dense if site.window is not None else DECODE_ATTENTION_OPS[policy.attention]
-        kc, vc, lw, slot = (next(inputs) for _ in base)
+        cache = [next(inputs) for _ in base]
         extra = [next(inputs) for _ in policy_inputs] if site.window is None else []
         target = env[site.output]
         want = bool(policy.stats & DECODE_STATS) and site.window is None and policy.compresses
+        q, k, v = env[site.q], env[site.k], env[site.v]
         with graph.inserting_before(target):
-            graph.call_function(ops.write_kv.default, (kc, vc, lw, slot, env[site.k], env[site.v]))
-            res = graph.call_function(attend, (env[site.q], kc, vc, lw, *extra),
-                                      {"scale": site.scale, "softcap": site.softcap, "want_scores": want})
-            attn = graph.call_function(operator.getitem, (res, 0))
+            if site.layer in split:
+                full_cache = [next(inputs) for _ in full_base]
+                attn, res = _split_attend(graph, site, attend, cache, extra, want, split[site.layer], full_cache,
+                                          q, k, v)
+            else:
+                res = _write_and_attend(graph, site, attend, q, k, v, cache, extra, want)
+                attn = graph.call_function(operator.getitem, (res, 0))
             if want:
                 scores.append(graph.call_function(operator.getitem, (res, 1)))
                 score_layers.append(site.layer)
@@ -190,8 +272,10 @@ def build_decode(gm: GraphModule, sites: list[AttentionSite], policy: Policy) ->
 
 def insert_compressed_cache(gm: GraphModule, sites: list[AttentionSite], policy: Policy) -> RewrittenGraphs:
     """Build the prefill and decode graphs of ``policy`` over the captured graph ``gm``."""
+    full_heads = policy.full_kv_heads(sites) if policy.compresses else {}
     prefill, stat_keys = build_prefill(gm, sites, policy)
-    decode, score_layers = build_decode(gm, sites, policy)
-    log.info("insert_compressed_cache: rewrote %d attention sites (%s)", len(sites), policy.name)
+    decode, score_layers = build_decode(gm, sites, policy, full_heads)
+    log.info("insert_compressed_cache: rewrote %d attention sites (%s)%s", len(sites), policy.name,
+             f", full-cache KV heads {full_heads}" if full_heads else "")
     return RewrittenGraphs(prefill=prefill, decode=decode, sites=tuple(sites),
-                           prefill_stats=stat_keys, decode_scores=score_layers)
+                           prefill_stats=stat_keys, decode_scores=score_layers, full_heads=full_heads)

@@ -166,7 +166,7 @@ def kvpass_pass(kv_model, ids: list[int], seg: Segment, captured: dict[int, dict
         if p in probe_index:
             j = probe_index[p]
             for site, lay in zip(sites, session.layers, strict=True):
-                if lay.window is not None or site.layer not in captured:
+                if lay.window is not None or lay.full is not None or site.layer not in captured:
                     continue
                 ref, c = captured[site.layer], lay.cache
                 fid.setdefault(site.layer, []).append(attention_fidelity(

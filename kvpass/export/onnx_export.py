@@ -92,6 +92,9 @@ def _validate(model: KVPassModel, max_length: int, check: str, example_length: i
     if windowed:
         raise ValueError(f"layers {windowed} use sliding-window attention; ONNX export does not support "
                          "sliding-window rings yet")
+    if model.graphs.full_heads:
+        raise ValueError(f"KV heads {model.graphs.full_heads} keep a full cache (a calibration file); ONNX export "
+                         "does not support the split-group layout yet")
 
 
 @dataclass

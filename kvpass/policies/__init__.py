@@ -32,8 +32,10 @@ def get_policy(name: str | Policy, **kwargs) -> Policy:
     cls = POLICIES[name]
     unknown = set(kwargs) - set(cls.defaults())
     if unknown:
+        owners = sorted(n for n, c in POLICIES.items() if unknown & set(c.defaults()))
+        hint = f" ({', '.join(sorted(unknown))} belongs to: {', '.join(owners)})" if owners else ""
         raise ValueError(f"policy {name!r} has no parameter(s) {', '.join(sorted(unknown))}; "
-                         f"its parameters: {', '.join(cls.defaults()) or 'none'}")
+                         f"its parameters: {', '.join(cls.defaults()) or 'none'}{hint}")
     return cls(**kwargs)
 
 

@@ -9,11 +9,15 @@ The runtime never asks which policy it holds; a new policy is a new file and a r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from enum import Enum
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from kvpass.cache import LayerCache
+
+if TYPE_CHECKING:
+    from kvpass.rewrites import AttentionSite
 
 
 class Stat(Enum):
@@ -91,6 +95,14 @@ class Policy:
         """Per-layer entry budgets for the compressed layers (``caches`` after prefill, with their
         statistics). Default: the same budget everywhere."""
         return [budget] * len(caches)
+
+    def full_kv_heads(self, sites: Sequence[AttentionSite]) -> dict[int, tuple[int, ...]]:
+        """{layer: KV heads} that keep every token, for the model whose attention sites are ``sites``
+        (Chelsea's outlier heads, §1.10). The rewrite gives them their own dense cache buffers beside
+        the layer's compressed heads (split-group layout, §0.6 b) and the runtime lowers the other
+        heads' budget so the total stays the nominal one (``budget.budget_with_full_heads``). Raises
+        ValueError when the policy's data was made for another model. Default: none."""
+        return {}
 
     def compress(self, cache: LayerCache, keep: int) -> LayerCache:
         """cache: one layer, capacity C, rows holding up to C entries. Returns a cache whose rows hold

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor
@@ -11,6 +12,10 @@ from torch import Tensor
 import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
 from kvpass.cache import EMPTY, LayerCache, keep_slots, with_capacity
 from kvpass.policies.base import Policy, require
+from kvpass.policies.calibration import Calibration, load_calibration
+
+if TYPE_CHECKING:
+    from kvpass.rewrites import AttentionSite
 
 STEP = "chelsea_step"   # LayerCache.state: [B, Hkv] int64 clustering steps done (the i of the r schedule)
 
@@ -49,7 +54,13 @@ class Chelsea(Policy):
     sinks, recent: n1 = 16 and n2 = 64 entries never merged. chunk: c = 256.
     r_init, alpha, m, r_min: the r schedule (Llama-2: 0.45, 0.05, 3; r_min = 0.05 [OURS]).
     interval: g = 64 [OURS].
-    Outlier heads (§1.10) are not implemented: every KV head is compressed.
+    calibration: outlier heads (§1.10): a file written by ``kvpass calibrate``, the name of one shipped
+        in kvpass/calibrations (``"smollm2"``) or a ``Calibration``; None (default): every KV head is
+        compressed. Its heads keep every token in their own dense buffers (split-group layout, §0.6 b)
+        and the other heads get the reallocated budget R' = (R H - O) / (H - O) (``full_kv_heads``).
+
+    The NIAH setting of the paper (Appendix D.1, §1.2) is a constant r = 0.25 with no outlier heads at
+    a 25% budget: ``r_init=0.25, alpha=0`` (``--set r_init=0.25 --set alpha=0 --budget 0.25``).
     """
 
     name: ClassVar[str] = "chelsea"
@@ -63,9 +74,12 @@ class Chelsea(Policy):
     m: int = 3
     r_min: float = 0.05
     interval: int = 64
+    calibration: Calibration | str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.calibration is not None:        # a path or shipped name -> the validated file content
+            object.__setattr__(self, "calibration", load_calibration(self.calibration))
         for name in ("sinks", "recent", "m"):
             value = getattr(self, name)
             require(isinstance(value, int) and value >= 0, f"chelsea: {name} must be an int >= 0, got {value!r}")
@@ -76,6 +90,10 @@ class Chelsea(Policy):
 
     def min_budget(self) -> int:
         return self.sinks + self.recent + 1
+
+    def full_kv_heads(self, sites: Sequence[AttentionSite]) -> dict[int, tuple[int, ...]]:
+        """The calibration's outlier heads by layer (§1.10); ValueError if it is for another model."""
+        return {} if self.calibration is None else self.calibration.heads_by_layer(sites)
 
     def ratio(self, step: Tensor) -> Tensor:
         """r of the schedule (§1.7) for step counters ``step`` (any shape, int64) -> float64."""
