@@ -191,7 +191,9 @@ class Cell:
 def cells(policies: Iterable[str], budgets: Sequence[float | int], modes: Sequence[str],
           reference: bool = True) -> list[Cell]:
     """Policies x budgets x modes, budget-major; ``full`` ignores the budget so it gets one budget-less
-    cell per mode (first, after the transformers reference)."""
+    cell per mode (first, after the transformers reference); recall policies (Quest, ClusterKV) keep
+    every token but attend a budget of them, so they get a cell per budget (``common.uses_budget``)."""
+    from kvpass.eval.common import uses_budget
     from kvpass.policies import POLICIES
 
     out = [Cell(REFERENCE, None, "reference")] if reference else []
@@ -200,7 +202,7 @@ def cells(policies: Iterable[str], budgets: Sequence[float | int], modes: Sequen
             raise ValueError(f"unknown policy {policy!r}; available: {', '.join(sorted(POLICIES))}")
     for budget in [None, *budgets]:          # budget-major: a partial run covers every policy at the first budget
         for policy in policies:
-            if (budget is None) != POLICIES[policy].compresses:
+            if (budget is None) != uses_budget(policy):
                 out.extend(Cell(policy, budget, mode) for mode in modes)
     return out
 
