@@ -132,9 +132,14 @@ def run_lm(args: argparse.Namespace, store, loaded) -> None:
 
 
 def _selected(store, args: argparse.Namespace, kind: str) -> list[dict]:
+    """The stored cases of this command's model, policies and budgets (budget-less only for policies
+    that ignore the budget)."""
+    from kvpass.eval.common import uses_budget
+
     wanted = set(args.policies) | {"transformers"}
     budgets = set(args.budgets) | {None}
     return [c for c in store.cases.values() if c["kind"] == kind and c["policy"] in wanted and c["budget"] in budgets
+            and (c["budget"] is not None or c["policy"] == "transformers" or not uses_budget(c["policy"]))
             and Path(c["model"]).stem == Path(args.model).stem]
 
 

@@ -36,6 +36,16 @@ def load(name: str) -> Loaded:
     return Loaded(name, model, tokenizer)
 
 
+def uses_budget(policy: str) -> bool:
+    """Whether a registered policy's results depend on the budget: it compresses, or it keeps every
+    token but attends only a budget of them per step (recall policies: Quest, ClusterKV). Only a
+    dense policy that keeps everything (``full``) ignores it and gets one budget-less row."""
+    from kvpass.policies import POLICIES, Attention
+
+    cls = POLICIES[policy]
+    return cls.compresses or cls.attention is not Attention.DENSE
+
+
 def split_chat(tokenizer, context: str, question: str) -> tuple[list[int], list[int]]:
     """(context_ids, question_ids) whose concatenation is the chat prompt 'context\\n\\nquestion' with
     the generation prompt. Tokenized in two pieces (as kvpress's pipeline does), so the query-aware

@@ -156,6 +156,6 @@ def _mean_seconds(cases: list[dict]) -> float:
 
 
 def _configs(args: argparse.Namespace) -> set[tuple[str, Any]]:
-    from kvpass.policies import POLICIES
+    from kvpass.eval.common import uses_budget
 
-    return {(p, b if POLICIES[p].compresses else None) for p in args.policies for b in args.budgets}
+    return {(p, b if uses_budget(p) else None) for p in args.policies for b in args.budgets}

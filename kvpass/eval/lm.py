@@ -188,9 +188,9 @@ def run(loaded: Loaded, segments: Sequence[Segment], configs: Sequence[tuple[str
         store: Store, probes: int = 4, shard: tuple[int, int] = (0, 1), desc: str = "lm") -> Store:
     """For each segment: the transformers reference (stored as policy 'transformers') and every
     (policy, budget) of ``configs`` not yet in ``store``."""
-    from kvpass.policies import POLICIES
+    from kvpass.eval.common import uses_budget
 
-    configs = [(p, None if not POLICIES[p].compresses else b) for p, b in configs]
+    configs = [(p, b if uses_budget(p) else None) for p, b in configs]
     configs = list(dict.fromkeys(configs))
     todo = [(s, c) for k, s in enumerate(segments) if k % shard[1] == shard[0]
             for c in [(REFERENCE, None), *configs] if key_of(loaded.name, c[0], c[1], s, probes) not in store]

@@ -191,7 +191,9 @@ class Cell:
 def cells(policies: Iterable[str], budgets: Sequence[float | int], modes: Sequence[str],
           reference: bool = True) -> list[Cell]:
     """Policies x budgets x modes, budget-major; ``full`` ignores the budget so it gets one budget-less
-    cell per mode (first, after the transformers reference)."""
+    cell per mode (first, after the transformers reference); recall policies (Quest, ClusterKV) keep
+    every token but attend a budget of them, so they get a cell per budget (``common.uses_budget``)."""
+    from kvpass.eval.common import uses_budget
     from kvpass.policies import POLICIES
 
     out = [Cell(REFERENCE, None, "reference")] if reference else []
@@ -200,7 +202,7 @@ def cells(policies: Iterable[str], budgets: Sequence[float | int], modes: Sequen
             raise ValueError(f"unknown policy {policy!r}; available: {', '.join(sorted(POLICIES))}")
     for budget in [None, *budgets]:          # budget-major: a partial run covers every policy at the first budget
         for policy in policies:
-            if (budget is None) != POLICIES[policy].compresses:
+            if (budget is None) != uses_budget(policy):
                 out.extend(Cell(policy, budget, mode) for mode in modes)
     return out
 
@@ -223,7 +225,8 @@ def run(loaded: Loaded, specs: Sequence[NeedleSpec], cell_list: Sequence[Cell], 
         max_new_tokens: int = 32, shard: tuple[int, int] = (0, 1), desc: str = "niah", batch: int = 8) -> Store:
     """Score every (spec, cell) not yet in ``store``. ``shard`` (i, n): only specs with index % n == i.
 
-    Specs (in ``spread`` order) are batched by equal token counts (``batches``, at most ``batch`` rows).
+    Specs (in ``spread`` order) are batched by equal token counts (``batches``, at most ``batch`` rows),
+    largest batches first; the transformers reference runs after every kvpass cell.
     Per batch and mode, one prefill serves every (policy, budget) cell (``shared``: the union of the
     policies' statistics; one prefill per group of policies whose statistic options conflict); each
     cell starts from it, restricted to the rows it still lacks, and decodes them in one session
@@ -242,50 +245,52 @@ def run(loaded: Loaded, specs: Sequence[NeedleSpec], cell_list: Sequence[Cell], 
     needed = [s for s in spread(mine) if any((s, c) in todo for c in cell_list)]
     models: Models | None = None
     built = [build_case(loaded.tokenizer, s) for s in needed]
-    for group in batches(built, batch):
-        for mode in ["reference", *MODES]:
-            mode_cells = [c for c in cell_list if c.mode == mode and any((g.spec, c) in todo for g in group)]
-            if not mode_cells:
-                continue
-            if mode == "reference":
-                rows = [g for g in group if (g.spec, mode_cells[0]) in todo]
-                bar.set_postfix_str(f"transformers x{len(rows)} L={rows[0].prompt_tokens}")
-                with Timer() as t:
-                    answers = answer_transformers(loaded.model, rows, max_new_tokens)
-                store.add_many([_record(loaded, mode_cells[0], case, tokens, None, max_new_tokens, t.seconds / len(rows))
-                                for case, tokens in zip(rows, answers, strict=True)])
-                bar.update(len(rows))
-                continue
-            models = models or Models(loaded.model)
-            policies = [models.get(c.policy, c.budget).policy for c in mode_cells]
-            for union, members in stat_groups(list(dict.fromkeys(policies))):
-                names = {p.name for p in members}
-                cells_here = [c for c in mode_cells if c.policy in names]
-                need_rows = [i for i, g in enumerate(group) if any((g.spec, c) in todo for c in cells_here)]
-                served = sum((group[i].spec, c) in todo for i in need_rows for c in cells_here)
-                rows_cases = [group[i] for i in need_rows]
-                bar.set_postfix_str(f"prefill {mode} x{len(rows_cases)} L={rows_cases[0].prompt_tokens}")
-                shared = models.shared_prefill(union, prompt_ids(rows_cases, mode),
-                                               max_new_tokens=prefill_new_tokens(rows_cases[0], mode, max_new_tokens))
-                prefill_share = shared.seconds / max(served, 1)
-                for cell in cells_here:
-                    mine_rows = [j for j, case in enumerate(rows_cases) if (case.spec, cell) in todo]
-                    if not mine_rows:
-                        continue
-                    # rows of a row-coupled policy run one at a time (shared.ROW_COUPLED)
-                    sessions = [[j] for j in mine_rows] if cell.policy in ROW_COUPLED else [mine_rows]
-                    for session_rows in sessions:
-                        cases = [rows_cases[j] for j in session_rows]
-                        bar.set_postfix_str(f"{cell.policy}@{cell.budget} {mode} x{len(cases)} "
-                                            f"L={cases[0].prompt_tokens}")
-                        with Timer() as t:
-                            got = answer_kvpass(models.get(cell.policy, cell.budget), cases, mode, max_new_tokens,
-                                                prefill=shared.rows(session_rows))
-                        store.add_many([_record(loaded, cell, case, tokens, size, max_new_tokens,
-                                                t.seconds / len(cases) + prefill_share)
-                                        for case, (tokens, size) in zip(cases, got, strict=True)])
-                        bar.update(len(cases))
-                del shared
+    # the largest batches first (decode steps cost about the same for 1 or 8 rows on a CPU: the weights
+    # are read once per step), the transformers reference last (only the agreement check needs it)
+    groups = sorted(batches(built, batch), key=len, reverse=True)
+    for group, mode in [(g, m) for g in groups for m in MODES] + [(g, "reference") for g in groups]:
+        mode_cells = [c for c in cell_list if c.mode == mode and any((g.spec, c) in todo for g in group)]
+        if not mode_cells:
+            continue
+        if mode == "reference":
+            rows = [g for g in group if (g.spec, mode_cells[0]) in todo]
+            bar.set_postfix_str(f"transformers x{len(rows)} L={rows[0].prompt_tokens}")
+            with Timer() as t:
+                answers = answer_transformers(loaded.model, rows, max_new_tokens)
+            store.add_many([_record(loaded, mode_cells[0], case, tokens, None, max_new_tokens, t.seconds / len(rows))
+                            for case, tokens in zip(rows, answers, strict=True)])
+            bar.update(len(rows))
+            continue
+        models = models or Models(loaded.model)
+        policies = [models.get(c.policy, c.budget).policy for c in mode_cells]
+        for union, members in stat_groups(list(dict.fromkeys(policies))):
+            names = {p.name for p in members}
+            cells_here = [c for c in mode_cells if c.policy in names]
+            need_rows = [i for i, g in enumerate(group) if any((g.spec, c) in todo for c in cells_here)]
+            served = sum((group[i].spec, c) in todo for i in need_rows for c in cells_here)
+            rows_cases = [group[i] for i in need_rows]
+            bar.set_postfix_str(f"prefill {mode} x{len(rows_cases)} L={rows_cases[0].prompt_tokens}")
+            shared = models.shared_prefill(union, prompt_ids(rows_cases, mode),
+                                           max_new_tokens=prefill_new_tokens(rows_cases[0], mode, max_new_tokens))
+            prefill_share = shared.seconds / max(served, 1)
+            for cell in cells_here:
+                mine_rows = [j for j, case in enumerate(rows_cases) if (case.spec, cell) in todo]
+                if not mine_rows:
+                    continue
+                # rows of a row-coupled policy run one at a time (shared.ROW_COUPLED)
+                sessions = [[j] for j in mine_rows] if cell.policy in ROW_COUPLED else [mine_rows]
+                for session_rows in sessions:
+                    cases = [rows_cases[j] for j in session_rows]
+                    bar.set_postfix_str(f"{cell.policy}@{cell.budget} {mode} x{len(cases)} "
+                                        f"L={cases[0].prompt_tokens}")
+                    with Timer() as t:
+                        got = answer_kvpass(models.get(cell.policy, cell.budget), cases, mode, max_new_tokens,
+                                            prefill=shared.rows(session_rows))
+                    store.add_many([_record(loaded, cell, case, tokens, size, max_new_tokens,
+                                            t.seconds / len(cases) + prefill_share)
+                                    for case, (tokens, size) in zip(cases, got, strict=True)])
+                    bar.update(len(cases))
+            del shared
     bar.close()
     return store
 

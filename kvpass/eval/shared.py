@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 
-from kvpass.policies import POLICIES, Policy, Stat, get_policy
+from kvpass.eval.common import uses_budget
+from kvpass.policies import Policy, Stat, get_policy
 from kvpass.rewrites import RewrittenGraphs, capture_causal_lm, insert_compressed_cache, match_attention
 from kvpass.runtime import KVPassModel, Prefill
 
@@ -92,7 +93,7 @@ class Models:
         self._prefills: dict[tuple, RewrittenGraphs] = {}
 
     def get(self, policy: str, budget: float | int | None) -> KVPassModel:
-        key = (policy, budget if POLICIES[policy].compresses else None)
+        key = (policy, budget if uses_budget(policy) else None)
         if key not in self._built:
             chosen = get_policy(policy)
             if policy not in self._graphs:

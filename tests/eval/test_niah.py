@@ -143,3 +143,10 @@ def test_cells_are_budget_major_with_full_once():
     got = niah.cells(["h2o", "full", "d2o"], [0.1, 0.5], ["query_aware"])
     assert [(c.policy, c.budget) for c in got] == [
         ("transformers", None), ("full", None), ("h2o", 0.1), ("d2o", 0.1), ("h2o", 0.5), ("d2o", 0.5)]
+
+
+def test_recall_policies_get_a_cell_per_budget():
+    """Quest and ClusterKV keep every token but attend a budget of them: the budget matters."""
+    got = niah.cells(["quest", "full", "clusterkv"], [0.1, 0.5], ["query_aware"], reference=False)
+    assert [(c.policy, c.budget) for c in got] == [
+        ("full", None), ("quest", 0.1), ("clusterkv", 0.1), ("quest", 0.5), ("clusterkv", 0.5)]
