@@ -20,9 +20,13 @@ from torch import Tensor
 
 def attention_head_variance_reference(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
                                       softcap: float | None = None) -> Tensor:
-    t = q.shape[2]
-    c = head_column_sums(q, k, pad, scale, window, softcap)               # [B, Hq, T]
-    real = (torch.arange(t, device=q.device)[None, :] >= pad[:, None]).float()[:, None, :]   # [B, 1, T]
+    return head_variance_of_sums(head_column_sums(q, k, pad, scale, window, softcap), pad)
+
+
+def head_variance_of_sums(c: Tensor, pad: Tensor) -> Tensor:
+    """c: per-query-head column sums [B, Hq, T] fp32 (``head_column_sums``), pad [B] -> var [B, Hq]."""
+    t = c.shape[2]
+    real = (torch.arange(t, device=c.device)[None, :] >= pad[:, None]).float()[:, None, :]   # [B, 1, T]
     n = real.sum(-1)                                                      # [B, 1]
     mean = (c * real).sum(-1) / n
     ss = (((c - mean[..., None]) * real) ** 2).sum(-1)

@@ -103,7 +103,13 @@ def write_leaderboard(args: argparse.Namespace, store, out_dir: Path, model: str
         report.nll_plot(lm_cases, out_dir / f"ppl-{model}.png", f"{model}: cumulative NLL by position")
         report.fidelity_plot(lm_cases, out_dir / f"fidelity-{model}.png", f"{model}: attention fidelity per layer")
 
-    status = "complete" if complete else "**PARTIAL**: some cells have fewer cases than the grid (counts in brackets)"
+    full_cells = sum(r["niah_query_aware_cases"] >= expected["niah_per_mode"] and (
+        r["policy"] == "transformers" or r["niah_query_agnostic_cases"] >= expected["niah_per_mode"]) for r in table)
+    stored = {mode: sum(c["mode"] == mode for c in niah_cases) for mode in ("query_aware", "query_agnostic")}
+    want = {mode: sum(r["policy"] != "transformers" for r in table) * expected["niah_per_mode"] for mode in stored}
+    status = "complete" if complete else (
+        f"**PARTIAL**: {full_cells} of {len(table)} rows have every needle case; needle cases stored: "
+        + ", ".join(f"{stored[m]} of {want[m]} {m}" for m in stored) + " (per-row counts in brackets)")
     lines = [
         f"# Quality leaderboard: {model}",
         "",
@@ -124,7 +130,8 @@ def write_leaderboard(args: argparse.Namespace, store, out_dir: Path, model: str
         "- `full` ignores the budget (one row). `transformers` is plain `model.generate` on the same tokens.",
         "- cache / full: bytes kvpass holds at the end of a case (K, V and metadata: log-weights, positions, "
         "scores) over the K, V bytes of a full cache of the same tokens, so `full` shows slightly over 100%.",
-        f"- Time: {_mean_seconds(niah_cases):.0f} s per needle case on average (model load and tracing excluded).",
+        f"- Time: {_mean_seconds(niah_cases):.1f} s per needle case on average (model load and tracing excluded; "
+        "a case's share of the prefill shared by every policy x budget and of its batch's decode session).",
         "",
         "| policy | budget | NIAH query-aware (cases) | NIAH query-agnostic (cases) | ppl | ppl / full | "
         "attn rel. err | top-B recall | cache / full (NIAH) | cache MiB (NIAH) |",

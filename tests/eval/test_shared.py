@@ -60,6 +60,19 @@ def test_shared_prefill_equals_each_policys_own(models, loaded, budget):
     assert torch.equal(again, _greedy(models.get("d2o", budget).start_from(shared), NEW)[0])
 
 
+def test_column_sums_and_variance_are_fused(models):
+    from kvpass.policies import Stat as S
+
+    union = stat_groups([get_policy("d2o"), get_policy("snapkv")])[0][0]
+    graph = models.prefill_graphs(union).prefill.graph
+    targets = [n.target for n in graph.nodes if n.op == "call_function"]
+    ops = torch.ops.kvpass
+    assert ops.attention_column_sums_and_head_variance.default in targets
+    assert ops.attention_column_sums.default not in targets and ops.attention_head_variance.default not in targets
+    assert {s for _, s in models.prefill_graphs(union).prefill_stats} == {S.COLUMN_SUM, S.HEAD_VARIANCE,
+                                                                         S.WINDOW_SCORES}
+
+
 def test_empty_union_is_the_plain_prefill(models, loaded):
     ids = _prompts(1, 40, seed=1)
     plain = models.shared_prefill(StatUnion(), ids, max_new_tokens=NEW)
