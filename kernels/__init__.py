@@ -6,6 +6,10 @@ registered for CUDA. Importing this package registers the ops under ``torch.ops.
 """
 
 from kvpass.kernels.attention_column_sums import attention_column_sums, attention_column_sums_reference
+from kvpass.kernels.attention_column_sums_and_head_variance import (
+    attention_column_sums_and_head_variance,
+    attention_column_sums_and_head_variance_reference,
+)
 from kvpass.kernels.attention_head_variance import attention_head_variance, attention_head_variance_reference
 from kvpass.kernels.attention_window_scores import attention_window_scores, attention_window_scores_reference
 from kvpass.kernels.cluster_recall_attention import (
@@ -23,6 +27,7 @@ from kvpass.kernels.write_kv import write_kv, write_kv_reference
 
 __all__ = [
     "attention_column_sums", "attention_column_sums_reference",
+    "attention_column_sums_and_head_variance", "attention_column_sums_and_head_variance_reference",
     "attention_head_variance", "attention_head_variance_reference",
     "attention_window_scores", "attention_window_scores_reference",
     "cluster_recall_attention", "cluster_recall_attention_reference",

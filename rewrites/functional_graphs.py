@@ -24,6 +24,7 @@ import operator
 
 import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
 import torch
+from kvpass.kernels.attention_head_variance import head_variance_of_sums
 from kvpass.kernels.decode_attention import decode_attention_reference
 from kvpass.kernels.prefill_attention import prefill_mask
 from kvpass.rewrites.attention_sites import AttentionSite
@@ -85,12 +86,16 @@ def head_variance_explicit(q: Tensor, k: Tensor, pad: Tensor, scale: float, wind
     """``kvpass::attention_head_variance`` in one block: unbiased variance over real columns of each
     query head's column sums, [B, Hq] fp32."""
     b, hq, t, _ = q.shape
-    c = _prefill_probs(q, k, pad, scale, window, softcap).sum(dim=3).reshape(b, hq, t)
-    real = (torch.arange(t, device=q.device)[None, :] >= pad[:, None]).float()[:, None, :]   # [B, 1, T]
-    n = real.sum(-1)
-    mean = (c * real).sum(-1) / n
-    ss = (((c - mean[..., None]) * real) ** 2).sum(-1)
-    return ss / (n - 1).clamp(min=1)
+    return head_variance_of_sums(_prefill_probs(q, k, pad, scale, window, softcap).sum(dim=3).reshape(b, hq, t), pad)
+
+
+def column_sums_and_head_variance_explicit(q: Tensor, k: Tensor, pad: Tensor, scale: float,
+                                           window: int | None = None,
+                                           softcap: float | None = None) -> tuple[Tensor, Tensor]:
+    """``kvpass::attention_column_sums_and_head_variance`` in one block: ([B, Hkv, T], [B, Hq]) fp32."""
+    b, hq, t, _ = q.shape
+    c = _prefill_probs(q, k, pad, scale, window, softcap).sum(dim=3)     # [B, Hkv, G, T]
+    return c.mean(dim=2), head_variance_of_sums(c.reshape(b, hq, t), pad)
 
 
 def write_and_attend(q: Tensor, k_new: Tensor, v_new: Tensor, k: Tensor, v: Tensor, log_weight: Tensor,
@@ -111,9 +116,9 @@ def write_and_attend(q: Tensor, k_new: Tensor, v_new: Tensor, k: Tensor, v: Tens
 
 
 _EXPLICIT = {ops.prefill_attention.default: prefill_attention_explicit,
-             ops.attention_column_sums.default: column_sums_explicit}
-if hasattr(ops, "attention_head_variance"):
-    _EXPLICIT[ops.attention_head_variance.default] = head_variance_explicit
+             ops.attention_column_sums.default: column_sums_explicit,
+             ops.attention_head_variance.default: head_variance_explicit,
+             ops.attention_column_sums_and_head_variance.default: column_sums_and_head_variance_explicit}
 
 
 def _explicit_form(target):

@@ -134,6 +134,23 @@ def _logits_node(out) -> Node:
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+def _prefill_stat_nodes(graph: Graph, policy: Policy, args: tuple, opts: dict) -> dict[Stat, Node]:
+    """One layer's statistic nodes, in ``Stat`` value order. Column sums and head variance with the same
+    options come from one ``attention_column_sums_and_head_variance`` call (one pass, not two)."""
+    stats = sorted(policy.stats, key=lambda s: s.value)
+    for stat in stats:
+        if stat not in PREFILL_STAT_OPS:
+            raise NotImplementedError(f"no prefill op computes {stat} yet")
+    kwargs = {stat: {**opts, **policy.stat_options(stat)} for stat in stats}
+    nodes: dict[Stat, Node] = {}
+    pair = (Stat.COLUMN_SUM, Stat.HEAD_VARIANCE)
+    if all(s in kwargs for s in pair) and kwargs[pair[0]] == kwargs[pair[1]]:
+        both = graph.call_function(ops.attention_column_sums_and_head_variance.default, args, kwargs[pair[0]])
+        nodes = {s: graph.call_function(operator.getitem, (both, i)) for i, s in enumerate(pair)}
+    return {stat: nodes[stat] if stat in nodes else graph.call_function(PREFILL_STAT_OPS[stat], args, kwargs[stat])
+            for stat in stats}
+
+
 def build_prefill(gm: GraphModule, sites: list[AttentionSite], policy: Policy,
                   last_logits_only: bool = True) -> tuple[GraphModule, tuple[tuple[int, Stat], ...]]:
     graph, env, out = copy_graph(gm)
@@ -146,11 +163,8 @@ def build_prefill(gm: GraphModule, sites: list[AttentionSite], policy: Policy,
         with graph.inserting_before(target):
             attn = graph.call_function(ops.prefill_attention.default, (q, k, v, pad), dict(opts))
             if site.window is None and policy.compresses:
-                for stat in sorted(policy.stats, key=lambda s: s.value):
-                    if stat not in PREFILL_STAT_OPS:
-                        raise NotImplementedError(f"no prefill op computes {stat} yet")
-                    kwargs = {**opts, **policy.stat_options(stat)}
-                    stat_outputs.append(graph.call_function(PREFILL_STAT_OPS[stat], (q, k, pad), kwargs))
+                for stat, node in _prefill_stat_nodes(graph, policy, (q, k, pad), opts).items():
+                    stat_outputs.append(node)
                     stat_keys.append((site.layer, stat))
         target.replace_all_uses_with(attn)
         kv_outputs += [k, v]

@@ -17,12 +17,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
 from torch import Tensor, nn
 
 from kvpass.eval.common import uses_budget
-from kvpass.kernels.attention_column_sums import head_column_sums
-from kvpass.kernels.attention_head_variance import head_variance_of_sums
 from kvpass.policies import Policy, Stat, get_policy
 from kvpass.rewrites import RewrittenGraphs, capture_causal_lm, insert_compressed_cache, match_attention
 from kvpass.runtime import KVPassModel, Prefill
@@ -32,51 +29,6 @@ from kvpass.runtime import KVPassModel, Prefill
 # The harness decodes their cases one row at a time (from the shared prefill's rows). A test runs
 # every registered policy batched and alone (tests/eval/test_shared.py) and flags any other.
 ROW_COUPLED = frozenset({"d2o"})
-
-
-@torch.library.custom_op("kvpass::attention_column_sums_and_head_variance", mutates_args=())
-def column_sums_and_head_variance(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
-                                  softcap: float | None = None) -> tuple[Tensor, Tensor]:
-    """``attention_column_sums`` [B, Hkv, T] and ``attention_head_variance`` [B, Hq] of one layer from
-    one pass over the prefill attention (each alone recomputes it); the same arithmetic as each op."""
-    b, hq, t, _ = q.shape
-    c = head_column_sums(q, k, pad, scale, window, softcap)               # [B, Hq, T]
-    return c.reshape(b, k.shape[1], hq // k.shape[1], t).mean(dim=2), head_variance_of_sums(c, pad)
-
-
-@column_sums_and_head_variance.register_fake
-def _(q, k, pad, scale, window=None, softcap=None):
-    return (q.new_empty(k.shape[0], k.shape[1], k.shape[2], dtype=torch.float32),
-            q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32))
-
-
-def fuse_column_sums_and_variance(gm) -> int:
-    """In a prefill graph, replace each pair of ``attention_column_sums`` and ``attention_head_variance``
-    calls on the same inputs by one ``column_sums_and_head_variance`` call. Returns the pairs fused."""
-    import operator
-
-    ops = torch.ops.kvpass
-    graph = gm.graph
-    sums = {(n.args, tuple(sorted(n.kwargs.items()))): n for n in graph.nodes
-            if n.target == ops.attention_column_sums.default}
-    fused = 0
-    for var in [n for n in graph.nodes if n.target == ops.attention_head_variance.default]:
-        col = sums.get((var.args, tuple(sorted(var.kwargs.items()))))
-        if col is None:
-            continue
-        with graph.inserting_before(col):
-            both = graph.call_function(ops.attention_column_sums_and_head_variance.default, col.args, dict(col.kwargs))
-            new_col = graph.call_function(operator.getitem, (both, 0))
-            new_var = graph.call_function(operator.getitem, (both, 1))
-        col.replace_all_uses_with(new_col)
-        var.replace_all_uses_with(new_var)
-        graph.erase_node(col)
-        graph.erase_node(var)
-        fused += 1
-    if fused:
-        graph.lint()
-        gm.recompile()
-    return fused
 
 
 def _options_key(options: dict[str, object]) -> tuple:
@@ -157,7 +109,6 @@ class Models:
         key = tuple(sorted((s.value, _options_key(o)) for s, o in union.options.items()))
         if key not in self._prefills:
             prefill, stat_keys = build_prefill(self.captured.gm, list(self.sites), union)
-            fuse_column_sums_and_variance(prefill)           # D2O's two statistics from one pass
             self._prefills[key] = RewrittenGraphs(prefill=prefill, decode=None, sites=tuple(self.sites),
                                                   prefill_stats=stat_keys, decode_scores=())
         return self._prefills[key]
