@@ -433,7 +433,7 @@ class DecodeSession:
         if due and not self.owner.decode_step.graphed(self.logits.device, due):
             for i in due:                         # eager: compress, check the budget (a sync), then the step
                 lay = self.layers[i]
-                load_into(lay.cache, self.policy.compress(lay.cache, lay.budget))
+                load_into(lay.cache, self.owner.compress_fn(lay.cache, lay.budget))
                 lay.host_len = int(lay.cache.length.max())
                 self.owner._check_within_budget(lay)
             due_in_step: tuple[int, ...] = ()
