@@ -3,9 +3,15 @@ prefix of the essays, SmolLM2, budget 0.2: the paper's |S| value scaling vs the 
 
     .venv/bin/python benchmarks/kvmerger_value_scale.py
 """
-import torch, kvpass, math, time
+import math
+import time
+
+import torch
+
+import kvpass
 from kvpass.models import load_model
 from kvpass.prompts import essays
+
 model, tok = load_model("smollm2")
 ids = torch.tensor([tok(essays(), add_special_tokens=False)["input_ids"][:1088]])
 torch.set_num_threads(2)

@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 import torch
+from kvpass.rewrites import capture_causal_lm, insert_compressed_cache, match_attention
 
 import kvpass
 from kvpass.bench import LLAMA_8B, build_model, sync
-from kvpass.rewrites import capture_causal_lm, insert_compressed_cache, match_attention
 from kvpass.runtime import KVPassModel
 
 

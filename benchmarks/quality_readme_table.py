@@ -2,6 +2,7 @@
     python3 benchmarks/quality_readme_table.py
 Policies without perplexity rows yet are left out."""
 import json
+
 d = json.load(open("benchmarks/results/quality-smollm2.json"))
 rows = {(r["policy"], r["budget"]): r for r in d["rows"]}
 pols = sorted({p for p, b in rows if b is not None and rows[(p, b)]["ppl_ratio"] is not None}, key=lambda p: rows[(p, 0.2)]["ppl_ratio"] or 9e9)

@@ -106,16 +106,16 @@ def _row_lse_kernel(Q, K, PAD, LSE, sqb, sqh, sqt, sqd, skb, skh, skt, skd, HQ, 
     lo = (lo // BLOCK_N) * BLOCK_N
     hi = tl.minimum(i0 + BLOCK_M, T)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
+    l_sum = tl.zeros([BLOCK_M], tl.float32)
     for j0 in range(lo, hi, BLOCK_N):
         s2 = _logits2_tile(Q, K, PAD, b, h, g, i0, j0, sqb, sqh, sqt, sqd, skb, skh, skt, skd, T, scale, softcap,
                            HEAD_DIM, WINDOW, BLOCK_M, BLOCK_N, BLOCK_D, HAS_SOFTCAP, DOT)
         m_new = tl.maximum(m, tl.max(s2, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l = l * tl.exp2(m - m_safe) + tl.sum(tl.exp2(s2 - m_safe[:, None]), axis=1)
+        l_sum = l_sum * tl.exp2(m - m_safe) + tl.sum(tl.exp2(s2 - m_safe[:, None]), axis=1)
         m = m_new
     i = i0 + tl.arange(0, BLOCK_M)
-    lse = tl.where(l > 0, m + tl.log2(tl.maximum(l, 1e-30)), float("inf"))    # +inf: row adds nothing
+    lse = tl.where(l_sum > 0, m + tl.log2(tl.maximum(l_sum, 1e-30)), float("inf"))    # +inf: row adds nothing
     tl.store(LSE + bh * T + i, lse, mask=i < T)
 
 

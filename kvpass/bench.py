@@ -238,13 +238,14 @@ def section_correctness(device: torch.device, smoke: bool, deadline: Deadline) -
         k = torch.randn(b, hkv, t, d, device=device, generator=gen).to(dtype)
         v = torch.randn(b, hkv, t, d, device=device, generator=gen).to(dtype)
         pad = torch.arange(b, device=device) * 7
+        args = (q, k, pad, d ** -0.5)
         want = head_column_sums_rows(q.float(), k.float(), pad, d ** -0.5)
-        got = head_column_sums_triton(q, k, pad, d ** -0.5)
+        got = head_column_sums_triton(*args)
         times = {} if device.type != "cuda" else {
-            "info_triton_ms": time_fn(lambda: head_column_sums_triton(q, k, pad, d ** -0.5), device) * 1e3,
-            "info_rows_ms": _timed(device, lambda: head_column_sums_rows(q, k, pad, d ** -0.5)) * 1e3,
-            "info_sdpa_causal_ms": time_fn(lambda: torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=True, enable_gqa=True), device) * 1e3}
+            "info_triton_ms": time_fn(functools.partial(head_column_sums_triton, *args), device) * 1e3,
+            "info_rows_ms": _timed(device, functools.partial(head_column_sums_rows, *args)) * 1e3,
+            "info_sdpa_causal_ms": time_fn(functools.partial(torch.nn.functional.scaled_dot_product_attention,
+                                                             q, k, v, is_causal=True, enable_gqa=True), device) * 1e3}
         record("head_column_sums", [b, hq, hkv, t, d], {"rel_err": rel_err(got, want)}, times)
     return {"rows": rows, "tolerance": tol, "all_ok": all(r.get("ok", True) for r in rows)}
 
