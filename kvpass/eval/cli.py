@@ -32,6 +32,8 @@ def _common(p: argparse.ArgumentParser, lm: bool, niah: bool) -> None:
     p.add_argument("--out-dir", default="benchmarks/results", help="where JSON, Markdown and PNGs go")
     p.add_argument("--store", help="the resumable JSON of every case (default: <out-dir>/<command>-<model>-cases.json)")
     p.add_argument("--quick", action="store_true", help=f"a small grid that finishes in minutes: {QUICK}")
+    p.add_argument("--device", default="cpu",
+                   help="where the model runs: cpu (default) or cuda; each case records it")
     p.add_argument("--jobs", type=int, default=1, help="worker processes (they split the machine's cores)")
     p.add_argument("--shard", type=_shard, help=argparse.SUPPRESS)
     p.add_argument("--report-only", action="store_true",
@@ -98,7 +100,7 @@ def _load(args: argparse.Namespace):
 
     parts = 2 if getattr(args, "part", "all") != "all" else 1          # --part runs share the cores
     set_threads(max(args.jobs if args.shard is None else args.shard[1], parts))
-    return load(args.model)
+    return load(args.model, args.device)
 
 
 def niah_specs(args: argparse.Namespace, loaded) -> list:

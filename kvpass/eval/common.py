@@ -23,16 +23,20 @@ class Loaded:
     tokenizer: object
 
     @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
     def context_length(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 2048))
 
 
 @lru_cache(maxsize=2)
-def load(name: str) -> Loaded:
-    """``kvpass.models.load_model`` once per process."""
+def load(name: str, device: str = "cpu") -> Loaded:
+    """``kvpass.models.load_model`` (float32, on ``device``) once per process."""
     from kvpass.models import load_model
 
-    model, tokenizer = load_model(name)
+    model, tokenizer = load_model(name, device=device)
     return Loaded(name, model, tokenizer)
 
 
@@ -72,7 +76,11 @@ def eos_pad(model: nn.Module) -> tuple[torch.Tensor, int]:
 
 
 def set_threads(jobs: int) -> None:
-    """Split the machine's cores between ``jobs`` worker processes."""
+    """Split the machine's cores between ``jobs`` worker processes (``OMP_NUM_THREADS``, when set,
+    is the number of threads per process instead)."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
+        return
     cores = os.cpu_count() or 1
     torch.set_num_threads(max(1, cores // max(jobs, 1)))
 

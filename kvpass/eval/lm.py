@@ -109,7 +109,7 @@ def capture_attention(model: nn.Module, positions: Sequence[int]) -> Iterator[di
 def reference_pass(model: nn.Module, ids: list[int], seg: Segment, positions: Sequence[int]
                    ) -> tuple[list[float], dict[int, dict[str, Tensor]]]:
     """transformers NLL of each continuation token and the captured attention inputs."""
-    x = torch.tensor([ids])
+    x = torch.tensor([ids], device=next(model.parameters()).device)
     with capture_attention(model, positions) as got:
         try:
             logits = model(x, use_cache=False, logits_to_keep=seg.steps + 1).logits[0]
@@ -151,7 +151,7 @@ def kvpass_pass(kv_model, ids: list[int], seg: Segment, captured: dict[int, dict
                 positions: Sequence[int]) -> tuple[list[float], dict[int, list[dict[str, float]]], object]:
     """kvpass NLL of each continuation token (teacher forcing through decode steps) and, at each
     probe position, the fidelity of every non-sliding layer. Returns (nll, {layer: [per probe]}, report)."""
-    x = torch.tensor([ids])
+    x = torch.tensor([ids], device=kv_model.device)
     session = kv_model.start(x[:, : seg.prefix], max_new_tokens=seg.steps)
     nll: list[float] = []
     fid: dict[int, list[dict[str, float]]] = {}

@@ -132,13 +132,14 @@ def answer_kvpass(kv_model, case: NeedleCase | Sequence[NeedleCase], mode: str, 
     single = isinstance(case, NeedleCase)
     cases = [case] if single else list(case)
     eos_ids, pad = eos_pad(kv_model.model)
+    eos_ids = eos_ids.to(kv_model.device)
     if prefill is None:
         prefill = kv_model.prefill(prompt_ids(cases, mode), max_new_tokens=prefill_new_tokens(cases[0], mode,
                                                                                               max_new_tokens))
     session = kv_model.start_from(prefill)
     fed = 0
     if mode == "query_agnostic":
-        q = torch.tensor([c.question_ids for c in cases])
+        q = torch.tensor([c.question_ids for c in cases], device=kv_model.device)
         session.feed(q)
         fed = q.shape[1]
     tokens, _ = session.sample(max_new_tokens, eos_ids, pad, do_sample=False)
@@ -163,7 +164,7 @@ def answer_transformers(model: nn.Module, case: NeedleCase | Sequence[NeedleCase
     eos_ids, pad = eos_pad(model)
     single = isinstance(case, NeedleCase)
     cases = [case] if single else list(case)
-    ids = prompt_ids(cases, "query_aware")
+    ids = prompt_ids(cases, "query_aware").to(next(model.parameters()).device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          do_sample=False, pad_token_id=pad)
     answers = [_strip(row[ids.shape[1]:].tolist(), eos_ids, pad) for row in out]
@@ -307,5 +308,10 @@ def _record(loaded: Loaded, cell: Cell, case: NeedleCase, tokens: list[int], siz
         "correct": is_correct(case.answer, output),
         "cache_bytes": size.cache_bytes if size else None,
         "full_cache_bytes": size.full_cache_bytes if size else None,
-        "seconds": round(seconds, 3),
+        "seconds": round(seconds, 3), "device": _device_name(loaded.device),
     }
+
+
+def _device_name(device: torch.device) -> str:
+    """'cpu' or the GPU's name (cases from different devices can differ in the last bits)."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type

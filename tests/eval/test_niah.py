@@ -77,11 +77,11 @@ def test_every_case_is_stored_with_its_schema(finished):
     assert len(cases) == 4 * 5
     types = {"key": str, "kind": str, "policy": str, "mode": str, "length": int, "depth": float, "seed": int,
              "needles": int, "prompt_tokens": int, "answer": str, "output": str, "output_ids": list,
-             "correct": bool, "seconds": float}
+             "correct": bool, "seconds": float, "device": str}
     for c in cases:
         for name, t in types.items():
             assert isinstance(c[name], t), (name, c[name])
-        assert c["kind"] == "niah"
+        assert c["kind"] == "niah" and c["device"] == "cpu"
         if c["policy"] == "transformers":
             assert c["cache_bytes"] is None and c["mode"] == "reference"
         else:

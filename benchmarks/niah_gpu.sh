@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The needle grid of the SmolLM2 quality leaderboard on one CUDA GPU.
+#
+# One `kvpass eval leaderboard --part niah --device cuda` process per policy (and several shards for
+# the slow ones: d2o decodes its rows one at a time, ems maintains its cache eagerly), all sharing
+# the GPU; each writes its own resumable store under OUT/<policy>[-<shard>]/, so a second run with the
+# same OUT carries on where a timed-out one stopped. Afterwards the cases are merged into
+# OUT/quality-smollm2-niah-gpu-cases.json (merge_niah_stores.py).
+#
+# Usage: benchmarks/niah_gpu.sh OUT SECONDS
+# The grid below is the one of the committed leaderboard (benchmarks/results/quality-smollm2.md).
+set -u
+out=$1
+seconds=$2
+mkdir -p "$out"
+grid="--model smollm2 --budgets 0.1 0.2 0.5 --lengths 1000 2000 4000 \
+ --depths 0 0.0714 0.1429 0.2143 0.2857 0.3571 0.4286 0.5 0.5714 0.6429 0.7143 0.7857 0.8571 0.9286 1 \
+ --max-new-tokens 32 --prefix 1024 --steps 64 --probes 2 --segments 1"
+declare -A shards=([d2o]=4 [ems]=3)
+jobs=()
+for p in $(python3 -c 'from kvpass.policies import POLICIES; print(*sorted(POLICIES))'); do
+  n=${shards[$p]:-1}
+  for ((i = 0; i < n; i++)); do
+    ref=--no-reference
+    [ "$p" = full ] && ref=""                       # the transformers reference runs once, beside full
+    shard=""; name=$p
+    [ "$n" -gt 1 ] && shard="--shard $i/$n" && name=$p-$i
+    jobs+=("$name|--policies $p $ref $shard")
+  done
+done
+echo "${#jobs[@]} processes: ${jobs[*]%%|*}"
+for job in "${jobs[@]}"; do
+  name=${job%%|*}
+  # shellcheck disable=SC2086
+  OMP_NUM_THREADS=1 TQDM_MININTERVAL=20 timeout "$seconds" python3 -m kvpass.cli eval leaderboard --part niah \
+    --device cuda $grid ${job#*|} --store "$out/$name/quality-smollm2-cases.json" --out-dir "$out/$name" \
+    >"$out/$name.log" 2>&1 &
+done
+wait
+python3 benchmarks/merge_niah_stores.py "$out" "$out/quality-smollm2-niah-gpu-cases.json"
