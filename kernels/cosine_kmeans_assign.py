@@ -14,9 +14,9 @@ Cost: N*K*D multiply-adds per (b, g); reads x once and the centroids once per bl
 
 Triton path: one program per (b, g, block of BLOCK_N keys) normalises its keys in fp32 and loops
 over tiles of BLOCK_K centroids, so at most a [BLOCK_N, BLOCK_K] block of the N x K cosine matrix
-exists at a time; a block without a valid key skips the loop. The products run on tensor cores in
-tf32 when either input is 16-bit or the centroids are not fp32 on CUDA (a near tie may then pick
-another centroid, |cos difference| ~1e-3), exact fp32 otherwise (and always under the interpreter).
+exists at a time; a block without a valid key skips the loop. On CUDA the products run on tensor
+cores in tf32 when either input is 16-bit (bf16 keys: a near tie may then pick another centroid,
+|cos difference| ~1e-3), in exact fp32 otherwise; always exact under the interpreter.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def cosine_kmeans_assign_triton(x: Tensor, centroids: Tensor, valid: Tensor | No
     dummy = labels
     vm = valid.contiguous().view(torch.int8) if valid is not None else dummy
     um = usable.contiguous().view(torch.int8) if usable is not None else dummy
-    exact = x.device.type != "cuda" or (x.dtype == torch.float32 and centroids.dtype == torch.float32)
+    exact = x.device.type != "cuda" or (x.element_size() >= 4 and centroids.element_size() >= 4)
     _cosine_kmeans_assign_kernel[(b * hkv, triton.cdiv(n, block_n))](
         x, centroids, vm, um, labels, *x.stride(), *centroids.stride(), hkv, n, k, _EPS,
         HEAD_DIM=d, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_D=max(16, next_pow2(d)),
