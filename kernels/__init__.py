@@ -12,10 +12,13 @@ from kvpass.kernels.attention_column_sums_and_head_variance import (
 )
 from kvpass.kernels.attention_head_variance import attention_head_variance, attention_head_variance_reference
 from kvpass.kernels.attention_window_scores import attention_window_scores, attention_window_scores_reference
+from kvpass.kernels.cluster_gather import cluster_gather, cluster_gather_reference
 from kvpass.kernels.cluster_recall_attention import (
     cluster_recall_attention,
     cluster_recall_attention_reference,
 )
+from kvpass.kernels.cosine_kmeans_assign import cosine_kmeans_assign, cosine_kmeans_assign_reference
+from kvpass.kernels.cosine_kmeans_update import cosine_kmeans_update, cosine_kmeans_update_reference
 from kvpass.kernels.cosine_match import cosine_match, cosine_match_reference
 from kvpass.kernels.decode_attention import decode_attention, decode_attention_reference
 from kvpass.kernels.ems_expansion_attention import ems_expansion_attention, ems_expansion_attention_reference
@@ -30,7 +33,10 @@ __all__ = [
     "attention_column_sums_and_head_variance", "attention_column_sums_and_head_variance_reference",
     "attention_head_variance", "attention_head_variance_reference",
     "attention_window_scores", "attention_window_scores_reference",
+    "cluster_gather", "cluster_gather_reference",
     "cluster_recall_attention", "cluster_recall_attention_reference",
+    "cosine_kmeans_assign", "cosine_kmeans_assign_reference",
+    "cosine_kmeans_update", "cosine_kmeans_update_reference",
     "cosine_match", "cosine_match_reference",
     "decode_attention", "decode_attention_reference",
     "ems_expansion_attention", "ems_expansion_attention_reference",

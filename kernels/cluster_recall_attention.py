@@ -24,6 +24,7 @@ int64. Returns o [B, Hq, 1, D] and an empty scores tensor.
 from __future__ import annotations
 
 import torch
+from kvpass.kernels.cluster_gather import cluster_gather
 from torch import Tensor
 
 
@@ -53,19 +54,15 @@ def select_slots(q: Tensor, live: Tensor, cluster: Tensor, rank: Tensor, centroi
 def attend_selected(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor, keep: Tensor, scale: float,
                     softcap: float | None, gather: bool) -> Tensor:
     """softmax over the kept slots of every query head. keep: [B, Hkv, G, C] bool. With ``gather``
-    only the kept slots are gathered (on k's device) and moved to q's device first."""
+    only the kept slots are gathered onto keep's device first (``kvpass::cluster_gather``: Triton on
+    CUDA, reading pinned host k, v in place; the reference gathers on k's device and copies)."""
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
     if gather:
         n = max(int(keep.sum(-1).max()), 1)
-        idx = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices[..., :n]   # kept slots first
-        mask = torch.gather(keep, -1, idx)
-        idx_k = idx.to(k.device)
-        ks = torch.gather(k[:, :, None].expand(-1, -1, group, -1, -1), 3, idx_k[..., None].expand(-1, -1, -1, -1, d))
-        vs = torch.gather(v[:, :, None].expand(-1, -1, group, -1, -1), 3, idx_k[..., None].expand(-1, -1, -1, -1, d))
-        lw = torch.gather(log_weight[:, :, None].expand(-1, -1, group, -1), -1, idx.to(log_weight.device))
-        ks, vs, lw = ks.to(q.device, non_blocking=True), vs.to(q.device, non_blocking=True), lw.to(q.device)
+        ks, vs, lw = cluster_gather(k, v, log_weight, keep, n)       # on keep's (= q's) device; padding lw = -inf
+        mask = lw > float("-inf")
     else:
         mask, ks, vs = keep, k[:, :, None], v[:, :, None]
         lw = log_weight[:, :, None]

@@ -11,7 +11,9 @@ time-boxed (items that would start after the section's deadline are recorded as 
 3. ``kernels``: decode attention over caches of 1k-64k entries x batch 1-32 (Hq=32, Hkv=8, D=128,
    Llama-3.1-8B), Triton vs torch SDPA over a dense cache of the same size vs a device copy of the
    same bytes, each replayed from a CUDA graph and timed by ``triton.testing.do_bench`` (median; it
-   flushes L2 between runs); plus a small sweep of launch parameters at three sizes.
+   flushes L2 between runs); plus a small sweep of launch parameters at three sizes; plus ClusterKV's
+   compression ops (cosine K-means assign and update, cluster gather from device or pinned host
+   memory), each as bytes moved per second against a copy of as many bytes timed in the same run.
 4. ``e2e``: a Llama-3.1-8B-shaped model with random bf16 weights (``transformers.LlamaConfig``, no
    hub), batch 1, prompts of 16k and 32k (64k with time left): plain transformers ``generate``
    with its full cache, kvpass ``full``, ``streamingllm`` at budget 0.2, and every other registered
@@ -247,7 +249,79 @@ def section_correctness(device: torch.device, smoke: bool, deadline: Deadline) -
             "info_sdpa_causal_ms": time_fn(functools.partial(torch.nn.functional.scaled_dot_product_attention,
                                                              q, k, v, is_causal=True, enable_gqa=True), device) * 1e3}
         record("head_column_sums", [b, hq, hkv, t, d], {"rel_err": rel_err(got, want)}, times)
+    _clusterkv_correctness(device, smoke, deadline, record)
     return {"rows": rows, "tolerance": tol, "all_ok": all(r.get("ok", True) for r in rows)}
+
+
+def _kmeans_case(b, hkv, n, k, d, dtype, device, seed):
+    """Keys past 16 sinks, ragged lengths, centroids drawn from the keys (fp32, as ClusterKV)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(b, hkv, n, d, device=device, generator=gen).to(dtype)
+    mu = x[:, :, torch.randperm(n, device=device, generator=gen)[:k]].float()
+    length = torch.randint(max(1, n // 2), n + 1, (b, hkv), device=device, generator=gen)
+    slot = torch.arange(n, device=device)
+    valid = (slot >= min(16, n // 4)) & (slot < length[..., None])
+    return x, mu, valid
+
+
+def _gather_case(b, hkv, group, c, width, d, dtype, device, seed):
+    """K, V and a selection of about ``width`` slots per query head (16 sinks always)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    k = torch.randn(b, hkv, c, d, device=device, generator=gen).to(dtype)
+    v = torch.randn(b, hkv, c, d, device=device, generator=gen).to(dtype)
+    lw = torch.zeros(b, hkv, c, device=device)
+    keep = torch.rand(b, hkv, group, c, device=device, generator=gen) < width / c
+    keep[..., :min(16, c)] = True
+    return k, v, lw, keep
+
+
+def _clusterkv_correctness(device: torch.device, smoke: bool, deadline: Deadline, record) -> None:
+    """ClusterKV's K-means assign/update and cluster gather (Triton) against fp32 references, bf16 keys."""
+    from kvpass.kernels.cluster_gather import cluster_gather_reference, cluster_gather_triton
+    from kvpass.kernels.cosine_kmeans_assign import (
+        cosine_kmeans_assign_reference,
+        cosine_kmeans_assign_triton,
+    )
+    from kvpass.kernels.cosine_kmeans_update import (
+        cosine_kmeans_update_reference,
+        cosine_kmeans_update_triton,
+    )
+
+    dtype = torch.bfloat16
+    kcases = [(1, 2, 64, 5, 16)] if smoke else [(1, 8, 32768, 410, 128), (2, 8, 8192, 102, 128)]
+    for i, (b, hkv, n, k, d) in enumerate(kcases):
+        if not deadline.allows(5):
+            continue
+        x, mu, valid = _kmeans_case(b, hkv, n, k, d, dtype, device, seed=500 + i)
+        want = cosine_kmeans_assign_reference(x, mu, valid)
+        got = cosine_kmeans_assign_triton(x, mu, valid)
+        xn = torch.nn.functional.normalize(x.float(), dim=-1, eps=1e-6)
+        mn = torch.nn.functional.normalize(mu, dim=-1, eps=1e-6)
+
+        def cos_of(lab, xn=xn, mn=mn, d=d):
+            return (xn * torch.gather(mn, 2, lab.clamp(min=0)[..., None].expand(-1, -1, -1, d))).sum(-1)
+
+        # a near tie may pick another centroid (tf32 products): judge the exact cosine of the pick
+        record("cosine_kmeans_assign", [b, hkv, n, k, d],
+               {"abs_deficit_of_pick": float((cos_of(want) - cos_of(got))[valid].max())},
+               {"info_label_mismatch": float((got != want)[valid].float().mean()),
+                "info_same_invalid": float(torch.equal(got < 0, want < 0))})
+        new, size = cosine_kmeans_update_triton(x, want, mu)
+        want_new, want_size = cosine_kmeans_update_reference(x, want, mu)
+        record("cosine_kmeans_update", [b, hkv, n, k, d],
+               {"rel_err_centroids": rel_err(new, want_new),
+                "abs_err_sizes": float((size - want_size).abs().max())})
+    gcases = [(1, 2, 2, 64, 20, 16)] if smoke else [(1, 8, 4, 32768, 1040, 128), (4, 8, 4, 8192, 1040, 128)]
+    for i, (b, hkv, group, c, width, d) in enumerate(gcases):
+        if not deadline.allows(5):
+            continue
+        k, v, lw, keep = _gather_case(b, hkv, group, c, width, d, dtype, device, seed=600 + i)
+        n = int(keep.sum(-1).max())
+        got = cluster_gather_triton(k, v, lw, keep, n)
+        want = cluster_gather_reference(k, v, lw, keep, n)
+        record("cluster_gather", [b, hkv, group, c, n, d],
+               {"rel_err_k": rel_err(got[0], want[0]), "rel_err_v": rel_err(got[1], want[1]),
+                "abs_err_log_weight": float((got[2] != want[2]).float().max())})
 
 
 # ------------------------------------------------------------------------------------ 3. kernels
@@ -323,8 +397,100 @@ def section_kernels(device: torch.device, smoke: bool, deadline: Deadline, copy_
     for s in sweep:
         if "us" in s and (key := f"{s['C']}x{s['B']}") and (key not in best or s["us"] < best[key]["us"]):
             best[key] = s
+    compression = clusterkv_kernel_rows(device, smoke, deadline) if triton_op is decode_attention_triton else []
     return {"shape": {"Hq": hq, "Hkv": hkv, "D": d, "dtype": str(dtype)}, "op": triton_op.__name__,
-            "rows": rows, "sweep": sweep, "sweep_best": best}
+            "rows": rows, "sweep": sweep, "sweep_best": best, "compression": compression}
+
+
+def clusterkv_kernel_rows(device: torch.device, smoke: bool, deadline: Deadline) -> list[dict]:
+    """ClusterKV's compression ops (Llama-3.1-8B heads: Hkv 8, G 4, D 128; bf16 keys; C0 = n / 80
+    clusters; a selection of 1024 + 16 sinks per query head): time (CUDA-graph replay, do_bench median),
+    bytes moved (read + written, each tensor once) per second, and that rate over a device copy of the
+    same number of bytes timed in the same run (the host-resident gather: over a pinned host-to-device
+    copy of the gathered bytes). The K-means assignment also reports its tf32 multiply-add rate."""
+    from kvpass.kernels.cluster_gather import cluster_gather_triton
+    from kvpass.kernels.cosine_kmeans_assign import cosine_kmeans_assign_triton
+    from kvpass.kernels.cosine_kmeans_update import cosine_kmeans_update_triton
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    hkv, group, d = (2, 2, 16) if smoke else (8, 4, 128)
+    copies: dict[int, float] = {}
+
+    def copy_rate(nbytes: int) -> float:
+        """Bytes/s (read + write) of a device copy of ``nbytes``, measured once per size."""
+        if nbytes not in copies:
+            src = torch.empty(max(1, nbytes // 2), device=device, dtype=torch.bfloat16)
+            dst = torch.empty_like(src)
+            copies[nbytes] = 2 * src.numel() * 2 / time_fn(functools.partial(dst.copy_, src), device)
+        return copies[nbytes]
+
+    def timed_row(row: dict, fn: Callable[[], object], moved: int, baseline: float, **info) -> dict:
+        try:
+            t, graphed = time_fn(fn, device), device.type == "cuda"
+        except RuntimeError:                     # not capturable in a CUDA graph: timed with its launches
+            t, graphed = time_fn(fn, device, graph=False), False
+        return {**row, "us": t * 1e6, "graphed": graphed, "bytes": moved, "bytes_per_s": moved / t,
+                "copy_bytes_per_s": baseline,
+                "frac_of_copy": (moved / t) / baseline, **{k: v(t) if callable(v) else v for k, v in info.items()}}
+
+    rows = []
+    for n in ([64] if smoke else [8192, 32768]):
+        k = max(1, round(n / 80))
+        for b in ([1] if smoke else [1, 4]):
+            if not deadline.allows(5):
+                rows.append({"op": "cosine_kmeans", "B": b, "N": n, "skipped": "time"})
+                continue
+            row = {"B": b, "Hkv": hkv, "N": n, "K": k, "D": d}
+            try:
+                x, mu, valid = _kmeans_case(b, hkv, n, k, d, dtype, device, seed=n + b)
+                labels = cosine_kmeans_assign_triton(x, mu, valid)
+                x_bytes = x.numel() * x.element_size()
+                mu_bytes = mu.numel() * mu.element_size()
+                lab_bytes = labels.numel() * labels.element_size()
+                moved = x_bytes + valid.numel() + mu_bytes + lab_bytes
+                flops = 2 * b * hkv * n * k * d
+                rows.append(timed_row({"op": "cosine_kmeans_assign", **row},
+                                      functools.partial(cosine_kmeans_assign_triton, x, mu, valid), moved,
+                                      copy_rate(moved), tflop_per_s=lambda t, f=flops: f / t / 1e12))
+                moved = x_bytes + lab_bytes + 2 * mu_bytes + b * hkv * k * 8
+                rows.append(timed_row({"op": "cosine_kmeans_update", **row},
+                                      functools.partial(cosine_kmeans_update_triton, x, labels, mu), moved,
+                                      copy_rate(moved)))
+                del x, mu, valid, labels
+            except Exception as exc:  # noqa: BLE001  (one size failing must not stop the others)
+                rows.append({"op": "cosine_kmeans", **row, "error": repr(exc)[:300]})
+    for c in ([64] if smoke else [8192, 32768]):
+        for b in ([1] if smoke else [1, 8]):
+            for where in (("device",) if device.type != "cuda" else ("device", "pinned-host")):
+                if not deadline.allows(5):
+                    rows.append({"op": "cluster_gather", "B": b, "C": c, "where": where, "skipped": "time"})
+                    continue
+                width = 20 if smoke else 1040
+                row = {"B": b, "Hkv": hkv, "G": group, "C": c, "D": d, "where": where}
+                try:
+                    k, v, lw, keep = _gather_case(b, hkv, group, c, width, d, dtype, device, seed=c + b)
+                    n = int(keep.sum(-1).max())
+                    row["W"] = n
+                    kv_bytes = 2 * b * hkv * group * n * d * k.element_size()        # k_sel + v_sel
+                    moved = 2 * kv_bytes + keep.numel() + 2 * b * hkv * group * n * 4    # + keep, lw read + written
+                    if where == "pinned-host":
+                        k, v = k.cpu().pin_memory(), v.cpu().pin_memory()
+                        host = torch.empty(kv_bytes // 2, dtype=torch.bfloat16).pin_memory()
+                        dst = torch.empty(host.shape, device=device, dtype=torch.bfloat16)
+                        baseline = kv_bytes / time_fn(functools.partial(dst.copy_, host, non_blocking=True), device,
+                                                      graph=False)            # host-to-device: bytes crossing PCIe
+                        moved = kv_bytes
+                    else:
+                        baseline = copy_rate(moved)
+                    rows.append(timed_row({"op": "cluster_gather", **row},
+                                          functools.partial(cluster_gather_triton, k, v, lw, keep, n), moved,
+                                          baseline))
+                    del k, v, lw, keep
+                except Exception as exc:  # noqa: BLE001
+                    rows.append({"op": "cluster_gather", **row, "error": repr(exc)[:300]})
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    return rows
 
 
 # ------------------------------------------------------------------------------------ 4. end to end
@@ -669,6 +835,19 @@ def markdown(results: dict) -> str:
                              f"{_fmt(r.get('triton_vs_sdpa'), '.2f')} | {_fmt(r.get('triton_frac_of_copy'), '.2f')} |")
             else:
                 lines.append(f"| {r['C']} | {r['B']} | {r.get('skipped') or r.get('error', '')} | | | | | |")
+        if ker.get("compression"):
+            lines += ["", "ClusterKV compression kernels (bytes moved = read + written, each tensor once; "
+                      "/ copy: against a device copy of as many bytes in this run, or for pinned host K/V "
+                      "against a pinned host-to-device copy of the gathered bytes):", "",
+                      "| op | shape | us | TB/s | / copy | TFLOP/s |", "|---|---|---|---|---|---|"]
+            for r in ker["compression"]:
+                shape = " ".join(f"{key}={r[key]}" for key in ("B", "Hkv", "G", "N", "K", "C", "W", "D", "where")
+                                 if key in r)
+                if "us" in r:
+                    lines.append(f"| {r['op']} | {shape} | {r['us']:.1f} | {r['bytes_per_s'] / 1e12:.3f} | "
+                                 f"{r['frac_of_copy']:.2f} | {_fmt(r.get('tflop_per_s'), '.1f')} |")
+                else:
+                    lines.append(f"| {r['op']} | {shape} | {r.get('skipped') or r.get('error', '')[:80]} | | | |")
         if ker.get("sweep_best"):
             lines += ["", "Best launch parameters of the sweep:", ""]
             for key, s in ker["sweep_best"].items():

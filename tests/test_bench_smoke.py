@@ -27,6 +27,9 @@ def test_smoke_run_writes_json_markdown_and_plot(tmp_path):
     assert "errors" not in results, results.get("errors")
     assert results["correctness"]["all_ok"]
     assert any("triton_us" in r and "sdpa_us" in r for r in results["kernels"]["rows"])
+    timed = {r["op"] for r in results["kernels"]["compression"] if "bytes_per_s" in r}
+    assert timed == {"cosine_kmeans_assign", "cosine_kmeans_update", "cluster_gather"}
+    assert timed <= {r["op"] for r in results["correctness"]["rows"]}
     methods = {r["method"] for r in results["e2e"]["rows"] if "tpot_ms" in r}
     assert {"transformers", "kvpass-full", "kvpass-streamingllm"} <= methods
     assert js.with_suffix(".md").exists() and js.with_suffix(".png").stat().st_size > 0

@@ -26,7 +26,9 @@ class ClusterKV(Policy):
     not-yet-clustered generated tokens (``kvpass::cluster_recall_attention``). If the prompt fits the
     budget, selection is skipped (§2.5 step 3). The first ``full_layers`` layers attend to every
     token. The last step's selection is the device cache (R = 1); its hit rate is reported
-    (``GenerationReport.policy_stats['recall_hit_rate']``).
+    (``GenerationReport.policy_stats['recall_hit_rate']``). The K-means rounds are the ops
+    ``kvpass::cosine_kmeans_assign`` and ``kvpass::cosine_kmeans_update``, the gather of host-resident
+    selected entries ``kvpass::cluster_gather`` (Triton on CUDA).
 
     Parameters
     ----------
@@ -102,7 +104,8 @@ class ClusterKV(Policy):
         end = start + self.window_clusters
         if end > cache.state["centroids"].shape[2] or not bool(pending.any()):
             return cache
-        found = cosine_kmeans(cache.k, pending, self.window_clusters, self.kmeans_iters, self.seed + layer)
+        keys = cache.k.to(pending.device, non_blocking=True)        # host-resident keys: cluster on the device
+        found = cosine_kmeans(keys, pending, self.window_clusters, self.kmeans_iters, self.seed + layer)
         state = dict(cache.state)
         state["centroids"] = state["centroids"].clone()
         state["cluster_size"] = state["cluster_size"].clone()

@@ -1,4 +1,6 @@
-"""Batched cosine K-means over the slots of a layer cache (policies.md §2.4, ClusterKV)."""
+"""Batched cosine K-means over the slots of a layer cache (policies.md §2.4, ClusterKV): the loop, the
+seeded initialisation and the member ranks; each round is the ops ``kvpass::cosine_kmeans_assign`` and
+``kvpass::cosine_kmeans_update`` (Triton on CUDA)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from kvpass.kernels.cosine_kmeans_assign import cosine_kmeans_assign
+from kvpass.kernels.cosine_kmeans_update import cosine_kmeans_update
 
 
 @dataclass(frozen=True)
@@ -18,15 +23,6 @@ class Clusters:
     labels: Tensor
     sizes: Tensor
     rank: Tensor
-
-
-def assign(x: Tensor, valid: Tensor, centroids: Tensor, usable: Tensor) -> Tensor:
-    """label_i = argmax_c cos(x_i, mu_c) over usable centroids (ties: lowest c); -1 where not valid.
-    x: [B, Hkv, N, D]; valid: [B, Hkv, N] bool; centroids: [B, Hkv, K, D]; usable: [B, Hkv, K] bool."""
-    xn = torch.nn.functional.normalize(x.float(), dim=-1, eps=1e-6)
-    mn = torch.nn.functional.normalize(centroids.float(), dim=-1, eps=1e-6)
-    cos = (xn @ mn.transpose(-1, -2)).masked_fill(~usable[:, :, None], float("-inf"))
-    return cos.argmax(-1).masked_fill(~valid, -1)
 
 
 def member_rank(labels: Tensor, n_clusters: int) -> Tensor:
@@ -64,14 +60,10 @@ def cosine_kmeans(x: Tensor, valid: Tensor, n_clusters: int, iters: int = 20, se
         usable = torch.cat([usable, usable.new_zeros(b, hkv, extra)], dim=2)
     if row_clusters is not None:
         usable = usable & (torch.arange(n_clusters, device=x.device) < row_clusters[..., None])
-    labels = assign(x, valid, centroids, usable)
+    labels = cosine_kmeans_assign(x, centroids, valid, usable)                  # -1 where not valid
     for _ in range(iters):
-        idx = labels.clamp(min=0)
-        w = valid.float()
-        sums = torch.zeros_like(centroids).scatter_add_(2, idx[..., None].expand(-1, -1, -1, d), x.float() * w[..., None])
-        counts = torch.zeros(b, hkv, n_clusters, device=x.device).scatter_add_(2, idx, w)
-        centroids = torch.where(counts[..., None] > 0, sums / counts.clamp(min=1)[..., None], centroids)
-        new = assign(x, valid, centroids, usable)
+        centroids, _ = cosine_kmeans_update(x, labels, centroids)              # empty clusters keep theirs
+        new = cosine_kmeans_assign(x, centroids, valid, usable)
         if torch.equal(new, labels):
             break
         labels = new
