@@ -27,7 +27,7 @@ import torch
 from kvpass.kernels.attention_head_variance import head_variance_of_sums
 from kvpass.kernels.decode_attention import decode_attention_reference
 from kvpass.kernels.prefill_attention import prefill_mask
-from kvpass.rewrites.attention_sites import AttentionSite
+from kvpass.rewrites.attention_sites import AttentionSite, repeat_cached_kv
 from kvpass.rewrites.insert_compressed_cache import (
     DECODE_STATS,
     _add_inputs,
@@ -163,7 +163,8 @@ def functional_decode(gm: GraphModule, sites: list[AttentionSite], policy: Polic
         accumulate = Stat.COLUMN_SUM.value in metas and bool(policy.stats & DECODE_STATS) and policy.compresses
         target = env[site.output]
         with graph.inserting_before(target):
-            res = graph.call_function(write_and_attend, (env[site.q], env[site.k], env[site.v], *state, position_ids,
+            k, v = repeat_cached_kv(graph, site, env[site.k]), repeat_cached_kv(graph, site, env[site.v])
+            res = graph.call_function(write_and_attend, (env[site.q], k, v, *state, position_ids,
                                                          site.scale, site.softcap, accumulate))
             items = [graph.call_function(operator.getitem, (res, i)) for i in range(7)]
             for name, node in metas.items():
