@@ -4,7 +4,8 @@ decode steps and samples tokens.
 
 Data flow of ``generate``:
 
-    prefill graph ─▶ logits, per-layer K, V [B, Hkv, T, D] (+ statistics)
+    prefill graph ─▶ logits, per-layer K, V [B, Hkv, T, D] (+ statistics); Hkv = Hq when the
+                     policy's ``expand_kv_heads`` caches every KV head G times (the sites say so)
     per layer:  sliding window  ─▶ ring of W slots (slot = position % W), never compressed
                 otherwise       ─▶ compacted prompt entries ─▶ policy.compress to its budget
                                    ─▶ static buffers of C = budget + interval slots

@@ -15,7 +15,8 @@ decode(input_ids [B, 1], position_ids [B, 1], then per layer l:
 The step's K, V land in slot ``length_l`` through a one-hot ``where`` (no scatter), the layer's
 length grows by one, its position records ``position_ids``, and accumulated attention statistics
 (``col_sum``) add the step's scores: exactly what ``write_kv`` + ``decode_attention`` +
-``KVPassModel._advance`` do in the runtime. Sliding-window rings are not supported here.
+``KVPassModel._advance`` do in the runtime. Sliding-window rings are not supported here. With an
+expanded cache (``expand_kv_heads``) Hkv = Hq: the step's k, v are repeated as in the runtime graphs.
 """
 
 from __future__ import annotations
