@@ -306,7 +306,8 @@ def insert_compressed_cache(gm: GraphModule, sites: list[AttentionSite], policy:
         full_heads = expanded_head_indices(policy.full_kv_heads(per_model_kv_head(sites)), sites)
     prefill, stat_keys = build_prefill(gm, sites, policy)
     decode, score_layers = build_decode(gm, sites, policy, full_heads)
-    log.info("insert_compressed_cache: rewrote %d attention sites (%s)%s", len(sites), policy.name,
+    log.info("insert_compressed_cache: rewrote %d attention sites (%s)%s%s", len(sites), policy.name,
+             ", KV heads expanded per query head" if any(s.kv_repeat > 1 for s in sites) else "",
              f", full-cache KV heads {full_heads}" if full_heads else "")
     return RewrittenGraphs(prefill=prefill, decode=decode, sites=tuple(sites),
                            prefill_stats=stat_keys, decode_scores=score_layers, full_heads=full_heads)
