@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from kvpass.policies import DEFAULT_POLICY, POLICIES
+from kvpass.policies import DEFAULT_POLICY, POLICIES, Policy
 
 
 def parse_budget(text: str) -> float | int:
@@ -99,13 +99,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_policies(args: argparse.Namespace) -> int:
+    shared = Policy.defaults()            # parameters every policy takes, listed once below the table
     rows = [(name, cls.section, cls.summary,
-             ", ".join(f"{k}={v}" for k, v in cls.defaults().items()) or "-") for name, cls in sorted(POLICIES.items())]
+             ", ".join(f"{k}={v}" for k, v in cls.defaults().items() if k not in shared) or "-")
+            for name, cls in sorted(POLICIES.items())]
     widths = [max(len(r[i]) for r in rows + [("policy", "spec", "what", "defaults")]) for i in range(3)]
     print(f"{'policy':<{widths[0]}}  {'spec':<{widths[1]}}  {'what':<{widths[2]}}  defaults")
     for name, section, summary, defaults in rows:
         mark = " (default)" if name == DEFAULT_POLICY else ""
         print(f"{name:<{widths[0]}}  {section:<{widths[1]}}  {summary:<{widths[2]}}  {defaults}{mark}")
+    print(f"every policy also takes {', '.join(f'{k}={v}' for k, v in shared.items())} "
+          "(expand_kv_heads=true: cache per query head, G = Hq/Hkv times the memory; policies.md §0.5)")
     return 0
 
 

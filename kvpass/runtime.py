@@ -4,7 +4,8 @@ decode steps and samples tokens.
 
 Data flow of ``generate``:
 
-    prefill graph ─▶ logits, per-layer K, V [B, Hkv, T, D] (+ statistics)
+    prefill graph ─▶ logits, per-layer K, V [B, Hkv, T, D] (+ statistics); Hkv = Hq when the
+                     policy's ``expand_kv_heads`` caches every KV head G times (the sites say so)
     per layer:  sliding window  ─▶ ring of W slots (slot = position % W), never compressed
                 otherwise       ─▶ compacted prompt entries ─▶ policy.compress to its budget
                                    ─▶ static buffers of C = budget + interval slots
@@ -44,7 +45,9 @@ class GenerationReport:
     metadata), ``host_bytes`` those a recall policy keeps in host memory (``Policy.host_resident``;
     0 when the model runs on the CPU, where every tensor counts as device-resident);
     ``full_cache_bytes`` is what a full cache of the same tokens holds (K and V of every token in
-    every layer, in the model dtype), the number plain transformers would hold."""
+    every layer, in the model dtype), the number plain transformers would hold. With
+    ``expand_kv_heads`` the cache holds every KV head G = Hq/Hkv times, and ``cache_bytes`` counts every
+    copy while ``full_cache_bytes`` stays the model's own (so ``full`` then reports G times it)."""
 
     policy: str
     batch: int
@@ -298,6 +301,10 @@ class KVPassModel(nn.Module):
         (a shared prefill serving several policies, ``kvpass.eval.shared``); default this model's."""
         ids, pad, pos = self._prepare(input_ids, attention_mask, max_new_tokens)
         graphs = graphs or self.graphs
+        if [s.n_kv_heads for s in graphs.sites] != [s.n_kv_heads for s in self.graphs.sites]:
+            raise ValueError(f"the given prefill graphs cache {[s.n_kv_heads for s in graphs.sites]} KV heads per "
+                             f"layer, {self.policy.name}'s cache {[s.n_kv_heads for s in self.graphs.sites]} "
+                             "(expand_kv_heads differs); prefill with graphs of the same layout")
         start = time.perf_counter()
         outs = graphs.prefill(ids, pos, pad)
         n_sites = len(graphs.sites)
@@ -549,7 +556,7 @@ class DecodeSession:
     def report(self) -> GenerationReport:
         """Cache bytes and timings now; ``new_tokens`` counts the positions after the prompt (steps + 1)."""
         b, layers, new_tokens = self.batch, self.layers, self.steps + 1
-        full = sum(2 * b * s.n_kv_heads * s.head_dim * (self.prompt_tokens + new_tokens) * lay.cache.k.element_size()
+        full = sum(2 * b * s.model_kv_heads * s.head_dim * (self.prompt_tokens + new_tokens) * lay.cache.k.element_size()
                    for s, lay in zip(self.owner.graphs.sites, layers, strict=True))
         tensors = [t for lay in layers for c in lay.caches() for t in c.tensors()]
         on_host = [self.owner.device.type != "cpu" and t.device.type == "cpu" for t in tensors]

@@ -4,11 +4,17 @@
     find_attention_sites     one AttentionSite per layer (SDPA forms or the eager pattern)
     resolve_windows          prove each site's mask causal or sliding-window, on a probe
     insert_compressed_cache  -> prefill and decode graphs over explicit cache tensors
+                                (first expand_kv_heads when the policy asks for a per-query-head cache)
 """
 
 from __future__ import annotations
 
-from kvpass.rewrites.attention_sites import AttentionSite, find_attention_sites, resolve_windows
+from kvpass.rewrites.attention_sites import (
+    AttentionSite,
+    expand_kv_heads,
+    find_attention_sites,
+    resolve_windows,
+)
 from kvpass.rewrites.capture import CapturedModel, capture_causal_lm
 from kvpass.rewrites.insert_compressed_cache import RewrittenGraphs, insert_compressed_cache
 from torch import nn
@@ -29,5 +35,5 @@ def rewrite_model(model: nn.Module, policy: Policy) -> tuple[CapturedModel, Rewr
     return captured, insert_compressed_cache(captured.gm, sites, policy)
 
 
-__all__ = ["AttentionSite", "CapturedModel", "RewrittenGraphs", "capture_causal_lm", "find_attention_sites",
-           "insert_compressed_cache", "match_attention", "resolve_windows", "rewrite_model"]
+__all__ = ["AttentionSite", "CapturedModel", "RewrittenGraphs", "capture_causal_lm", "expand_kv_heads",
+           "find_attention_sites", "insert_compressed_cache", "match_attention", "resolve_windows", "rewrite_model"]

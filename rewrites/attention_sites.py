@@ -41,7 +41,11 @@ class AttentionSite:
     """One attention computation of the graph (one per decoder layer).
 
     output: the node whose value is the attention output [B, Hq, T, D] (gets replaced).
-    q: [B, Hq, T, D]; k, v: [B, Hkv, T, D], post-RoPE, before any repeat_kv.
+    q: [B, Hq, T, D]; k, v: [B, Hkv / kv_repeat, T, D], the model's KV heads, post-RoPE, before any
+    repeat_kv.
+    n_kv_heads: the KV heads of the cache, Hkv: the model's own, or Hq once ``expand_kv_heads`` made
+    the cache per query head (then each of the model's KV heads is cached ``kv_repeat`` = G times:
+    cache head h is model KV head h // kv_repeat, and ``group`` is 1).
     mask: the node of the additive/boolean mask the model built (None with is_causal);
     window: sliding window W (query i sees keys j with i - j < W) or None for causal.
     """
@@ -60,10 +64,17 @@ class AttentionSite:
     mask: Node | None
     is_causal: bool
     window: int | None = None
+    kv_repeat: int = 1
 
     @property
     def group(self) -> int:
+        """Query heads per cache head (G = Hq / Hkv; 1 when expanded)."""
         return self.n_heads // self.n_kv_heads
+
+    @property
+    def model_kv_heads(self) -> int:
+        """The model's own KV heads (what a plain transformers cache holds), expanded or not."""
+        return self.n_kv_heads // self.kv_repeat
 
 
 def _shape(node: Node) -> tuple:
@@ -268,3 +279,35 @@ def resolve_windows(gm: GraphModule, sites: list[AttentionSite], config, context
                                    "nor a sliding window; kvpass cannot rebuild it over a compressed cache")
         out.append(replace(s, window=window))
     return out
+
+
+def expand_kv_heads(sites: list[AttentionSite]) -> list[AttentionSite]:
+    """The sites with a per-query-head cache (policies.md §0.5, "paper-faithful expanded mode"): each
+    of a site's Hkv KV heads is cached G = Hq / Hkv times, so the cache has Hq heads of group size 1
+    (``n_kv_heads = n_heads``, ``kv_repeat = G``). The graph rewrite then repeats k and v
+    (``repeat_cached_kv``) before they reach the cache, the statistics and the attention. Sites whose
+    cache already has one head per query head (MHA, or expanded before) are unchanged."""
+    return [replace(s, n_kv_heads=s.n_heads, kv_repeat=s.kv_repeat * s.group) for s in sites]
+
+
+def per_model_kv_head(sites: list[AttentionSite]) -> list[AttentionSite]:
+    """The inverse of ``expand_kv_heads``: the sites as the model's own KV heads see them."""
+    return [replace(s, n_kv_heads=s.model_kv_heads, kv_repeat=1) for s in sites]
+
+
+def expanded_head_indices(heads: dict[int, tuple[int, ...]], sites: list[AttentionSite]) -> dict[int, tuple[int, ...]]:
+    """{layer: model KV heads} -> {layer: cache heads}: model KV head h is cache heads
+    h * kv_repeat .. h * kv_repeat + kv_repeat - 1 (the identity when not expanded)."""
+    repeat = {s.layer: s.kv_repeat for s in sites}
+    return {layer: tuple(h * repeat[layer] + r for h in hs for r in range(repeat[layer])) for layer, hs in heads.items()}
+
+
+def repeat_cached_kv(graph: Graph, site: AttentionSite, x: Node) -> Node:
+    """x: the model's k or v [B, Hkv / kv_repeat, T, D] in ``graph`` -> what the cache holds,
+    [B, n_kv_heads, T, D]: x itself, or x[:, :, None].expand(-1, -1, kv_repeat, -1, -1).flatten(1, 2),
+    HF's repeat_kv (KV head g -> query heads g*G..g*G+G-1). Inserts at the graph's insertion point."""
+    if site.kv_repeat == 1:
+        return x
+    unsq = graph.call_function(aten.unsqueeze.default, (x, 2))
+    wide = graph.call_function(aten.expand.default, (unsq, [-1, -1, site.kv_repeat, -1, -1]))
+    return graph.call_function(aten.flatten.using_ints, (wide, 1, 2))

@@ -15,7 +15,8 @@ decode(input_ids [B, 1], position_ids [B, 1], then per layer l:
 The step's K, V land in slot ``length_l`` through a one-hot ``where`` (no scatter), the layer's
 length grows by one, its position records ``position_ids``, and accumulated attention statistics
 (``col_sum``) add the step's scores: exactly what ``write_kv`` + ``decode_attention`` +
-``KVPassModel._advance`` do in the runtime. Sliding-window rings are not supported here.
+``KVPassModel._advance`` do in the runtime. Sliding-window rings are not supported here. With an
+expanded cache (``expand_kv_heads``) Hkv = Hq: the step's k, v are repeated as in the runtime graphs.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 from kvpass.kernels.attention_head_variance import head_variance_of_sums
 from kvpass.kernels.decode_attention import decode_attention_reference
 from kvpass.kernels.prefill_attention import prefill_mask
-from kvpass.rewrites.attention_sites import AttentionSite
+from kvpass.rewrites.attention_sites import AttentionSite, repeat_cached_kv
 from kvpass.rewrites.insert_compressed_cache import (
     DECODE_STATS,
     _add_inputs,
@@ -163,7 +164,8 @@ def functional_decode(gm: GraphModule, sites: list[AttentionSite], policy: Polic
         accumulate = Stat.COLUMN_SUM.value in metas and bool(policy.stats & DECODE_STATS) and policy.compresses
         target = env[site.output]
         with graph.inserting_before(target):
-            res = graph.call_function(write_and_attend, (env[site.q], env[site.k], env[site.v], *state, position_ids,
+            k, v = repeat_cached_kv(graph, site, env[site.k]), repeat_cached_kv(graph, site, env[site.v])
+            res = graph.call_function(write_and_attend, (env[site.q], k, v, *state, position_ids,
                                                          site.scale, site.softcap, accumulate))
             items = [graph.call_function(operator.getitem, (res, i)) for i in range(7)]
             for name, node in metas.items():

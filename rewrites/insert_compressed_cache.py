@@ -20,6 +20,11 @@ decode(input_ids [B, 1], position_ids [B, 1], then per layer: k_cache_l, v_cache
     k_full_l, v_full_l, log_weight_full_l, slot_full_l that follow the policy's inputs hold the F full
     heads [B, F, C_full, ...]; each group attends with its own query heads and the outputs are put back
     into head order. A layer all of whose heads are full is not split (one dense cache, never compressed).
+
+With ``policy.expand_kv_heads`` (policies.md §0.5) every site's cache is per query head: the graphs
+repeat each layer's k, v to [B, Hq, T, D] (``repeat_cached_kv``) before the cache, the statistics and
+the attention see them, so Hkv reads Hq above, the statistics are per query head (nothing averaged
+over a group) and decode attention runs with G = 1. Policies see nothing else (``expand_kv_heads``).
 """
 
 from __future__ import annotations
@@ -30,7 +35,13 @@ from dataclasses import dataclass, field
 
 import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
 import torch
-from kvpass.rewrites.attention_sites import AttentionSite
+from kvpass.rewrites.attention_sites import (
+    AttentionSite,
+    expand_kv_heads,
+    expanded_head_indices,
+    per_model_kv_head,
+    repeat_cached_kv,
+)
 from torch.fx import Graph, GraphModule, Node
 
 from kvpass.policies.base import Attention, Policy, Stat
@@ -157,10 +168,10 @@ def build_prefill(gm: GraphModule, sites: list[AttentionSite], policy: Policy,
     (pad,) = _add_inputs(graph, ["pad"])
     kv_outputs, stat_outputs, stat_keys = [], [], []
     for site in sites:
-        q, k, v = env[site.q], env[site.k], env[site.v]
         target = env[site.output]
         opts = {"scale": site.scale, "window": site.window, "softcap": site.softcap}
         with graph.inserting_before(target):
+            q, k, v = env[site.q], repeat_cached_kv(graph, site, env[site.k]), repeat_cached_kv(graph, site, env[site.v])
             attn = graph.call_function(ops.prefill_attention.default, (q, k, v, pad), dict(opts))
             if site.window is None and policy.compresses:
                 for stat, node in _prefill_stat_nodes(graph, policy, (q, k, pad), opts).items():
@@ -268,8 +279,8 @@ def build_decode(gm: GraphModule, sites: list[AttentionSite], policy: Policy,
         extra = [next(inputs) for _ in policy_inputs] if site.window is None else []
         target = env[site.output]
         want = bool(policy.stats & DECODE_STATS) and site.window is None and policy.compresses
-        q, k, v = env[site.q], env[site.k], env[site.v]
         with graph.inserting_before(target):
+            q, k, v = env[site.q], repeat_cached_kv(graph, site, env[site.k]), repeat_cached_kv(graph, site, env[site.v])
             if site.layer in split:
                 full_cache = [next(inputs) for _ in full_base]
                 attn, res = _split_attend(graph, site, attend, cache, extra, want, split[site.layer], full_cache,
@@ -285,11 +296,18 @@ def build_decode(gm: GraphModule, sites: list[AttentionSite], policy: Policy,
 
 
 def insert_compressed_cache(gm: GraphModule, sites: list[AttentionSite], policy: Policy) -> RewrittenGraphs:
-    """Build the prefill and decode graphs of ``policy`` over the captured graph ``gm``."""
-    full_heads = policy.full_kv_heads(sites) if policy.compresses else {}
+    """Build the prefill and decode graphs of ``policy`` over the captured graph ``gm``. With
+    ``policy.expand_kv_heads`` the sites are expanded first (the returned ``sites`` say so); a policy's
+    full-cache KV heads (named in the model's KV heads) then keep all their G copies."""
+    if policy.expand_kv_heads:
+        sites = expand_kv_heads(sites)
+    full_heads = {}
+    if policy.compresses:
+        full_heads = expanded_head_indices(policy.full_kv_heads(per_model_kv_head(sites)), sites)
     prefill, stat_keys = build_prefill(gm, sites, policy)
     decode, score_layers = build_decode(gm, sites, policy, full_heads)
-    log.info("insert_compressed_cache: rewrote %d attention sites (%s)%s", len(sites), policy.name,
+    log.info("insert_compressed_cache: rewrote %d attention sites (%s)%s%s", len(sites), policy.name,
+             ", KV heads expanded per query head" if any(s.kv_repeat > 1 for s in sites) else "",
              f", full-cache KV heads {full_heads}" if full_heads else "")
     return RewrittenGraphs(prefill=prefill, decode=decode, sites=tuple(sites),
                            prefill_stats=stat_keys, decode_scores=score_layers, full_heads=full_heads)

@@ -10,7 +10,7 @@ The runtime never asks which policy it holds; a new policy is a new file and a r
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import TYPE_CHECKING, ClassVar
 
@@ -57,7 +57,14 @@ def require(condition: bool, message: str) -> None:
 class Policy:
     """Base of every policy. Subclasses are frozen dataclasses whose fields are the paper's
     hyperparameters with its defaults; ``interval`` is how many decode steps a layer may grow past its
-    budget before it is compressed again (so a layer holds between budget and budget + interval)."""
+    budget before it is compressed again (so a layer holds between budget and budget + interval).
+
+    ``expand_kv_heads`` (every policy, keyword-only; policies.md §0.5 "paper-faithful expanded mode",
+    §4.10, §5.3): False (default) keeps the cache per KV head, statistics averaged over the G = Hq/Hkv
+    query heads of a group. True caches K, V repeated G times, as D2O's released code and EMS's
+    Llama-3 runs do: the cache has Hq heads of group size 1, so every policy scores, evicts and merges
+    per query head, at G times the memory. The rewrite does it for every policy alike
+    (``kvpass.rewrites.expand_kv_heads``); no policy's code reads the flag."""
 
     name: ClassVar[str]
     section: ClassVar[str]                      # the section of policies.md it implements
@@ -71,8 +78,11 @@ class Policy:
     # LayerCache fields ("k", "v") a recall policy keeps in host memory (pinned) when the model runs on
     # an accelerator; its decode op gathers the selected entries to the device. Reported as host_bytes.
     host_resident: ClassVar[tuple[str, ...]] = ()
+    expand_kv_heads: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
+        require(isinstance(self.expand_kv_heads, bool),
+                f"{self.name}: expand_kv_heads must be True or False, got {self.expand_kv_heads!r}")
         interval = getattr(self, "interval", 1)
         require(isinstance(interval, int) and interval >= 1, f"{self.name}: interval must be an int >= 1, got {interval!r}")
 

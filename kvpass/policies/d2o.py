@@ -41,8 +41,11 @@ class D2O(Policy):
     Decode attention is plain (log-weights stay 0).
 
     With several evictions in one call (prefill, or ``interval`` > 1) the EMA takes one step with the
-    mean over all of them [OURS]. ``expand_kv_heads`` (the code's per-query-head cache) is not
-    implemented: merges and scores are per KV head (§0.5).
+    mean over all of them [OURS]. By default scores and merges are per KV head (§0.5);
+    ``expand_kv_heads=True`` (a field of every policy) gives the code's per-query-head cache (§5.3): K, V
+    are cached repeated G = Hq/Hkv times, so every query head keeps, scores (its own ``col_sum``, not a
+    group mean) and merges its own entries, the "code" decision means and tau over Hq heads, at G times
+    the memory.
 
     Parameters
     ----------

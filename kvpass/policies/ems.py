@@ -117,7 +117,10 @@ class EMS(Policy):
     with_pos: False = "w.o. pos" (key similarity on pre-RoPE keys, §4.9), True = "w. pos" (cached keys).
     rope_inv_freq: the RoPE frequencies "w.o. pos" un-rotates with; None = read from the model
     (``bind_model``); () = keys carry no position.
-    Not implemented: ``expand_kv_heads`` (§0.5/§4.10), ``ems_glo_rows`` (§4.10), ``ems_rerotate_slots`` (§4.9).
+    GQA: per KV head, scores averaged over the group (§0.5); ``expand_kv_heads=True`` (a field of every
+    policy) is the authors' layout, "heads expanded 4 times" (§4.10): K, V cached repeated G times, so
+    every query head has its own entries, slot table and scores, at G times the memory.
+    Not implemented: ``ems_glo_rows`` (§4.10), ``ems_rerotate_slots`` (§4.9).
     """
 
     name: ClassVar[str] = "ems"

@@ -32,6 +32,18 @@ def test_onnx_greedy_tokens_equal_runtime(exported, policy):
     np.testing.assert_array_equal(got, want.numpy())
 
 
+def test_onnx_expanded_kv_heads_equal_runtime(llama, tmp_path):
+    """expand_kv_heads=True (a cache per query head) exports too: the decode graph repeats the step's K, V."""
+    model = kvpass.apply(llama, policy="d2o", budget=BUDGET, interval=INTERVAL, expand_kv_heads=True)
+    meta = export_onnx(model, tmp_path, max_length=MAX_LENGTH)
+    assert [(layer["n_kv_heads"], layer["kv_repeat"]) for layer in meta["layers"]] == [(4, 2), (4, 2)]
+    assert meta["policy"]["expand_kv_heads"] is True
+    ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(1))
+    want = model.generate(ids, max_new_tokens=30)
+    assert model.last_report.compressions > 1
+    np.testing.assert_array_equal(OnnxRunner(tmp_path).generate(ids, max_new_tokens=30), want.numpy())
+
+
 def test_compression_changes_tokens(exported):
     """The equality above is not vacuous: the compressed cache decodes differently from the full one."""
     ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(1))
