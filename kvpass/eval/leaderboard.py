@@ -87,6 +87,7 @@ def write_leaderboard(args: argparse.Namespace, store, out_dir: Path, model: str
     command = "kvpass " + shlex.join(recorded_argv(args.argv))
     meta = {"command": command, "model": args.model, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "machine": f"{platform.machine()} CPU, torch {torch.__version__}, {torch.get_num_threads()} threads",
+            "devices": {"niah": _device_counts(niah_cases), "lm": _device_counts(lm_cases)},
             "complete": complete, "expected": expected,
             "niah_grid": {"lengths": sorted(set(args.lengths)), "depths": args.depths, "seeds": args.seeds,
                           "needles": args.needles, "max_new_tokens": args.max_new_tokens},
@@ -114,7 +115,9 @@ def write_leaderboard(args: argparse.Namespace, store, out_dir: Path, model: str
         f"# Quality leaderboard: {model}",
         "",
         f"Produced by: `{command}`  ",
-        f"Date: {meta['date']}; {meta['machine']}.  ",
+        f"Date: {meta['date']}; report written on {meta['machine']}.  ",
+        f"Where the cases ran: needle cases {_devices_text(meta['devices']['niah'])}; perplexity and fidelity "
+        f"{_devices_text(meta['devices']['lm'])} (float32 everywhere; each case records its device).  ",
         f"Status: {status}. Re-running the same command resumes (cases already in `{store.path}` are skipped).",
         "",
         f"- Needle in a haystack: context lengths {meta['niah_grid']['lengths']} tokens x depths "
@@ -126,11 +129,13 @@ def write_leaderboard(args: argparse.Namespace, store, out_dir: Path, model: str
         "tokens teacher-forced through decode steps; ppl / full is the ratio to the `full` policy.",
         f"- Attention fidelity: at {args.probes} probe positions per segment, per non-sliding layer, the relative "
         "error of the attention output over the compressed cache vs over every token, for the same (reference) "
-        "query; recall = fraction of the true top-B attended tokens kept (B = entries kept); mean over layers.",
+        "query; recall = fraction of the true top-B attended tokens kept (B = entries kept); mean over layers. "
+        "The compressed side is plain softmax(q K^T + log-weight) V over the stored entries: `ems` attends through "
+        "its slot table instead (per-token key norms, §4.7), so its column is not its own attention's error.",
         "- `full` ignores the budget (one row). `transformers` is plain `model.generate` on the same tokens.",
         "- cache / full: bytes kvpass holds at the end of a case (K, V and metadata: log-weights, positions, "
         "scores) over the K, V bytes of a full cache of the same tokens, so `full` shows slightly over 100%.",
-        f"- Time: {_mean_seconds(niah_cases):.1f} s per needle case on average (model load and tracing excluded; "
+        f"- Time per needle case, mean: {_mean_seconds(niah_cases)} (model load and tracing excluded; "
         "a case's share of the prefill shared by every policy x budget and of its batch's decode session).",
         "",
         "| policy | budget | NIAH query-aware (cases) | NIAH query-agnostic (cases) | ppl | ppl / full | "
@@ -158,8 +163,24 @@ def write_leaderboard(args: argparse.Namespace, store, out_dir: Path, model: str
     return md
 
 
-def _mean_seconds(cases: list[dict]) -> float:
-    return sum(c["seconds"] for c in cases) / max(len(cases), 1)
+def _device_counts(cases: list[dict]) -> dict[str, int]:
+    """Cases per device ('cpu' or the GPU's name; cases stored before devices were recorded ran on the CPU)."""
+    counts: dict[str, int] = {}
+    for c in cases:
+        counts[c.get("device", "cpu")] = counts.get(c.get("device", "cpu"), 0) + 1
+    return counts
+
+
+def _devices_text(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n} on {d}" for d, n in sorted(counts.items(), key=lambda kv: -kv[1])) or "none"
+
+
+def _mean_seconds(cases: list[dict]) -> str:
+    """'1.3 s on <GPU>, 16.2 s on cpu': the mean of the cases' ``seconds`` per device."""
+    by: dict[str, list[float]] = {}
+    for c in cases:
+        by.setdefault(c.get("device", "cpu"), []).append(c["seconds"])
+    return ", ".join(f"{sum(v) / len(v):.1f} s on {d}" for d, v in by.items()) or "-"
 
 
 def _configs(args: argparse.Namespace) -> set[tuple[str, Any]]:
