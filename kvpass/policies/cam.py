@@ -74,7 +74,9 @@ class CaM(Policy):
         acc = cache.slot_meta[Stat.COLUMN_SUM.value].double()
         v = cache.v.double().clone()
         head = torch.arange(length.shape[1], device=length.device)[None, :].expand_as(length)
-        for offset in range(int(n_evict.max()) if n_evict.numel() else 0):
+        # a static bound (capacity - keep >= every row's n_evict) instead of n_evict.max(): no host sync,
+        # so the decode step (one iteration) stays inside the CUDA graph; extra offsets are masked (``on``)
+        for offset in range(max(c - keep, 0) if n_evict.numel() else 0):
             e = sinks + offset
             targets = slice(e + 1, min(e + 1 + m, c))
             present = (torch.arange(targets.start, targets.stop, device=v.device) < length[..., None])   # [B, Hkv, m']

@@ -32,9 +32,11 @@ def reference_cam(cache, keep: int, sinks: int, m: int, seed: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("keep, m", [(10, 4), (6, 16), (3, 2), (40, 4)])
-def test_matches_reference(keep: int, m: int) -> None:
-    cache = random_cache([[30, 30, 30], [21, 21, 21]], c=30, seed=6)
+@pytest.mark.parametrize("keep, m, capacity", [(10, 4, 30), (6, 16, 30), (3, 2, 30), (40, 4, 30),
+                                               (10, 4, 36), (20, 3, 33)])
+def test_matches_reference(keep: int, m: int, capacity: int) -> None:
+    # capacity > the longest row: the loop runs to capacity - keep and must mask the extra offsets
+    cache = random_cache([[30, 28, 30], [21, 21, 25]], c=capacity, seed=6)
     got = CaM(merge_window=m).compress(cache, keep)
     want = reference_cam(cache, keep, 4, m, 0)
     for (b, g), (kept, v) in want.items():
