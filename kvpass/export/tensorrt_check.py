@@ -94,6 +94,9 @@ def _scatter(node, g: _Graph) -> list[str]:
     reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
     if node.op_type == "ScatterND" and reduction != "none":
         return [f"`reduction` other than none is not supported (got {reduction})"]
+    if node.op_type == "ScatterElements" and reduction != "none":
+        # TensorRT's core scatter layer has no reduction; the parser needs the scatterElements plugin
+        return [f"`reduction` {reduction} needs TensorRT's scatterElements plugin (the core layer has none)"]
     return []
 
 
@@ -122,7 +125,8 @@ def _max_pool(node, g: _Graph) -> list[str]:
     return ["the `Indices` output is unsupported"] if len(node.output) > 1 and node.output[1] else []
 
 
-RULES: dict[str, Callable] = {"TopK": _topk, "ScatterND": _scatter, "LayerNormalization": _layer_norm,
+RULES: dict[str, Callable] = {"TopK": _topk, "ScatterND": _scatter, "ScatterElements": _scatter,
+                              "LayerNormalization": _layer_norm,
                               "MaxPool": _max_pool,
                               **dict.fromkeys(AXES_INPUT, _axes), **dict.fromkeys(BUILD_TIME_CONSTANT, _constant_input)}
 

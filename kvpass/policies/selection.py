@@ -25,7 +25,9 @@ def select_kept(score: Tensor, length: Tensor, keep: int, sinks: int, recent: in
     live = j < n
     forced = live & ((j < sinks) | (j >= n - recent))
     prio = torch.where(forced, float("inf"), torch.where(live, score.double(), float("-inf")))
-    top = prio.topk(min(keep, c), dim=-1).indices
+    # `keep if keep < c else c`, not min(keep, c): exported with c >= keep + 1 slots (compress runs on more
+    # slots than it keeps) the branch resolves at export time, so ONNX's TopK gets the constant K = keep
+    top = prio.topk(keep if keep < c else c, dim=-1).indices
     kept = torch.zeros_like(live).scatter(-1, top, True) & live
     short = n <= keep                                       # and/or, not a boolean where (onnxruntime has none)
     return (short & live) | (~short & kept)
@@ -35,10 +37,14 @@ def ordered_slots(mask: Tensor, count: int) -> Tensor:
     """The first ``count`` slots of each row with ``mask`` set, ascending, then the unset slots
     ascending (so rows with fewer set slots continue with slots the caller treats as invalid).
     mask: [B, Hkv, C] bool -> [B, Hkv, count] int64."""
-    c = mask.shape[-1]
-    j = torch.arange(c, device=mask.device)
-    order = torch.where(mask, j, c + j)
-    return order.argsort(dim=-1)[..., :count]
+    # No sort: slot j goes to place cumsum(mask)[j] - 1 if set, n_set + cumsum(~mask)[j] - 1 if not (a
+    # permutation); its inverse is one scatter. O(C), and in ONNX a CumSum and a ScatterElements
+    # without reduction instead of a TopK over all C slots (which TensorRT caps at K < 3840).
+    set_rank = mask.long().cumsum(-1) - 1
+    unset_rank = (~mask).long().cumsum(-1) - 1
+    place = torch.where(mask, set_rank, set_rank[..., -1:] + 1 + unset_rank)
+    j = torch.arange(mask.shape[-1], device=mask.device).expand_as(place)
+    return torch.empty_like(place).scatter(-1, place, j)[..., :count]
 
 
 def kept_slots(kept: Tensor, keep: int) -> Tensor:

@@ -27,8 +27,9 @@ def _const(name, value):
 def test_clean_graph_has_no_findings(tmp_path):
     nodes = [helper.make_node("ReduceSum", ["x", "axes"], ["s"], name="sum"),
              helper.make_node("TopK", ["x", "k"], ["y", "i"], name="topk", axis=-1),
-             helper.make_node("Relu", ["s"], ["r"], name="relu")]
-    assert check_tensorrt(_save(tmp_path, nodes, [_const("axes", [1]), _const("k", [4])])) == []
+             helper.make_node("Relu", ["s"], ["r"], name="relu"),
+             helper.make_node("ScatterElements", ["x", "idx", "x"], ["z"], name="scatter")]
+    assert check_tensorrt(_save(tmp_path, nodes, [_const("axes", [1]), _const("k", [4]), _const("idx", [[0]])])) == []
 
 
 @pytest.mark.parametrize("node, inits, op, kind, reason", [
@@ -39,6 +40,8 @@ def test_clean_graph_has_no_findings(tmp_path):
     (helper.make_node("TopK", ["x", "kdyn"], ["y", "i"], name="t"), [], "TopK", "restricted", "build-time constant"),
     (helper.make_node("ScatterND", ["x", "idx", "x"], ["y"], name="s", reduction="add"), [_const("idx", [[0]])],
      "ScatterND", "restricted", "reduction"),
+    (helper.make_node("ScatterElements", ["x", "idx", "x"], ["y"], name="se", reduction="add"),
+     [_const("idx", [[0]])], "ScatterElements", "restricted", "scatterElements plugin"),
     (helper.make_node("Unsqueeze", ["x", "ax"], ["y"], name="un"), [], "Unsqueeze", "restricted", "axes"),
     (helper.make_node("Attend", ["x"], ["y"], name="c", domain="kvpass"), [], "Attend", "unsupported", "plugin"),
 ])

@@ -1,0 +1,27 @@
+"""Shared eviction mechanics (kvpass/policies/selection.py) against direct references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpass.policies.selection import kept_slots, ordered_slots
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_ordered_slots_is_the_stable_sort_of_set_then_unset_slots(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for c in (1, 2, 7, 33):
+        mask = torch.rand(2, 3, c, generator=g) < torch.rand((), generator=g)
+        for count in {0, 1, c // 2, c}:
+            got = ordered_slots(mask, count)
+            for b in range(2):
+                for h in range(3):
+                    row = mask[b, h].tolist()
+                    want = [j for j in range(c) if row[j]] + [j for j in range(c) if not row[j]]
+                    assert got[b, h].tolist() == want[:count]
+
+
+def test_kept_slots_of_all_set_and_none_set() -> None:
+    kept = torch.tensor([[[True] * 5, [False] * 5]])
+    assert kept_slots(kept, 3).tolist() == [[[0, 1, 2], [0, 1, 2]]]
