@@ -170,14 +170,12 @@ class D2O(Policy):
         u_star = torch.where(valid, u_star, 0.0)
         tau = self._update_tau(out, u_star, valid)                            # [B]
         merged, w_e, w_self = self._merge_weights(u_star, valid, tau)
-        count = torch.zeros_like(out.log_weight).scatter_add(2, nearest, merged.float())
-        norm = w_self + (torch.zeros_like(out.log_weight).scatter_add(2, nearest, w_e)
-                         if self.d2o_variant == "paper" else count)             # [B, Hkv, K]
+        count, w_sum, (k_add, v_add) = _sums_into(nearest, out.capacity, merged.float(), w_e, (k_e, v_e))
+        norm = w_self + (w_sum if self.d2o_variant == "paper" else count)      # [B, Hkv, K]
         target = (count > 0)[..., None]                                        # entries something merged into
-        idx = nearest[..., None].expand(-1, -1, -1, d)
-        for name, src in (("k", k_e), ("v", v_e)):
+        for name, add in (("k", k_add), ("v", v_add)):
             base = getattr(out, name)
-            acc = (w_self * base.float()).scatter_add(2, idx, w_e[..., None] * src.float())
+            acc = w_self * base.float() + add
             setattr(out, name, torch.where(target, (acc / norm[..., None]).to(base.dtype), base))
         return out
 
@@ -245,3 +243,24 @@ class D2O(Policy):
         out.state[TAU] = tau
         out.state[TAU_SET] = was_set | has
         return tau
+
+
+def _sums_into(nearest: Tensor, capacity: int, merged: Tensor, w_e: Tensor, srcs: tuple[Tensor, ...]
+               ) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """Per kept entry t: count = sum of ``merged`` over the evicted e with nearest[e] = t, the same sum of
+    ``w_e``, and of w_e * src[e] for each src. nearest, merged, w_e: [B, Hkv, E]; srcs: [B, Hkv, E, D]
+    -> [B, Hkv, K], [B, Hkv, K], [[B, Hkv, K, D] fp32 ...] with K = ``capacity``.
+
+    At run time three scatter-adds. Under ``torch.export`` (the ONNX export) the same sums as dense
+    assignment matmuls, A[e, t] = (nearest[e] == t): TensorRT's core layers have no scatter-add
+    (docs/deploy.md); the [E, K] matrix is the price, fine at the exported buffer sizes [OURS]."""
+    if torch.compiler.is_exporting():
+        assign = (nearest[..., None] == torch.arange(capacity, device=nearest.device)).float()   # [B, Hkv, E, K]
+        weighted = assign * w_e[..., None]
+        return ((assign * merged[..., None]).sum(2), weighted.sum(2),
+                [weighted.transpose(-1, -2) @ src.float() for src in srcs])
+    zeros = torch.zeros(*nearest.shape[:2], capacity, dtype=torch.float32, device=nearest.device)
+    idx = nearest[..., None].expand(*nearest.shape, srcs[0].shape[-1])
+    return (zeros.scatter_add(2, nearest, merged), zeros.scatter_add(2, nearest, w_e),
+            [zeros[..., None].expand(*zeros.shape, src.shape[-1]).scatter_add(2, idx, w_e[..., None] * src.float())
+             for src in srcs])

