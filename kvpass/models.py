@@ -37,10 +37,11 @@ def gguf_path(name: str) -> Path:
     """The GGUF file of a known model name, found inside its PyPI package, or at the path in the
     environment variable ``KVPASS_GGUF_<NAME>`` (``KVPASS_GGUF_SMOLLM2``, ``KVPASS_GGUF_GEMMA3_270M``)
     where the package cannot be installed (a machine without a package index)."""
-    override = os.environ.get("KVPASS_GGUF_" + re.sub(r"[^A-Z0-9]", "_", name.upper()))
+    variable = "KVPASS_GGUF_" + re.sub(r"[^A-Z0-9]", "_", name.upper())
+    override = os.environ.get(variable) if name in KNOWN_MODELS else None
     if override:
         if not Path(override).is_file():
-            raise FileNotFoundError(f"KVPASS_GGUF_{name.upper()}={override} is not a file")
+            raise FileNotFoundError(f"{variable}={override} is not a file")
         return Path(override)
     if name == "smollm2":
         try:
