@@ -170,12 +170,12 @@ class D2O(Policy):
         u_star = torch.where(valid, u_star, 0.0)
         tau = self._update_tau(out, u_star, valid)                            # [B]
         merged, w_e, w_self = self._merge_weights(u_star, valid, tau)
-        count, w_sum, (k_add, v_add) = _sums_into(nearest, out.capacity, merged.float(), w_e, (k_e, v_e))
+        count, w_sum, (k_acc, v_acc) = _sums_into(nearest, merged.float(), w_e, (k_e, v_e),
+                                                  (w_self * out.k.float(), w_self * out.v.float()))
         norm = w_self + (w_sum if self.d2o_variant == "paper" else count)      # [B, Hkv, K]
         target = (count > 0)[..., None]                                        # entries something merged into
-        for name, add in (("k", k_add), ("v", v_add)):
+        for name, acc in (("k", k_acc), ("v", v_acc)):
             base = getattr(out, name)
-            acc = w_self * base.float() + add
             setattr(out, name, torch.where(target, (acc / norm[..., None]).to(base.dtype), base))
         return out
 
@@ -245,22 +245,23 @@ class D2O(Policy):
         return tau
 
 
-def _sums_into(nearest: Tensor, capacity: int, merged: Tensor, w_e: Tensor, srcs: tuple[Tensor, ...]
+def _sums_into(nearest: Tensor, merged: Tensor, w_e: Tensor, srcs: tuple[Tensor, ...], accs: tuple[Tensor, ...]
                ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """Per kept entry t: count = sum of ``merged`` over the evicted e with nearest[e] = t, the same sum of
-    ``w_e``, and of w_e * src[e] for each src. nearest, merged, w_e: [B, Hkv, E]; srcs: [B, Hkv, E, D]
-    -> [B, Hkv, K], [B, Hkv, K], [[B, Hkv, K, D] fp32 ...] with K = ``capacity``.
+    ``w_e``, and each acc plus the sum of w_e * src[e]. nearest, merged, w_e: [B, Hkv, E]; srcs:
+    [B, Hkv, E, D]; accs: [B, Hkv, K, D] fp32 -> [B, Hkv, K], [B, Hkv, K], [[B, Hkv, K, D] fp32 ...].
 
-    At run time three scatter-adds. Under ``torch.export`` (the ONNX export) the same sums as dense
-    assignment matmuls, A[e, t] = (nearest[e] == t): TensorRT's core layers have no scatter-add
-    (docs/deploy.md); the [E, K] matrix is the price, fine at the exported buffer sizes [OURS]."""
+    At run time scatter-adds (onto the accs, no extra buffer). Under ``torch.export`` (the ONNX export)
+    the same sums as dense assignment matmuls, A[e, t] = (nearest[e] == t): TensorRT's core layers have
+    no scatter-add (docs/deploy.md); the [E, K] matrix is the price, fine at the exported buffer sizes
+    [OURS]."""
+    capacity = accs[0].shape[2]
     if torch.compiler.is_exporting():
         assign = (nearest[..., None] == torch.arange(capacity, device=nearest.device)).float()   # [B, Hkv, E, K]
         weighted = assign * w_e[..., None]
         return ((assign * merged[..., None]).sum(2), weighted.sum(2),
-                [weighted.transpose(-1, -2) @ src.float() for src in srcs])
+                [acc + weighted.transpose(-1, -2) @ src.float() for src, acc in zip(srcs, accs, strict=True)])
     zeros = torch.zeros(*nearest.shape[:2], capacity, dtype=torch.float32, device=nearest.device)
-    idx = nearest[..., None].expand(*nearest.shape, srcs[0].shape[-1])
+    idx = nearest[..., None].expand(*nearest.shape, accs[0].shape[-1])
     return (zeros.scatter_add(2, nearest, merged), zeros.scatter_add(2, nearest, w_e),
-            [zeros[..., None].expand(*zeros.shape, src.shape[-1]).scatter_add(2, idx, w_e[..., None] * src.float())
-             for src in srcs])
+            [acc.scatter_add(2, idx, w_e[..., None] * src.float()) for src, acc in zip(srcs, accs, strict=True)])
