@@ -163,12 +163,16 @@ def write_leaderboard(args: argparse.Namespace, store, out_dir: Path, model: str
     return md
 
 
-def _device_counts(cases: list[dict]) -> dict[str, int]:
+def _by_device(cases: list[dict]) -> dict[str, list[dict]]:
     """Cases per device ('cpu' or the GPU's name; cases stored before devices were recorded ran on the CPU)."""
-    counts: dict[str, int] = {}
+    by: dict[str, list[dict]] = {}
     for c in cases:
-        counts[c.get("device", "cpu")] = counts.get(c.get("device", "cpu"), 0) + 1
-    return counts
+        by.setdefault(c.get("device", "cpu"), []).append(c)
+    return by
+
+
+def _device_counts(cases: list[dict]) -> dict[str, int]:
+    return {d: len(cs) for d, cs in _by_device(cases).items()}
 
 
 def _devices_text(counts: dict[str, int]) -> str:
@@ -177,10 +181,8 @@ def _devices_text(counts: dict[str, int]) -> str:
 
 def _mean_seconds(cases: list[dict]) -> str:
     """'1.3 s on <GPU>, 16.2 s on cpu': the mean of the cases' ``seconds`` per device."""
-    by: dict[str, list[float]] = {}
-    for c in cases:
-        by.setdefault(c.get("device", "cpu"), []).append(c["seconds"])
-    return ", ".join(f"{sum(v) / len(v):.1f} s on {d}" for d, v in by.items()) or "-"
+    return ", ".join(f"{sum(c['seconds'] for c in cs) / len(cs):.1f} s on {d}"
+                     for d, cs in _by_device(cases).items()) or "-"
 
 
 def _configs(args: argparse.Namespace) -> set[tuple[str, Any]]:
