@@ -164,9 +164,9 @@ class KVPassModel(nn.Module):
         self._all_logits_prefill = None
         # Each decode step's device work, replayed from a CUDA graph on CUDA (eager on CPU); decode_step.py.
         self.decode_step = StaticDecodeStep()
-        # What decode steps call to compress a layer: the policy's compress, or a compiled version of it
-        # (the benchmark's `-compiled` rows: torch.compile(policy.compress, dynamic=True)).
-        self.compress_fn = policy.compress
+        # What decode steps call to compress a layer in its own buffers: the policy's compress_into, or a
+        # compiled version of it (the benchmark's `-compiled` rows: torch.compile(policy.compress_into)).
+        self.compress_into = policy.compress_into
         # Rows prefilled at a time (None: the whole batch). Smaller groups bound the prefill's memory (the
         # full K, V of every layer exist only for the group being compressed), so larger batches fit;
         # per-layer budgets (D2O, PyramidKV) are then those of the first group [OURS].
@@ -440,7 +440,7 @@ class DecodeSession:
         if due and not self.owner.decode_step.graphed(self.logits.device, due):
             for i in due:                         # eager: compress, check the budget (a sync), then the step
                 lay = self.layers[i]
-                load_into(lay.cache, self.owner.compress_fn(lay.cache, lay.budget))
+                self.owner.compress_into(lay.cache, lay.budget)
                 lay.host_len = int(lay.cache.length.max())
                 self.owner._check_within_budget(lay)
             due_in_step: tuple[int, ...] = ()
@@ -510,7 +510,7 @@ class DecodeSession:
 
         def step(tokens: Tensor, pos: Tensor) -> tuple[Tensor]:
             for i in compress:
-                load_into(layers[i].cache, self.owner.compress_fn(layers[i].cache, layers[i].budget))
+                self.owner.compress_into(layers[i].cache, layers[i].budget)
             slots = [self._slot(lay, pos) for lay in layers]
             flat = [x for lay, slot in zip(layers, slots, strict=True) for x in self._decode_inputs(lay, slot)]
             outs = graphs.decode(tokens[:, None], pos, *flat)

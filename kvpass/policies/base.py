@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import TYPE_CHECKING, ClassVar
 
-from kvpass.cache import LayerCache
+from kvpass.cache import LayerCache, load_into
 
 if TYPE_CHECKING:
     from kvpass.rewrites import AttentionSite
@@ -118,6 +118,14 @@ class Policy:
         """cache: one layer, capacity C, rows holding up to C entries. Returns a cache whose rows hold
         at most ``keep`` live entries (any capacity >= that), in sequence order."""
         raise NotImplementedError
+
+    def compress_into(self, cache: LayerCache, keep: int) -> None:
+        """What the runtime calls: compress ``cache`` to ``keep`` live entries in its own buffers (same
+        capacity and addresses, so a CUDA-graphed step keeps them). Default: ``compress``, then the
+        result copied back (``load_into``). A policy may override it with an in-place form that keeps the
+        same entries and values as ``compress`` but may leave them in other slots (tests compare the
+        two as sets of entries)."""
+        load_into(cache, self.compress(cache, keep))
 
     def prepare(self, cache: LayerCache, layer: int, budget: int) -> LayerCache:
         """Called once per full-attention layer after prefill (and after any compression): build the

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
@@ -138,7 +138,7 @@ class D2O(Policy):
         entries (tested equal); neither synchronises with the device."""
         sinks, _, recent = self.split(keep)
         if cache.capacity == keep + 1:
-            return self._compress_one(cache, keep, sinks, recent)
+            return self._compress_one(cache, keep)
         return self._compress_general(cache, keep, sinks, recent)
 
     def _merge_weights(self, u_star: Tensor, valid: Tensor, tau: Tensor) -> tuple[Tensor, Tensor, float]:
@@ -168,7 +168,7 @@ class D2O(Policy):
         nearest, u_star = match(k_e, out.k, out.live)                          # [B, Hkv, E]
         nearest = nearest.clamp(min=0)
         u_star = torch.where(valid, u_star, 0.0)
-        tau = self._update_tau(out, u_star, valid)                            # [B]
+        tau = self._update_tau(out.state, u_star, valid)                            # [B]
         merged, w_e, w_self = self._merge_weights(u_star, valid, tau)
         count, w_sum, (k_acc, v_acc) = _sums_into(nearest, merged.float(), w_e, (k_e, v_e),
                                                   (w_self * out.k.float(), w_self * out.v.float()))
@@ -179,29 +179,70 @@ class D2O(Policy):
             setattr(out, name, torch.where(target, (acc / norm[..., None]).to(base.dtype), base))
         return out
 
-    def _compress_one(self, cache: LayerCache, keep: int, sinks: int, recent: int) -> LayerCache:
-        """One-in-one-out (capacity keep + 1): a row holding keep + 1 entries evicts the lowest
-        ``col_sum`` outside the sinks and the recent window, merges it into its nearest kept key and
-        shifts the later slots down by one; a shorter row is unchanged (its slot keep is empty).
-        O(C D) per row, no sort; returns capacity keep."""
+    def compress_into(self, cache: LayerCache, keep: int) -> None:
+        """The runtime's call. One-in-one-out (capacity keep + 1, the decode step) runs in place: the
+        evicted entry's slot takes the newest entry (slot keep), so nothing is shifted or copied back:
+        O(C) reads of one layer's scores and keys, writes of two slots per row. The live slots stay
+        [0, length) but no longer in sequence order, which is why the recent window is found by
+        position (``_pick_one``). Same entries and values as ``compress`` (tested as sets). Any other
+        capacity: ``compress`` and a copy back."""
+        if cache.capacity != keep + 1:
+            super().compress_into(cache, keep)
+            return
+        b, h, c, d = cache.k.shape
+        pick = self._pick_one(cache, keep)
+        tau = self._update_tau(cache.state, pick.u_star, pick.valid, in_place=True)
+        merged, w_e, w_self = self._merge_weights(pick.u_star, pick.valid, tau)
+        row0 = torch.arange(b * h, device=cache.k.device).view(b, h, 1) * c
+        flat_n, flat_e = (pick.nearest + row0).reshape(-1), (pick.e + row0).reshape(-1)
+        flat_last = (row0 + c - 1).reshape(-1)
+        norm = w_self + (w_e if self.d2o_variant == "paper" else merged.float())        # [B, Hkv, 1]
+        for buf, src in ((cache.k, pick.k_e), (cache.v, pick.v_e)):
+            rows = buf.view(b * h * c, d)
+            into = rows.index_select(0, flat_n).view(b, h, 1, d)
+            rows.index_copy_(0, flat_n, _merged_rows(into, src, merged, w_e, w_self, norm).view(b * h, d))
+        # the newest entry (slot c - 1) moves into the evicted slot; a row that evicted nothing has
+        # e = c - 1, an empty slot, so the move and the clearing below leave it unchanged
+        for t in (cache.k, cache.v, cache.log_weight, cache.position, *cache.slot_meta.values()):
+            rows = t.view(b * h * c, *t.shape[3:])
+            rows.index_copy_(0, flat_e, rows.index_select(0, flat_last))
+        for t, empty in ((cache.log_weight, EMPTY), (cache.position, -1), *((m, 0) for m in cache.slot_meta.values())):
+            t[:, :, c - 1] = empty
+        cache.length.sub_(pick.valid[..., 0].long())
+
+    def _pick_one(self, cache: LayerCache, keep: int) -> _OneEviction:
+        """§5.5-5.6 for a row of keep + 1 entries: the lowest ``col_sum`` outside the sinks (slots
+        [0, sinks), where they stay) and the recent window (the ``recent`` newest positions: in the
+        decode-time layout of ``compress_into`` slots are not in sequence order), its K, V and its most
+        cosine-similar other live key. A row holding at most keep entries evicts nothing (e = C - 1).
+        A row's positions count its tokens (the runtime feeds each row its tokens seen) and the window
+        is never evicted, so the window is exactly the positions above newest - recent."""
+        sinks, _, recent = self.split(keep)
         b, h, c, d = cache.k.shape
         j = torch.arange(c, device=cache.k.device)
-        n = cache.length[..., None]                                            # [B, Hkv, 1]
-        live = j < n
+        live = j < cache.length[..., None]
         evict = cache.length > keep                                            # [B, Hkv]
-        cand = live & (j >= sinks) & (j < n - recent)
+        newest = cache.position.amax(-1, keepdim=True)                         # [B, Hkv, 1]
+        cand = live & (j >= sinks) & (cache.position <= newest - recent)
         prio = torch.where(cand, cache.slot_meta[Stat.COLUMN_SUM.value].double(), float("inf"))
-        e = torch.where(evict, prio.argmin(-1), c - 1)[..., None]              # [B, Hkv, 1] (c - 1: empty)
-        # the entry and its nearest other live key, in the input's slots
-        row0 = torch.arange(b * h, device=e.device).view(b, h, 1) * c         # first slot of each row, flattened
-        flat_e = (e + row0).reshape(-1)
+        e = torch.where(evict, prio.argmin(-1), c - 1)[..., None]              # [B, Hkv, 1]
+        flat_e = (e + torch.arange(b * h, device=e.device).view(b, h, 1) * c).reshape(-1)
         k_e = cache.k.reshape(b * h * c, d).index_select(0, flat_e).view(b, h, 1, d)
         v_e = cache.v.reshape(b * h * c, d).index_select(0, flat_e).view(b, h, 1, d)
         # one source row per (b, g): the plain torch matcher (one [1, C] product) beats a kernel launch
         nearest, u_star = cosine_match_reference(k_e, cache.k, live & (j != e))   # [B, Hkv, 1]
-        nearest = nearest.clamp(min=0)
         valid = evict[..., None]
-        u_star = torch.where(valid, u_star, 0.0)
+        return _OneEviction(e, valid, k_e, v_e, nearest.clamp(min=0), torch.where(valid, u_star, 0.0))
+
+    def _compress_one(self, cache: LayerCache, keep: int) -> LayerCache:
+        """One-in-one-out (capacity keep + 1) as a pure function: the entry ``_pick_one`` chooses is
+        evicted, merged into its nearest kept key, and the later slots shift down by one; a shorter
+        row is unchanged (its slot keep is empty). O(C D) per row, no sort; returns capacity keep."""
+        b, h, c, d = cache.k.shape
+        j = torch.arange(c, device=cache.k.device)
+        pick = self._pick_one(cache, keep)
+        e, evict = pick.e, pick.valid[..., 0]
+        row0 = torch.arange(b * h, device=e.device).view(b, h, 1) * c         # first slot of each row, flattened
         # slot i of the output is slot i (before e) or i + 1 (from e on) of the input
         src = j[:keep] + (j[:keep] >= e)                                       # [B, Hkv, keep]
         flat_src = (src + row0).reshape(-1)
@@ -218,31 +259,55 @@ class D2O(Policy):
             slot_meta={name: take(t) * kept_live.reshape(*kept_live.shape, *([1] * (t.dim() - 3))).to(t.dtype)
                        for name, t in cache.slot_meta.items()},
             state=dict(cache.state))
-        tau = self._update_tau(out, u_star, valid)                            # [B]
-        merged, w_e, w_self = self._merge_weights(u_star, valid, tau)
-        target = nearest - (nearest > e).long()                                # [B, Hkv, 1] in the output's slots
+        tau = self._update_tau(out.state, pick.u_star, pick.valid)
+        merged, w_e, w_self = self._merge_weights(pick.u_star, pick.valid, tau)
+        target = pick.nearest - (pick.nearest > e).long()                      # [B, Hkv, 1] in the output's slots
         flat = (target + row0 // c * keep).reshape(-1)
         norm = w_self + (w_e if self.d2o_variant == "paper" else merged.float())  # [B, Hkv, 1]
-        for name, s_e in (("k", k_e), ("v", v_e)):
+        for name, s_e in (("k", pick.k_e), ("v", pick.v_e)):
             base = getattr(out, name)
             into = base.view(b * h * keep, d).index_select(0, flat).view(b, h, 1, d)
-            new = (w_self * into.float() + w_e[..., None] * s_e.float()) / norm[..., None]
-            new = torch.where(merged[..., None], new.to(base.dtype), into)
+            new = _merged_rows(into, s_e, merged, w_e, w_self, norm)
             base.view(b * h * keep, d).index_copy_(0, flat, new.view(b * h, d))
         return out
 
-    def _update_tau(self, out: LayerCache, u_star: Tensor, valid: Tensor) -> Tensor:
-        """EMA threshold per batch row (§5.6 step 2); writes out.state. u_star, valid: [B, Hkv, E]."""
+    def _update_tau(self, state: dict[str, Tensor], u_star: Tensor, valid: Tensor, in_place: bool = False) -> Tensor:
+        """EMA threshold per batch row (§5.6 step 2), written to ``state`` (TAU, TAU_SET; with
+        ``in_place`` into the tensors already there, so a CUDA-graphed step keeps their addresses).
+        u_star, valid: [B, Hkv, E]. Returns tau [B]."""
         b = u_star.shape[0]
         has = valid.flatten(1).any(-1)                                         # [B]
         current = u_star.flatten(1).sum(-1) / valid.flatten(1).sum(-1).clamp(min=1)
-        prev = out.state.get(TAU, torch.zeros(b, device=u_star.device))
-        was_set = out.state.get(TAU_SET, torch.zeros(b, dtype=torch.bool, device=u_star.device))
+        prev = state.get(TAU, torch.zeros(b, device=u_star.device))
+        was_set = state.get(TAU_SET, torch.zeros(b, dtype=torch.bool, device=u_star.device))
         ema = self.beta * current + (1 - self.beta) * prev
         tau = torch.where(has, torch.where(was_set, ema, current), prev)
-        out.state[TAU] = tau
-        out.state[TAU_SET] = was_set | has
+        for name, value in ((TAU, tau), (TAU_SET, was_set | has)):
+            if in_place and name in state:
+                state[name].copy_(value)
+            else:
+                state[name] = value
         return tau
+
+
+class _OneEviction(NamedTuple):
+    """What ``D2O._pick_one`` finds per row, each [B, Hkv, 1, ...]: the evicted slot e (C - 1 when the
+    row evicts nothing), whether it evicts, the entry's K and V, its nearest other live slot and that
+    cosine similarity (0 where nothing is evicted)."""
+
+    e: Tensor
+    valid: Tensor
+    k_e: Tensor
+    v_e: Tensor
+    nearest: Tensor
+    u_star: Tensor
+
+
+def _merged_rows(into: Tensor, src: Tensor, merged: Tensor, w_e: Tensor, w_self: float, norm: Tensor) -> Tensor:
+    """(w_self * into + w_e * src) / norm where ``merged``, else ``into`` (§5.6 step 4, one evicted
+    entry per row). into, src: [B, Hkv, 1, D]; merged, w_e, norm: [B, Hkv, 1]."""
+    new = (w_self * into.float() + w_e[..., None] * src.float()) / norm[..., None]
+    return torch.where(merged[..., None], new.to(into.dtype), into)
 
 
 def _sums_into(nearest: Tensor, merged: Tensor, w_e: Tensor, srcs: tuple[Tensor, ...], accs: tuple[Tensor, ...]

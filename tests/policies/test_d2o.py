@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kvpass.cache import LayerCache, keep_slots
+from kvpass.cache import LayerCache, keep_slots, load_into
 from kvpass.policies import get_policy
 from kvpass.policies.d2o import D2O, TAU
 from kvpass.policies.selection import kept_slots, select_kept
@@ -96,7 +96,7 @@ def test_compress_matches_reference_over_steps(variant: str) -> None:
         nxt = random_cache([[13, 13], [13, 13]], c=13, seed=10 + step)
         got.k, got.v = torch.cat([got.k, nxt.k[:, :, -1:]], 2), torch.cat([got.v, nxt.v[:, :, -1:]], 2)
         got.log_weight = torch.cat([got.log_weight, torch.zeros(2, 2, 1)], 2)
-        got.position = torch.cat([got.position, torch.full((2, 2, 1), 20 + step)], 2)
+        got.position = torch.cat([got.position, got.position.amax(-1, keepdim=True) + 1], 2)   # tokens seen
         got.slot_meta = {n: torch.cat([t, nxt.slot_meta[n][:, :, -1:]], 2) for n, t in got.slot_meta.items()}
         got.length = got.length + 1
         cache = got
@@ -248,3 +248,58 @@ def test_export_form_of_the_merge_equals_the_scatter_form(variant, monkeypatch):
         torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-6, atol=1e-6)
     assert not torch.equal(want.k, keep_slots(cache, kept_slots(select_kept(cache.slot_meta["col_sum"], cache.length,
                                                                             17, *policy.split(17)[::2]), 17)).k)
+
+
+def _by_position(cache: LayerCache) -> dict[str, torch.Tensor]:
+    """Every slot tensor of ``cache`` with each row's slots sorted by position (empty slots last)."""
+    order = torch.where(cache.position < 0, torch.iinfo(torch.long).max, cache.position).argsort(-1)
+    take = lambda t: torch.take_along_dim(t, order.reshape(*order.shape, *([1] * (t.dim() - 3))), dim=2)  # noqa: E731
+    out = {name: take(getattr(cache, name)) for name in ("k", "v", "log_weight", "position")}
+    out.update({name: take(t) for name, t in cache.slot_meta.items()})
+    live = out["position"] >= 0
+    for name in ("k", "v"):                                   # an empty slot's K, V are never read
+        out[name] = out[name] * live[..., None]
+    return out
+
+
+@pytest.mark.parametrize("variant", ["paper", "code"])
+@pytest.mark.parametrize("seed", range(3))
+def test_in_place_decode_compression_keeps_the_same_entries(variant: str, seed: int) -> None:
+    """``compress_into`` (the runtime's in-place one-in-one-out: the newest entry takes the evicted
+    slot) over 12 simulated decode steps holds, at every step, the same entries (K, V, positions,
+    scores, log-weights) and the same threshold as the pure ``compress`` chain, whose slots stay in
+    sequence order; ragged rows, some of which never fill."""
+    policy = D2O(d2o_variant=variant)
+    keep = 12
+    gen = torch.Generator().manual_seed(100 + seed)
+    pure = random_cache([[keep, keep, 9], [keep, 5, keep]], c=keep + 1, d=8, seed=seed, extra_meta=("col_sum",))
+    pure.k[:, :, 7] = pure.k[:, :, 3] + 0.05 * pure.k[:, :, 7]          # near-copies: merges happen
+    fast = LayerCache(**{f: getattr(pure, f).clone() for f in ("k", "v", "log_weight", "length", "position")},
+                      slot_meta={n: t.clone() for n, t in pure.slot_meta.items()})
+    addresses = [t.data_ptr() for t in fast.tensors()]
+    for step in range(12):
+        k_new, v_new = torch.randn(2, 2, 3, 8, generator=gen, dtype=torch.float64).unbind(0)
+        score = torch.rand(2, 3, generator=gen, dtype=torch.float64).float()
+        if step % 4 == 1:
+            k_new = pure.k[:, :, 4].clone()                                  # an exact copy of a kept key
+        for cache in (pure, fast):                                           # the decode step's write at slot length
+            pos = cache.position.amax(-1) + 1
+            slot = cache.length[..., None]
+            cache.k.scatter_(2, slot[..., None].expand(-1, -1, 1, 8), k_new[:, :, None])
+            cache.v.scatter_(2, slot[..., None].expand(-1, -1, 1, 8), v_new[:, :, None])
+            cache.log_weight.scatter_(2, slot, 0.0)
+            cache.position.scatter_(2, slot, pos[..., None])
+            # this step's attention row, a function of the entry (not its slot): both layouts add the same
+            cache.slot_meta["col_sum"] += torch.where(cache.live, (cache.position * (step + 3) % 7).float() / 7, 0.0)
+            cache.slot_meta["col_sum"].scatter_(2, slot, score[..., None])
+            cache.length.add_(1)
+        load_into(pure, policy.compress(pure, keep))
+        policy.compress_into(fast, keep)
+        assert [t.data_ptr() for t in fast.tensors()[: len(addresses)]] == addresses
+        torch.testing.assert_close(fast.length, pure.length, rtol=0, atol=0)
+        want, got = _by_position(pure), _by_position(fast)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], msg=f"step {step}: {name}", rtol=0, atol=0)
+        for name in pure.state:
+            torch.testing.assert_close(fast.state[name], pure.state[name], msg=name)
+    assert not torch.equal(fast.position, pure.position)                     # the layouts did diverge
