@@ -25,7 +25,9 @@ forward with transformers' full cache, and no backend ever sees it. So the work 
   it returns ``compiled_model(compiled).generate``. For every other module it returns exactly what
   torch would, ``getattr(compiled._orig_mod, "generate")`` (AttributeError, so ``hasattr`` is False,
   where the eager model has none), and setting or deleting ``compiled.generate`` goes to the eager
-  model as torch does; a module whose backend cannot be read is treated as not "kvpass".
+  model as torch does; a module whose backend cannot be read is treated as not "kvpass". On a
+  kvpass-compiled module ``compiled.generate`` takes ``KVPassModel.generate``'s arguments, not every one
+  of transformers'.
   ``unregister_generate()`` removes the hook. Costs: one backend-name lookup per ``compiled.generate``
   access (a few attribute reads); on a kvpass-compiled module the first access (``hasattr`` included)
   runs the capture and rewrite (about 2 s for the tiny test Llama on 2 CPU cores). Nothing else in
