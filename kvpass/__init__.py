@@ -3,7 +3,8 @@
     model = kvpass.apply(hf_model, policy="streamingllm", budget=0.2)
     out = model.generate(input_ids, max_new_tokens=64)
     model.last_report.cache_bytes
-    compiled = kvpass.compiled(torch.compile(hf_model, backend="kvpass", options={"policy": "full"}))
+    compiled = torch.compile(hf_model, backend="kvpass", options={"policy": "streamingllm", "budget": 0.2})
+    out = compiled.generate(input_ids, max_new_tokens=64)       # kvpass.compiled(compiled).last_report
     kvpass.export.onnx(model, "out/")
 """
 
@@ -16,7 +17,7 @@ from kvpass.rewrites.compile_backend import compiled_model as compiled
 from kvpass.rewrites.compile_backend import register as _register_backend
 from kvpass.runtime import GenerateOutput, GenerationReport, KVPassModel
 
-_register_backend()        # torch.compile(model, backend="kvpass", options=...); registration only
+_register_backend()        # backend "kvpass" + OptimizedModule.generate (kvpass.rewrites.compile_backend)
 
 __version__ = "0.1.0"
 __all__ = ["DEFAULT_POLICY", "POLICIES", "GenerateOutput", "GenerationReport", "KVPassModel", "Policy",

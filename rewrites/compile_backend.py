@@ -1,28 +1,44 @@
 """The ``torch.compile`` backend "kvpass".
 
     compiled = torch.compile(hf_model, backend="kvpass", options={"policy": "streamingllm", "budget": 0.2})
-    model = kvpass.compiled(compiled)            # a KVPassModel whose graphs Inductor compiled
-    out = model.generate(input_ids, max_new_tokens=64)
+    out = compiled.generate(input_ids, max_new_tokens=64)     # kvpass's compressed cache, compiled graphs
+    kvpass.compiled(compiled).last_report                     # the KVPassModel behind it (same object)
 
 Design (pragmatic, and why). ``torch.compile`` hands a backend only an FX graph and example inputs,
 never the module, and the ``OptimizedModule`` it returns forwards every attribute but ``forward`` to
-the eager model, so ``compiled.generate`` is transformers' own loop over the eager forward and no
-backend can change that without monkeypatching the model. So the work is split:
+the eager model, so without help ``compiled.generate`` is transformers' own loop over the eager
+forward with transformers' full cache, and no backend ever sees it. So the work is split:
 
-* ``kvpass_backend`` (registered as "kvpass" on ``import kvpass``, nothing else happens at import)
-  validates ``options`` and compiles graphs with Inductor. Handed a kvpass graph (one calling
-  ``torch.ops.kvpass``: the rewritten prefill or the decode step), it compiles it as is; handed a plain
-  model forward, it compiles it unchanged (there is no cache in a no-cache forward to rewrite).
+* ``kvpass_backend`` (registered as "kvpass" on ``import kvpass``) validates ``options`` and compiles
+  graphs with Inductor. Handed a kvpass graph (one calling ``torch.ops.kvpass``: the rewritten prefill
+  or the decode step), it compiles it as is; handed a plain model forward, it compiles it unchanged
+  (there is no cache in a no-cache forward to rewrite).
 * ``compiled_model(compiled)`` (``kvpass.compiled``) reads the options back from the compiled module,
   runs kvpass's capture -> attention matching -> cache rewrite on the eager model (exactly
   ``kvpass.apply``), and compiles the resulting prefill and decode graphs through this backend: prefill
   with a dynamic prompt length, the decode step with static shapes (``fullgraph=True``, so a graph
-  break is an error), which the static cache buffers keep stable, so decoding never recompiles.
+  break is an error), which the static cache buffers keep stable, so decoding never recompiles. The
+  KVPassModel is built once per compiled module and cached (weakly, keyed by the module).
+* ``register()`` (also on ``import kvpass``) installs one attribute on torch's ``OptimizedModule``
+  class, ``generate`` (``GenerateHook``), because that is the only way ``compiled.generate`` can reach
+  the backend's work. For a module compiled with backend "kvpass" whose eager model has a ``generate``,
+  it returns ``compiled_model(compiled).generate``. For every other module it returns exactly what
+  torch would, ``getattr(compiled._orig_mod, "generate")`` (AttributeError, so ``hasattr`` is False,
+  where the eager model has none), and setting or deleting ``compiled.generate`` goes to the eager
+  model as torch does; a module whose backend cannot be read is treated as not "kvpass". On a
+  kvpass-compiled module ``compiled.generate`` takes ``KVPassModel.generate``'s arguments, not every one
+  of transformers'.
+  ``unregister_generate()`` removes the hook. Costs: one backend-name lookup per ``compiled.generate``
+  access (a few attribute reads); on a kvpass-compiled module the first access (``hasattr`` included)
+  runs the capture and rewrite (about 2 s for the tiny test Llama on 2 CPU cores). Nothing else in
+  torch or transformers is patched. ``model.compile(backend="kvpass")`` (in place, no OptimizedModule)
+  is not covered: its ``generate`` stays transformers'.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -36,6 +52,8 @@ BACKEND = "kvpass"
 _INDUCTOR_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # How many graphs the backend compiled, by kind ("prefill", "decode", "model"): tests read this.
 COMPILE_COUNTS: Counter[str] = Counter()
+# The KVPassModel built for each kvpass-compiled OptimizedModule (nothing is stored on the module itself).
+_MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -98,16 +116,59 @@ def kvpass_backend(gm: GraphModule, example_inputs: list, options: dict | None =
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 
+class GenerateHook:
+    """``OptimizedModule.generate``: the KVPassModel's ``generate`` for a module compiled with backend
+    "kvpass", the eager model's attribute (as torch's ``__getattr__`` gives it) for any other module.
+
+    A data descriptor, so that ``compiled.generate = f`` and ``del compiled.generate`` still reach the
+    eager model, as they do without it (``OptimizedModule.__setattr__`` defers to class attributes)."""
+
+    def __get__(self, compiled, owner=None):
+        if compiled is None:
+            return self
+        eager_generate = compiled._orig_mod.generate        # AttributeError where it has none: hasattr is False
+        if not _is_kvpass_compiled(compiled):
+            return eager_generate
+        try:
+            return compiled_model(compiled).generate
+        except AttributeError as err:     # raised from here, Python would fall back to the eager generate
+            raise RuntimeError(f"building kvpass's model for compiled.generate failed: {err}") from err
+
+    def __set__(self, compiled, value) -> None:
+        compiled._orig_mod.generate = value
+
+    def __delete__(self, compiled) -> None:
+        del compiled._orig_mod.generate
+
+
 def register() -> None:
-    """Register the backend under the name "kvpass" (idempotent)."""
+    """Register the backend under the name "kvpass" and install ``OptimizedModule.generate`` (idempotent;
+    the hook is not installed, with a warning, where torch's class defines ``generate`` itself)."""
     from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+    from torch._dynamo.eval_frame import OptimizedModule
 
     if BACKEND not in _COMPILER_FNS:
         register_backend(kvpass_backend, name=BACKEND)
+    current = vars(OptimizedModule).get("generate")
+    if current is None:
+        OptimizedModule.generate = GenerateHook()
+    elif not isinstance(current, GenerateHook):
+        log.warning("torch's OptimizedModule defines generate itself; compiled.generate will not use kvpass "
+                    "(use kvpass.compiled(compiled).generate)")
+
+
+def unregister_generate() -> None:
+    """Remove the ``OptimizedModule.generate`` hook installed by ``register`` (if it is there)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if isinstance(vars(OptimizedModule).get("generate"), GenerateHook):
+        del OptimizedModule.generate
 
 
 def _compile_wrapper(compiled: nn.Module):
-    """The torch.compile wrapper (holding ``compiler_name`` and ``kwargs``) of an OptimizedModule."""
+    """The torch.compile wrapper (holding ``compiler_name`` and ``kwargs``) of an OptimizedModule, found by
+    walking the backend's ``_torchdynamo_orig_backend`` chain; None where the chain has no such object
+    (torch's own "inductor" wrapper, or a torch whose wrappers changed)."""
     obj = getattr(getattr(compiled, "dynamo_ctx", None), "callback", None)
     for _ in range(8):
         if obj is None:
@@ -118,13 +179,20 @@ def _compile_wrapper(compiled: nn.Module):
     return None
 
 
+def _is_kvpass_compiled(compiled: nn.Module) -> bool:
+    return getattr(_compile_wrapper(compiled), "compiler_name", None) == BACKEND
+
+
 def compiled_model(compiled: nn.Module):
     """The KVPassModel of ``torch.compile(model, backend="kvpass", options=...)``: kvpass's rewrite of the
-    eager model with the options given there, its prefill and decode graphs compiled by the backend."""
+    eager model with the options given there, its prefill and decode graphs compiled by the backend.
+    Built on the first call (or first ``compiled.generate``), then the same object for this module."""
     from kvpass.api import apply
 
     if not isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule):
         raise ValueError(f"expected the result of torch.compile(model, backend='kvpass'), got {type(compiled).__name__}")
+    if compiled in _MODELS:
+        return _MODELS[compiled]
     wrapper = _compile_wrapper(compiled)
     if wrapper is None or wrapper.compiler_name != BACKEND:
         name = getattr(wrapper, "compiler_name", "unknown")
@@ -132,6 +200,7 @@ def compiled_model(compiled: nn.Module):
     opts = CompileOptions.parse(wrapper.kwargs.get("options"))
     model = apply(compiled._orig_mod, policy=opts.policy, budget=opts.budget, **opts.policy_kwargs)
     compile_graphs(model, opts)
+    _MODELS[compiled] = model
     return model
 
 

@@ -1,16 +1,25 @@
-"""The torch.compile backend "kvpass": same greedy tokens as kvpass.apply, no graph breaks in a decode
-step, one compile of the decode graph over 50 steps, options validated."""
+"""The torch.compile backend "kvpass": same greedy tokens as kvpass.apply (through kvpass.compiled and
+through the compiled module's own generate), no graph breaks in a decode step, one compile of the decode
+graph over 50 steps, options validated, other backends' generate left as torch gives it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import transformers
-from kvpass.rewrites.compile_backend import COMPILE_COUNTS, CompileOptions
+from kvpass.rewrites.compile_backend import (
+    COMPILE_COUNTS,
+    CompileOptions,
+    GenerateHook,
+    register,
+    unregister_generate,
+)
+from torch._dynamo.eval_frame import OptimizedModule
 
 import kvpass
 
 OPTIONS = {"policy": "streamingllm", "budget": 10, "policy_kwargs": {"sinks": 2, "interval": 4}}
+D2O_OPTIONS = {"policy": "d2o", "budget": 12, "policy_kwargs": {"sinks": 2, "interval": 4}}
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +54,63 @@ def test_compiled_generate_equals_apply_without_recompiling(llama, compiled):
     assert COMPILE_COUNTS["decode"] == 1 and COMPILE_COUNTS["prefill"] == 1
     again = compiled.generate(ids, max_new_tokens=51, eos_token_id=[])    # same shapes: nothing recompiles
     assert torch.equal(again, want) and COMPILE_COUNTS["decode"] == 1
+
+
+@pytest.mark.parametrize("options", [OPTIONS, D2O_OPTIONS], ids=["streamingllm", "d2o"])
+def test_torch_compile_result_generates_with_kvpass(llama, options):
+    """``torch.compile(model, backend="kvpass", ...).generate``, no kvpass.compiled call: kvpass.apply's
+    greedy tokens, a compressed cache, the compiled decode graph, and nothing recompiled on a second call."""
+    ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(2))
+    eager = kvpass.apply(llama, policy=options["policy"], budget=options["budget"], **options["policy_kwargs"])
+    want = eager.generate(ids, max_new_tokens=51, eos_token_id=[])
+    torch._dynamo.reset()
+    compiled = torch.compile(llama, backend="kvpass", options=options)
+    COMPILE_COUNTS.clear()
+    got = compiled.generate(ids, max_new_tokens=51, eos_token_id=[])      # 50 decode steps
+    model = kvpass.compiled(compiled)                                     # the one behind compiled.generate
+    assert compiled.generate.__self__ is model
+    assert torch.equal(got, want)
+    report = model.last_report
+    assert report.compressions > 5 and report.cache_bytes < report.full_cache_bytes
+    assert COMPILE_COUNTS["decode"] == 1 and COMPILE_COUNTS["prefill"] == 1
+    again = compiled.generate(ids, max_new_tokens=51, eos_token_id=[])    # 50 more steps, same shapes
+    assert torch.equal(again, want)
+    assert COMPILE_COUNTS["decode"] == 1 and COMPILE_COUNTS["prefill"] == 1
+
+
+def test_generate_hook_leaves_other_backends_alone(llama):
+    assert isinstance(vars(OptimizedModule)["generate"], GenerateHook)
+    for other in (torch.compile(llama, backend="eager"), torch.compile(llama)):    # "eager", default inductor
+        assert other.generate.__func__ is type(llama).generate and other.generate.__self__ is llama
+    for backend, options in (("eager", None), ("kvpass", OPTIONS)):              # no generate to forward
+        linear = torch.compile(torch.nn.Linear(2, 2), backend=backend, options=options)
+        assert not hasattr(linear, "generate")
+        with pytest.raises(AttributeError, match="generate"):
+            linear.generate  # noqa: B018
+
+    eager = torch.compile(llama, backend="eager")
+    def patched(*args, **kwargs):
+        return None
+    eager.generate = patched                       # setting and deleting reach the eager model, as in torch
+    try:
+        assert llama.generate is patched and eager.generate is patched
+    finally:
+        del eager.generate
+    assert "generate" not in vars(llama) and eager.generate.__self__ is llama
+
+
+def test_generate_hook_is_idempotent_and_removable(llama):
+    hook = vars(OptimizedModule)["generate"]
+    register()
+    assert vars(OptimizedModule)["generate"] is hook
+    unregister_generate()
+    try:
+        assert "generate" not in vars(OptimizedModule)
+        compiled = torch.compile(llama, backend="kvpass", options=OPTIONS)
+        assert compiled.generate.__self__ is llama              # torch's own forwarding again
+    finally:
+        register()
+    assert isinstance(vars(OptimizedModule)["generate"], GenerateHook)
 
 
 def test_decode_step_has_no_graph_breaks(compiled):
