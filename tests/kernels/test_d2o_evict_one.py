@@ -10,6 +10,8 @@ on CUDA both round to nearest). Rows nothing was merged into are copies: equal b
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from kvpass.kernels.d2o_evict_one import (
@@ -20,48 +22,41 @@ from kvpass.kernels.d2o_evict_one import (
     pick_one,
 )
 
+from kvpass.cache import LayerCache
+from kvpass.policies.d2o import D2O, TAU, TAU_SET
+
 # the interpreter evaluates both sides of tl.where: log2(0) / 0-division warnings in masked lanes
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 EXACT = ("col_sum", "position", "log_weight", "length", "tau_set")
-ROWS = ("k", "v", "col_sum", "position", "log_weight", "window")       # [B, Hkv, C, ...]: slots of a row
 
 
-def random_layer(b: int, h: int, keep: int, d: int, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """A layer of capacity keep + 1: ragged rows (some full, which evict, some shorter, which do not),
-    live positions permuted over the slots (as after earlier in-place steps), scores on a coarse grid
-    (ties), near-copies of keys (merges), garbage K/V in empty slots, and tau set in some batch rows.
-    'window' is one more slot-metadata tensor, moved with its slot like col_sum."""
+def random_layer(b: int, h: int, keep: int, d: int, seed: int, dtype: torch.dtype, length: torch.Tensor | None = None,
+                 near: float = 0.3) -> dict[str, torch.Tensor]:
+    """A layer of capacity keep + 1: ragged rows (by default random lengths, every other row full: full
+    rows evict, shorter ones do not), distinct live positions with gaps in no slot order (as after earlier
+    in-place steps), scores on a coarse grid (ties), a fraction ``near`` of keys near-copies of others
+    (merges), garbage K/V in empty slots, and tau set in some batch rows. 'window' is one more
+    slot-metadata tensor, moved with its slot like col_sum."""
     gen = torch.Generator().manual_seed(seed)
     c = keep + 1
-    length = torch.randint(1, c + 1, (b, h), generator=gen)
-    length.view(-1)[:: 2] = c
+    if length is None:
+        length = torch.randint(1, c + 1, (b, h), generator=gen)
+        length.view(-1)[:: 2] = c
     live = torch.arange(c) < length[..., None]
     position = torch.full((b, h, c), -1)
     for row, n in zip(position.view(-1, c), length.view(-1).tolist(), strict=True):
         row[:n] = torch.randperm(2 * c, generator=gen)[:n]              # distinct, with gaps, in no order
     k = torch.randn(b, h, c, d, generator=gen, dtype=torch.float64)
     src = torch.randint(0, c, (b, h, c), generator=gen)
-    near = torch.rand(b, h, c, generator=gen) < 0.3
-    k = torch.where(near[..., None], torch.gather(k, 2, src[..., None].expand(-1, -1, -1, d))
+    copy = torch.rand(b, h, c, generator=gen) < near
+    k = torch.where(copy[..., None], torch.gather(k, 2, src[..., None].expand(-1, -1, -1, d))
                     + 0.05 * k, k)
     col_sum = (torch.randint(0, 8, (b, h, c), generator=gen) / 8.0).float() * live
     return dict(k=k.to(dtype), v=torch.randn(b, h, c, d, generator=gen, dtype=torch.float64).to(dtype),
                 col_sum=col_sum, position=position, log_weight=torch.where(live, 0.0, float("-inf")).float(),
                 length=length, tau=torch.rand(b, generator=gen) - 0.3, tau_set=torch.rand(b, generator=gen) < 0.5,
                 window=torch.rand(b, h, c, generator=gen) * live)
-
-
-def permute_live(layer: dict[str, torch.Tensor], seed: int) -> None:
-    """Shuffle each row's live slots (all slot tensors alike): the decode-time layout is unordered."""
-    gen = torch.Generator().manual_seed(seed)
-    b, h, c = layer["position"].shape
-    for i in range(b):
-        for g in range(h):
-            n = int(layer["length"][i, g])
-            perm = torch.randperm(n, generator=gen)
-            for name in ROWS:
-                layer[name][i, g, :n] = layer[name][i, g, perm]
 
 
 def decode_write(layer: dict[str, torch.Tensor], step: int, gen: torch.Generator) -> None:
@@ -122,7 +117,6 @@ def test_triton_equals_reference_over_steps(variant: str, dtype: torch.dtype, tr
     outcomes = [0, 0]
     for case, (sinks, recent, splits) in enumerate([(4, 3, 1), (0, 0, 3), (1, 8, 2)]):
         want = random_layer(2, 3, keep, 16, seed=case + 10 * (dtype == torch.bfloat16), dtype=dtype)
-        permute_live(want, seed=case)
         gen = torch.Generator().manual_seed(case)
         for step in range(4):
             got, before = copied(want, dev), copied(want, "cpu")         # each step from the same inputs
@@ -218,13 +212,11 @@ def test_op_runs_the_reference_on_cpu_and_checks_inputs() -> None:
 
 # ------------------------------------------------------------------------------------------- CUDA
 def _cuda_layer(b: int, seed: int) -> dict[str, torch.Tensor]:
-    """Real shapes: Hkv = 8, C = 6555, D = 128, bf16, all rows full but one."""
-    layer = random_layer(b, 8, 6554, 128, seed=seed, dtype=torch.bfloat16)
-    layer["length"].fill_(6555)
-    layer["length"][0, 3] = 6000
-    live = torch.arange(6555) < layer["length"][..., None]
-    for name, empty in (("position", -1), ("log_weight", float("-inf")), ("col_sum", 0.0), ("window", 0.0)):
-        layer[name] = layer[name].masked_fill(~live, empty)
+    """Real shapes: Hkv = 8, C = 6555, D = 128, bf16, all rows full but one. No near-copies: at C = 6555 two
+    near-copies of one key could tie to within the last-bit differences and swap the nearest."""
+    length = torch.full((b, 8), 6555)
+    length[0, 3] = 6000
+    layer = random_layer(b, 8, 6554, 128, seed=seed, dtype=torch.bfloat16, length=length, near=0.0)
     return {name: t.cuda() for name, t in layer.items()}
 
 
@@ -268,3 +260,25 @@ def test_cuda_op_replays_in_a_cuda_graph() -> None:
     torch.cuda.synchronize()
     for name in want:
         assert torch.equal(layer[name], want[name]), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_policy_compress_into_takes_the_triton_op_on_cuda(monkeypatch) -> None:
+    """``D2O.compress_into`` on a CUDA cache runs the Triton kernels (once per layer) and creates the
+    threshold state it then mutates; same result as the reference from an unset threshold."""
+    module = importlib.import_module("kvpass.kernels.d2o_evict_one")
+    calls = []
+    triton_impl = module.d2o_evict_one_triton
+    monkeypatch.setattr(module, "d2o_evict_one_triton", lambda *a, **kw: calls.append(1) or triton_impl(*a, **kw))
+    layer = _cuda_layer(1, seed=3)
+    layer["tau"].zero_()
+    layer["tau_set"].zero_()
+    want = copied(layer, "cuda")
+    cache = LayerCache(k=layer["k"], v=layer["v"], log_weight=layer["log_weight"], length=layer["length"],
+                       position=layer["position"], slot_meta={"col_sum": layer["col_sum"], "window": layer["window"]})
+    D2O(d2o_variant="code").compress_into(cache, 6554)
+    assert calls == [1]
+    run_step(d2o_evict_one_reference, want, 6554, *D2O().split(6554)[::2], "code")
+    got = dict(layer, tau=cache.state[TAU], tau_set=cache.state[TAU_SET])
+    assert_same({n: t.cpu() for n, t in got.items()}, {n: t.cpu() for n, t in want.items()}, "policy")
