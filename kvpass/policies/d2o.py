@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -12,6 +11,14 @@ from torch import Tensor
 import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
 from kvpass.cache import EMPTY, LayerCache, keep_slots
 from kvpass.kernels.cosine_match import cosine_match_reference
+from kvpass.kernels.d2o_evict_one import (
+    OneEviction,
+    d2o_evict_one_reference,
+    ema_threshold,
+    merge_weights,
+    pick_one,
+)
+from kvpass.kernels.d2o_evict_one import merged_rows as _merged_rows
 from kvpass.policies.allocation import apportion
 from kvpass.policies.base import Policy, Stat, require
 from kvpass.policies.selection import kept_slots, ordered_slots, select_kept
@@ -143,12 +150,7 @@ class D2O(Policy):
 
     def _merge_weights(self, u_star: Tensor, valid: Tensor, tau: Tensor) -> tuple[Tensor, Tensor, float]:
         """(merged [B, Hkv, E] bool, w_e [B, Hkv, E] fp32, w_self) of §5.6 steps 3-4."""
-        if self.d2o_variant == "paper":
-            merged = valid & (u_star >= tau[:, None, None])
-            return merged, torch.where(merged, u_star.exp(), 0.0), math.e
-        per_slot = u_star.sum(1) / valid.sum(1).clamp(min=1)                   # [B, E] mean over heads
-        merged = valid & (per_slot >= tau[:, None])[:, None, :]
-        return merged, torch.where(merged, u_star, 0.0), 1.0
+        return merge_weights(u_star, valid, tau, self.d2o_variant)
 
     def _compress_general(self, cache: LayerCache, keep: int, sinks: int, recent: int) -> LayerCache:
         score = cache.slot_meta[Stat.COLUMN_SUM.value]
@@ -184,55 +186,29 @@ class D2O(Policy):
         evicted entry's slot takes the newest entry (slot keep), so nothing is shifted or copied back:
         O(C) reads of one layer's scores and keys, writes of two slots per row. The live slots stay
         [0, length) but no longer in sequence order, which is why the recent window is found by
-        position (``_pick_one``). Same entries and values as ``compress`` (tested as sets). Any other
-        capacity: ``compress`` and a copy back."""
+        position (``pick_one``). Same entries and values as ``compress`` (tested as sets). On CUDA one
+        op of two Triton kernels (``torch.ops.kvpass.d2o_evict_one``), elsewhere and under export its
+        plain-torch reference. Any other capacity: ``compress`` and a copy back."""
         if cache.capacity != keep + 1:
             super().compress_into(cache, keep)
             return
-        b, h, c, d = cache.k.shape
-        pick = self._pick_one(cache, keep)
-        tau = self._update_tau(cache.state, pick.u_star, pick.valid, in_place=True)
-        merged, w_e, w_self = self._merge_weights(pick.u_star, pick.valid, tau)
-        row0 = torch.arange(b * h, device=cache.k.device).view(b, h, 1) * c
-        flat_n, flat_e = (pick.nearest + row0).reshape(-1), (pick.e + row0).reshape(-1)
-        flat_last = (row0 + c - 1).reshape(-1)
-        norm = w_self + (w_e if self.d2o_variant == "paper" else merged.float())        # [B, Hkv, 1]
-        for buf, src in ((cache.k, pick.k_e), (cache.v, pick.v_e)):
-            rows = buf.view(b * h * c, d)
-            into = rows.index_select(0, flat_n).view(b, h, 1, d)
-            rows.index_copy_(0, flat_n, _merged_rows(into, src, merged, w_e, w_self, norm).view(b * h, d))
-        # the newest entry (slot c - 1) moves into the evicted slot; a row that evicted nothing has
-        # e = c - 1, an empty slot, so the move and the clearing below leave it unchanged
-        for t in (cache.k, cache.v, cache.log_weight, cache.position, *cache.slot_meta.values()):
-            rows = t.view(b * h * c, *t.shape[3:])
-            rows.index_copy_(0, flat_e, rows.index_select(0, flat_last))
-        for t, empty in ((cache.log_weight, EMPTY), (cache.position, -1), *((m, 0) for m in cache.slot_meta.values())):
-            t[:, :, c - 1] = empty
-        cache.length.sub_(pick.valid[..., 0].long())
-
-    def _pick_one(self, cache: LayerCache, keep: int) -> _OneEviction:
-        """§5.5-5.6 for a row of keep + 1 entries: the lowest ``col_sum`` outside the sinks (slots
-        [0, sinks), where they stay) and the recent window (the ``recent`` newest positions: in the
-        decode-time layout of ``compress_into`` slots are not in sequence order), its K, V and its most
-        cosine-similar other live key. A row holding at most keep entries evicts nothing (e = C - 1).
-        A row's positions count its tokens (the runtime feeds each row its tokens seen) and the window
-        is never evicted, so the window is exactly the positions above newest - recent."""
         sinks, _, recent = self.split(keep)
-        b, h, c, d = cache.k.shape
-        j = torch.arange(c, device=cache.k.device)
-        live = j < cache.length[..., None]
-        evict = cache.length > keep                                            # [B, Hkv]
-        newest = cache.position.amax(-1, keepdim=True)                         # [B, Hkv, 1]
-        cand = live & (j >= sinks) & (cache.position <= newest - recent)
-        prio = torch.where(cand, cache.slot_meta[Stat.COLUMN_SUM.value].double(), float("inf"))
-        e = torch.where(evict, prio.argmin(-1), c - 1)[..., None]              # [B, Hkv, 1]
-        flat_e = (e + torch.arange(b * h, device=e.device).view(b, h, 1) * c).reshape(-1)
-        k_e = cache.k.reshape(b * h * c, d).index_select(0, flat_e).view(b, h, 1, d)
-        v_e = cache.v.reshape(b * h * c, d).index_select(0, flat_e).view(b, h, 1, d)
-        # one source row per (b, g): the plain torch matcher (one [1, C] product) beats a kernel launch
-        nearest, u_star = cosine_match_reference(k_e, cache.k, live & (j != e))   # [B, Hkv, 1]
-        valid = evict[..., None]
-        return _OneEviction(e, valid, k_e, v_e, nearest.clamp(min=0), torch.where(valid, u_star, 0.0))
+        b, device = cache.k.shape[0], cache.k.device
+        for name, dtype in ((TAU, torch.float32), (TAU_SET, torch.bool)):     # the op mutates existing tensors
+            if name not in cache.state:
+                cache.state[name] = torch.zeros(b, dtype=dtype, device=device)
+        score = Stat.COLUMN_SUM.value
+        step = (torch.ops.kvpass.d2o_evict_one if cache.k.is_cuda and not torch.compiler.is_exporting()
+                else d2o_evict_one_reference)
+        step(cache.k, cache.v, cache.slot_meta[score], cache.position, cache.log_weight, cache.length,
+             cache.state[TAU], cache.state[TAU_SET], [t for n, t in cache.slot_meta.items() if n != score],
+             keep, sinks, recent, self.beta, self.d2o_variant)
+
+    def _pick_one(self, cache: LayerCache, keep: int) -> OneEviction:
+        """``pick_one`` (§5.5-5.6 for rows of at most keep + 1 entries) on this layer's cache."""
+        sinks, _, recent = self.split(keep)
+        return pick_one(cache.k, cache.v, cache.slot_meta[Stat.COLUMN_SUM.value], cache.position, cache.length,
+                        keep, sinks, recent)
 
     def _compress_one(self, cache: LayerCache, keep: int) -> LayerCache:
         """One-in-one-out (capacity keep + 1) as a pure function: the entry ``_pick_one`` chooses is
@@ -271,43 +247,14 @@ class D2O(Policy):
             base.view(b * h * keep, d).index_copy_(0, flat, new.view(b * h, d))
         return out
 
-    def _update_tau(self, state: dict[str, Tensor], u_star: Tensor, valid: Tensor, in_place: bool = False) -> Tensor:
-        """EMA threshold per batch row (§5.6 step 2), written to ``state`` (TAU, TAU_SET; with
-        ``in_place`` into the tensors already there, so a CUDA-graphed step keeps their addresses).
+    def _update_tau(self, state: dict[str, Tensor], u_star: Tensor, valid: Tensor) -> Tensor:
+        """EMA threshold per batch row (§5.6 step 2), written to ``state`` (TAU, TAU_SET).
         u_star, valid: [B, Hkv, E]. Returns tau [B]."""
         b = u_star.shape[0]
-        has = valid.flatten(1).any(-1)                                         # [B]
-        current = u_star.flatten(1).sum(-1) / valid.flatten(1).sum(-1).clamp(min=1)
         prev = state.get(TAU, torch.zeros(b, device=u_star.device))
         was_set = state.get(TAU_SET, torch.zeros(b, dtype=torch.bool, device=u_star.device))
-        ema = self.beta * current + (1 - self.beta) * prev
-        tau = torch.where(has, torch.where(was_set, ema, current), prev)
-        for name, value in ((TAU, tau), (TAU_SET, was_set | has)):
-            if in_place and name in state:
-                state[name].copy_(value)
-            else:
-                state[name] = value
-        return tau
-
-
-class _OneEviction(NamedTuple):
-    """What ``D2O._pick_one`` finds per row, each [B, Hkv, 1, ...]: the evicted slot e (C - 1 when the
-    row evicts nothing), whether it evicts, the entry's K and V, its nearest other live slot and that
-    cosine similarity (0 where nothing is evicted)."""
-
-    e: Tensor
-    valid: Tensor
-    k_e: Tensor
-    v_e: Tensor
-    nearest: Tensor
-    u_star: Tensor
-
-
-def _merged_rows(into: Tensor, src: Tensor, merged: Tensor, w_e: Tensor, w_self: float, norm: Tensor) -> Tensor:
-    """(w_self * into + w_e * src) / norm where ``merged``, else ``into`` (§5.6 step 4, one evicted
-    entry per row). into, src: [B, Hkv, 1, D]; merged, w_e, norm: [B, Hkv, 1]."""
-    new = (w_self * into.float() + w_e[..., None] * src.float()) / norm[..., None]
-    return torch.where(merged[..., None], new.to(into.dtype), into)
+        state[TAU], state[TAU_SET] = ema_threshold(u_star, valid, prev, was_set, self.beta)
+        return state[TAU]
 
 
 def _sums_into(nearest: Tensor, merged: Tensor, w_e: Tensor, srcs: tuple[Tensor, ...], accs: tuple[Tensor, ...]

@@ -1,0 +1,415 @@
+"""D2O's decode-time one-in-one-out compression of one layer, in place (policies.md §5.5-5.6, §5.8).
+
+A layer of capacity C = keep + 1: every (b, g) row holding keep + 1 entries evicts one, the others
+(length <= keep) evict nothing and are left unchanged. Per evicting row, with live slots j < length:
+
+    newest  = max_j position[j]
+    e       = argmin col_sum[j] over j >= sinks, position[j] <= newest - recent   (ties: lowest j)
+    nearest = argmax cos(k_e, k_j) over live j != e,   u = that cosine             (ties: lowest j)
+              cos(x, y) = x . y / (max(|x|, eps) max(|y|, eps)), eps = 1e-12, in fp32 (fp64 inputs: fp64)
+Per batch row b (the EMA threshold of §5.6 step 2), over its n evicting heads:
+    current = sum_g u_g / max(n, 1)
+    tau     = current (first time), beta current + (1 - beta) tau (after), unchanged if n = 0
+    tau_set = tau_set or n > 0
+Merge decision and weights (§5.6 steps 3-4), per evicting head:
+    "paper": merged = u >= tau,       w_e = exp(u), w_self = e, norm = e + w_e
+    "code":  merged = current >= tau, w_e = u,      w_self = 1, norm = 1 + 1
+    k_nearest <- (w_self k_nearest + w_e k_e) / norm   (fp32, stored in the cache dtype; v likewise)
+Then the newest entry (slot C - 1) moves into slot e (k, v, col_sum, position, log_weight and any
+other slot metadata), slot C - 1 is emptied (log_weight -inf, position -1, metadata 0; its K, V are
+left) and length -= 1. The merge comes first: nearest may be slot C - 1. So the live slots stay
+[0, length) but not in sequence order, which is why the recent window is found by position.
+
+Shapes: k, v [B, Hkv, C, D] (fp16/bf16/fp32/fp64); col_sum [B, Hkv, C] fp32; position [B, Hkv, C]
+int64 (-1 empty); log_weight [B, Hkv, C] fp32 (-inf empty); length [B, Hkv] int64; tau [B] fp32,
+tau_set [B] bool (the layer's threshold state); others: more slot metadata [B, Hkv, C, ...]. All are
+updated in place; nothing is returned and nothing synchronises with the host.
+
+Cost per evicting row: reads of C positions (twice), C scores and C keys (C D elements), writes of
+at most three slots. Rows that evict nothing read nothing beyond their length.
+
+Triton path (CUDA; on CPU under TRITON_INTERPRET=1 for the tests): kernel A, grid (B Hkv, splits):
+every program finds its row's e (the scalar passes) and scans 1/splits of the keys for the nearest;
+kernel B, grid (B,): combines the splits' maxima, the EMA threshold, merges and moves. Splitting the
+key scan keeps the GPU busy at B = 1 (Hkv programs alone would use a few SMs); the scalar passes it
+repeats per split read 12 bytes a slot against the 2 D bytes of a key, from L2.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
+from kvpass.kernels.cosine_match import cosine_match_reference
+from torch import Tensor
+
+_EPS = 1e-12
+EMPTY = float("-inf")
+
+
+class OneEviction(NamedTuple):
+    """What ``pick_one`` finds per row, each [B, Hkv, 1, ...]: the evicted slot e (C - 1 when the row
+    evicts nothing), whether it evicts, the entry's K and V, its nearest other live slot and that
+    cosine similarity (0 where nothing is evicted)."""
+
+    e: Tensor
+    valid: Tensor
+    k_e: Tensor
+    v_e: Tensor
+    nearest: Tensor
+    u_star: Tensor
+
+
+def pick_one(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, length: Tensor, keep: int, sinks: int,
+             recent: int) -> OneEviction:
+    """§5.5-5.6 for rows of at most keep + 1 entries (plain torch): the lowest ``col_sum`` outside the
+    sinks (slots [0, sinks), where they stay) and the recent window (the ``recent`` newest positions),
+    its K, V and its most cosine-similar other live key. A row holding at most keep entries evicts
+    nothing (e = C - 1). A row's positions count its tokens and the window is never evicted, so the
+    window is exactly the positions above newest - recent, wherever their slots are.
+    k, v: [B, Hkv, C, D]; col_sum, position: [B, Hkv, C]; length: [B, Hkv]."""
+    b, h, c, d = k.shape
+    j = torch.arange(c, device=k.device)
+    live = j < length[..., None]
+    evict = length > keep                                                  # [B, Hkv]
+    newest = position.amax(-1, keepdim=True)                               # [B, Hkv, 1]
+    cand = live & (j >= sinks) & (position <= newest - recent)
+    prio = torch.where(cand, col_sum.double(), float("inf"))
+    e = torch.where(evict, prio.argmin(-1), c - 1)[..., None]              # [B, Hkv, 1]
+    flat_e = (e + torch.arange(b * h, device=e.device).view(b, h, 1) * c).reshape(-1)
+    k_e = k.reshape(b * h * c, d).index_select(0, flat_e).view(b, h, 1, d)
+    v_e = v.reshape(b * h * c, d).index_select(0, flat_e).view(b, h, 1, d)
+    # one source row per (b, g): the plain torch matcher (one [1, C] product) beats a kernel launch
+    nearest, u_star = cosine_match_reference(k_e, k, live & (j != e))     # [B, Hkv, 1]
+    valid = evict[..., None]
+    return OneEviction(e, valid, k_e, v_e, nearest.clamp(min=0), torch.where(valid, u_star, 0.0))
+
+
+def ema_threshold(u_star: Tensor, valid: Tensor, prev: Tensor, was_set: Tensor, beta: float
+                  ) -> tuple[Tensor, Tensor]:
+    """§5.6 step 2 per batch row: (tau [B] fp32, tau_set [B] bool) from u_star, valid [B, ...]
+    (the best similarities of this step's evictions) and the previous tau, tau_set [B]."""
+    has = valid.flatten(1).any(-1)                                         # [B]
+    current = u_star.flatten(1).sum(-1) / valid.flatten(1).sum(-1).clamp(min=1)
+    ema = beta * current + (1 - beta) * prev
+    return torch.where(has, torch.where(was_set, ema, current), prev), was_set | has
+
+
+def merge_weights(u_star: Tensor, valid: Tensor, tau: Tensor, variant: str) -> tuple[Tensor, Tensor, float]:
+    """(merged [B, Hkv, E] bool, w_e [B, Hkv, E] fp32, w_self) of §5.6 steps 3-4; u_star, valid
+    [B, Hkv, E] (E evicted entries per row), tau [B]."""
+    if variant == "paper":
+        merged = valid & (u_star >= tau[:, None, None])
+        return merged, torch.where(merged, u_star.exp(), 0.0), math.e
+    per_slot = u_star.sum(1) / valid.sum(1).clamp(min=1)                   # [B, E] mean over heads
+    merged = valid & (per_slot >= tau[:, None])[:, None, :]
+    return merged, torch.where(merged, u_star, 0.0), 1.0
+
+
+def merged_rows(into: Tensor, src: Tensor, merged: Tensor, w_e: Tensor, w_self: float, norm: Tensor) -> Tensor:
+    """(w_self * into + w_e * src) / norm where ``merged``, else ``into`` (§5.6 step 4, one evicted
+    entry per row). into, src: [B, Hkv, 1, D]; merged, w_e, norm: [B, Hkv, 1]."""
+    new = (w_self * into.float() + w_e[..., None] * src.float()) / norm[..., None]
+    return torch.where(merged[..., None], new.to(into.dtype), into)
+
+
+def d2o_evict_one_reference(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor,
+                            length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: int,
+                            sinks: int, recent: int, beta: float, variant: str) -> None:
+    """The in-place step in plain torch (the op's definition; CPU and export). O(C) reads of the
+    scores and keys of a row, writes of two slots per row (index_select / index_copy_)."""
+    b, h, c, d = k.shape
+    pick = pick_one(k, v, col_sum, position, length, keep, sinks, recent)
+    new_tau, new_set = ema_threshold(pick.u_star, pick.valid, tau, tau_set, beta)
+    tau.copy_(new_tau)
+    tau_set.copy_(new_set)
+    merged, w_e, w_self = merge_weights(pick.u_star, pick.valid, new_tau, variant)
+    row0 = torch.arange(b * h, device=k.device).view(b, h, 1) * c
+    flat_n, flat_e = (pick.nearest + row0).reshape(-1), (pick.e + row0).reshape(-1)
+    flat_last = (row0 + c - 1).reshape(-1)
+    norm = w_self + (w_e if variant == "paper" else merged.float())       # [B, Hkv, 1]
+    for buf, src in ((k, pick.k_e), (v, pick.v_e)):
+        rows = buf.view(b * h * c, d)
+        into = rows.index_select(0, flat_n).view(b, h, 1, d)
+        rows.index_copy_(0, flat_n, merged_rows(into, src, merged, w_e, w_self, norm).view(b * h, d))
+    # the newest entry (slot c - 1) moves into the evicted slot; a row that evicted nothing has
+    # e = c - 1, an empty slot, so the move and the clearing below leave it unchanged
+    for t in (k, v, log_weight, position, col_sum, *others):
+        rows = t.view(b * h * c, *t.shape[3:])
+        rows.index_copy_(0, flat_e, rows.index_select(0, flat_last))
+    for t, empty in ((log_weight, EMPTY), (position, -1), (col_sum, 0), *((m, 0) for m in others)):
+        t[:, :, c - 1] = empty
+    length.sub_(pick.valid[..., 0].long())
+
+
+# --------------------------------------------------------------------------------------- Triton
+# Kernel A, program (row = b Hkv + g, split s); n = length if length > keep else 0 (no work):
+#     newest = max_{j < n} position[j]
+#     e      = first argmin_{j < n} (col_sum[j] if j >= sinks and position[j] <= newest - recent else inf)
+#              (C - 1 if n = 0); fp32 comparisons give the order of the reference's fp64 ones (exact cast)
+#     xn     = k_e / max(|k_e|, eps)
+#     over j in [s CHUNK, (s + 1) CHUNK) and j < n, j != e:  s_j = xn . k_j / max(|k_j|, eps)
+#     best[row, s], nearest[row, s] = running (max, first argmax); a later block wins only if greater
+# Split s = 0 writes e. Rows are normalised and dotted in ACC (fp32; fp64 for fp64 keys) with IEEE
+# sqrt, as the reference's F.normalize; the dot's summation order is not torch's (last-bit differences).
+
+@triton.jit
+def _unit(x, norm_sq, eps, F64: tl.constexpr):
+    """x / max(sqrt(norm_sq), eps) with IEEE sqrt and division (fp32's defaults on CUDA are approximate)."""
+    if F64:
+        return x / tl.maximum(tl.sqrt(norm_sq), eps)
+    else:
+        return tl.div_rn(x, tl.maximum(tl.sqrt_rn(norm_sq), eps))
+
+
+@triton.jit
+def _pick_kernel(
+    K, COL, POS, LENGTH, E, BEST, NEAREST,
+    skb, skh, skc, skd,
+    HKV, C, CHUNK, KEEP, SINKS, RECENT,
+    HEAD_DIM: tl.constexpr, BLOCK_SCAN: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLITS: tl.constexpr, ACC: tl.constexpr, F64: tl.constexpr,
+):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    b = (row // HKV).to(tl.int64)
+    g = (row % HKV).to(tl.int64)
+    base = row.to(tl.int64) * C                          # COL, POS: contiguous [B Hkv, C]
+    length = tl.load(LENGTH + row)
+    evict = length > KEEP
+    n = tl.where(evict, length, 0)
+    newest = tl.full([], -1, tl.int64)
+    for c0 in range(0, n, BLOCK_SCAN):
+        offs = c0 + tl.arange(0, BLOCK_SCAN)
+        newest = tl.maximum(newest, tl.max(tl.load(POS + base + offs, mask=offs < n, other=-1), 0))
+    low = tl.full([], float("inf"), tl.float32)
+    e = tl.full([], 0, tl.int64)
+    for c0 in range(0, n, BLOCK_SCAN):
+        offs = c0 + tl.arange(0, BLOCK_SCAN)
+        m = offs < n
+        pos = tl.load(POS + base + offs, mask=m, other=-1)
+        score = tl.load(COL + base + offs, mask=m, other=0.0)
+        score = tl.where(m & (offs >= SINKS) & (pos <= newest - RECENT), score, float("inf"))
+        blk_low = tl.min(score, 0)
+        blk_e = tl.argmin(score, 0).to(tl.int64) + c0
+        e = tl.where(blk_low < low, blk_e, e)
+        low = tl.minimum(blk_low, low)
+    e = tl.where(evict, e, C - 1)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    k_row = K + b * skb + g * skh
+    eps = tl.full([], 1e-12, ACC)
+    x = tl.load(k_row + e * skc + offs_d * skd, mask=d_mask, other=0.0).to(ACC)
+    x = _unit(x, tl.sum(x * x, 0), eps, F64)
+    lo = split * CHUNK
+    hi = tl.minimum(lo + CHUNK, n)
+    best = tl.full([], float("-inf"), ACC)
+    nearest = tl.full([], 0, tl.int64)
+    for c0 in range(lo, hi, BLOCK_C):
+        offs = c0 + tl.arange(0, BLOCK_C)
+        m = offs < hi
+        y = tl.load(k_row + offs[:, None] * skc + offs_d[None, :] * skd, mask=m[:, None] & d_mask[None, :],
+                    other=0.0).to(ACC)
+        y = _unit(y, tl.sum(y * y, 1)[:, None], eps, F64)
+        s = tl.where(m & (offs != e), tl.sum(x[None, :] * y, 1), float("-inf"))
+        blk_best = tl.max(s, 0)
+        blk_j = tl.argmax(s, 0).to(tl.int64) + c0
+        nearest = tl.where(blk_best > best, blk_j, nearest)
+        best = tl.maximum(blk_best, best)
+    out = row.to(tl.int64) * SPLITS + split
+    tl.store(BEST + out, best)
+    tl.store(NEAREST + out, nearest)
+    tl.store(E + row, e, mask=split == 0)
+
+
+# Kernel B, program b over its heads g (vectors of BLOCK_H):
+#     nearest_g, u_g = first max over the splits of (best, nearest) (a later split wins only if greater)
+#     ev_g = length_g > keep;  u_g = 0 unless ev_g;  n = sum_g ev_g
+#     current = sum_g u_g / max(n, 1);  tau, tau_set as in the module docstring (beta, 1 - beta fp32)
+#     merged_g, w_e, norm per the variant;  per block of D:
+#         new  = (w_self k[nearest_g] + w_e k[e_g]) / norm   (fp32, IEEE division, no FMA contraction,
+#                                                            as torch's separate elementwise kernels)
+#         k[nearest_g] <- new where merged_g;  k[e_g] <- (new if merged_g and nearest_g = C - 1 else
+#                                                         k[C - 1]) where ev_g          (v likewise)
+#     slot e_g <- slot C - 1's col_sum, position, log_weight; slot C - 1 <- empty; length_g -= 1
+# All loads of a block come before its stores (with a barrier), so no program reads what it writes.
+
+@triton.jit
+def _merge_and_move(X, batch_off, head_off, sc, sd, e, nearest, evict, merged, take_new, w_e, norm, w_self, C,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Kernel B's K (or V) part for the BLOCK_H heads of one batch row (see the comment above it)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    for d0 in range(0, HEAD_DIM, BLOCK_D):
+        d_mask = (d0 + offs_d) < HEAD_DIM
+        head = X + batch_off + head_off[:, None] + (d0 + offs_d)[None, :] * sd
+        m_ev = evict[:, None] & d_mask[None, :]
+        m_merge = merged[:, None] & d_mask[None, :]
+        src = tl.load(head + e[:, None] * sc, mask=m_ev, other=0.0)
+        last = tl.load(head + (C - 1) * sc, mask=m_ev, other=0.0)
+        into = tl.load(head + nearest[:, None] * sc, mask=m_merge, other=0.0)
+        new = tl.div_rn(w_self * into.to(tl.float32) + w_e[:, None] * src.to(tl.float32), norm[:, None])
+        new = new.to(X.dtype.element_ty)
+        tl.debug_barrier()
+        tl.store(head + nearest[:, None] * sc, new, mask=m_merge)
+        tl.store(head + e[:, None] * sc, tl.where(take_new[:, None], new, last), mask=m_ev)
+
+
+@triton.jit
+def _merge_move_kernel(
+    K, V, COL, POS, LW, LENGTH, TAU, TAU_SET, E, BEST, NEAREST,
+    skb, skh, skc, skd, svb, svh, svc, svd,
+    HKV, C, KEEP, beta, one_minus_beta, w_self,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
+    ACC: tl.constexpr, PAPER: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H).to(tl.int64)
+    h_mask = offs_h < HKV
+    rows = b * HKV + offs_h
+    length = tl.load(LENGTH + rows, mask=h_mask, other=0)
+    evict = h_mask & (length > KEEP)
+    best = tl.full([BLOCK_H], float("-inf"), ACC)
+    nearest = tl.zeros([BLOCK_H], tl.int64)
+    for s in range(SPLITS):
+        part = tl.load(BEST + rows * SPLITS + s, mask=h_mask, other=float("-inf"))
+        j = tl.load(NEAREST + rows * SPLITS + s, mask=h_mask, other=0)
+        nearest = tl.where(part > best, j, nearest)
+        best = tl.maximum(part, best)
+    u = tl.where(evict, best.to(tl.float32), 0.0)
+    e = tl.load(E + rows, mask=h_mask, other=0)
+    n_evict = tl.sum(evict.to(tl.int32), 0)
+    current = tl.div_rn(tl.sum(u, 0), tl.maximum(n_evict, 1).to(tl.float32))
+    prev = tl.load(TAU + b)
+    was_set = tl.load(TAU_SET + b) != 0
+    ema = beta * current + one_minus_beta * prev
+    tau = tl.where(n_evict > 0, tl.where(was_set, ema, current), prev)
+    tl.store(TAU + b, tau)
+    tl.store(TAU_SET + b, (was_set | (n_evict > 0)).to(tl.uint8))
+    if PAPER:
+        merged = evict & (u >= tau)
+        w_e = tl.where(merged, tl.exp(u), 0.0)
+        norm = w_self + w_e
+    else:
+        merged = evict & ((tl.zeros([BLOCK_H], tl.float32) + current) >= tau)     # one decision for all heads
+        w_e = tl.where(merged, u, 0.0)
+        norm = w_self + merged.to(tl.float32)
+    take_new = merged & (nearest == C - 1)
+    _merge_and_move(K, b * skb, offs_h * skh, skc, skd, e, nearest, evict, merged, take_new, w_e, norm, w_self, C,
+                    HEAD_DIM, BLOCK_D)
+    _merge_and_move(V, b * svb, offs_h * svh, svc, svd, e, nearest, evict, merged, take_new, w_e, norm, w_self, C,
+                    HEAD_DIM, BLOCK_D)
+    slot_e = rows * C + e
+    slot_last = rows * C + C - 1
+    is_last = e == C - 1                                  # recent = 0 can evict the newest entry itself
+    col = tl.load(COL + slot_last, mask=evict, other=0.0)
+    pos = tl.load(POS + slot_last, mask=evict, other=-1)
+    lw = tl.load(LW + slot_last, mask=evict, other=float("-inf"))
+    tl.debug_barrier()
+    tl.store(COL + slot_e, tl.where(is_last, 0.0, col), mask=evict)
+    tl.store(POS + slot_e, tl.where(is_last, -1, pos), mask=evict)
+    tl.store(LW + slot_e, tl.where(is_last, float("-inf"), lw), mask=evict)
+    tl.store(COL + slot_last, tl.zeros([BLOCK_H], tl.float32), mask=evict)
+    tl.store(POS + slot_last, tl.full([BLOCK_H], -1, tl.int64), mask=evict)
+    tl.store(LW + slot_last, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=evict)
+    tl.store(LENGTH + rows, length - 1, mask=evict)
+
+
+def check_evict_one_inputs(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor,
+                           length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: int,
+                           variant: str) -> None:
+    """ValueError naming the tensor, the expected and the actual shape/dtype."""
+    if k.dim() != 4 or v.shape != k.shape or v.dtype != k.dtype or not k.dtype.is_floating_point:
+        raise ValueError(f"k, v must be one float [B, Hkv, C, D] shape, got {k.dtype} {tuple(k.shape)}, "
+                         f"{v.dtype} {tuple(v.shape)}")
+    b, h, c, _ = k.shape
+    if c != keep + 1 or keep < 1:
+        raise ValueError(f"capacity C must be keep + 1 with keep >= 1, got C = {c}, keep = {keep}")
+    if variant not in ("paper", "code"):
+        raise ValueError(f"variant must be 'paper' or 'code', got {variant!r}")
+    for name, t, dtype, shape in (("col_sum", col_sum, torch.float32, (b, h, c)),
+                                  ("position", position, torch.int64, (b, h, c)),
+                                  ("log_weight", log_weight, torch.float32, (b, h, c)),
+                                  ("length", length, torch.int64, (b, h)), ("tau", tau, torch.float32, (b,)),
+                                  ("tau_set", tau_set, torch.bool, (b,))):
+        if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
+        check_device(name, t, k.device)
+    check_device("v", v, k.device)
+    for t in others:
+        check_device("others", t, k.device)
+        if tuple(t.shape[:3]) != (b, h, c):
+            raise ValueError(f"other slot metadata must be [B, Hkv, C, ...] = {(b, h, c)}, got {tuple(t.shape)}")
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def default_splits(rows: int, c: int, device: torch.device) -> int:
+    """Key-scan splits per row: enough programs for about two per SM, at least 512 slots per split."""
+    if device.type != "cuda":
+        return 1
+    return max(1, min(triton.cdiv(2 * _sm_count(device.index or 0), rows), triton.cdiv(c, 512)))
+
+
+def d2o_evict_one_triton(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor,
+                         length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: int,
+                         sinks: int, recent: int, beta: float, variant: str, *, splits: int | None = None,
+                         block_c: int = 32, block_scan: int = 1024) -> None:
+    """The two Triton kernels (same contract as ``d2o_evict_one_reference``); scratch: 3 tensors of
+    B Hkv (splits) elements."""
+    require_triton()
+    check_evict_one_inputs(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, variant)
+    b, h, c, d = k.shape
+    splits = splits or default_splits(b * h, c, k.device)
+    acc = torch.float64 if k.dtype == torch.float64 else torch.float32
+    e = torch.empty(b * h, dtype=torch.int64, device=k.device)
+    best = torch.empty(b * h * splits, dtype=acc, device=k.device)
+    nearest = torch.empty(b * h * splits, dtype=torch.int64, device=k.device)
+    evict = length > keep if others else None                                   # before kernel B shortens rows
+    block_d = max(16, next_pow2(d))
+    tl_acc = tl.float64 if acc == torch.float64 else tl.float32
+    _pick_kernel[(b * h, splits)](
+        k, col_sum, position, length, e, best, nearest, *k.stride(),
+        h, c, triton.cdiv(c, splits), keep, sinks, recent,
+        HEAD_DIM=d, BLOCK_SCAN=min(block_scan, next_pow2(c)), BLOCK_C=block_c, BLOCK_D=block_d,
+        SPLITS=splits, ACC=tl_acc, F64=acc == torch.float64, num_warps=4)
+    _merge_move_kernel[(b,)](
+        k, v, col_sum, position, log_weight, length, tau, tau_set.view(torch.uint8), e, best, nearest,
+        *k.stride(), *v.stride(), h, c, keep, float(beta), 1.0 - float(beta),
+        math.e if variant == "paper" else 1.0,
+        HEAD_DIM=d, BLOCK_H=next_pow2(h), BLOCK_D=min(block_d, 128), SPLITS=splits, ACC=tl_acc,
+        PAPER=variant == "paper", num_warps=4, enable_fp_fusion=False)
+    if others:                                       # a row that evicts nothing has e = C - 1: no move
+        flat_e = e + torch.arange(b * h, device=k.device) * c
+        flat_last = torch.arange(b * h, device=k.device) * c + c - 1
+        for t in others:
+            rows = t.view(b * h * c, *t.shape[3:])
+            rows.index_copy_(0, flat_e, rows.index_select(0, flat_last))
+            last = t[:, :, c - 1]
+            last.copy_(torch.where(evict.view(b, h, *([1] * (t.dim() - 3))), 0, last))
+
+
+@torch.library.custom_op("kvpass::d2o_evict_one", mutates_args=(
+    "k", "v", "col_sum", "position", "log_weight", "length", "tau", "tau_set", "others"))
+def d2o_evict_one(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor, length: Tensor,
+                  tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: int, sinks: int, recent: int,
+                  beta: float, variant: str) -> None:
+    d2o_evict_one_reference(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks,
+                            recent, beta, variant)
+
+
+@d2o_evict_one.register_fake
+def _(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks, recent, beta, variant):
+    return None
+
+
+if HAS_TRITON:
+    @d2o_evict_one.register_kernel("cuda")
+    def _(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks, recent, beta, variant):
+        d2o_evict_one_triton(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks,
+                             recent, beta, variant)
