@@ -583,28 +583,6 @@ def _stepped_tpot(kv, ids: torch.Tensor, device: torch.device, warm: int = 8, st
     return out
 
 
-def _compression_cost(kv, ids: torch.Tensor, device: torch.device, row: dict) -> dict:
-    """Where a compressing policy's extra prefill time goes, against the row's TTFT: its prefill graph
-    (with the statistics) vs the same graph without statistics (``full``), and the prefill compression
-    (``start`` minus its prefill graph). (The decode-time compression is timed by ``_stepped_tpot``.)"""
-    from kvpass.policies.full import Full
-    from kvpass.rewrites import insert_compressed_cache
-
-    kv.decode_step.reset()                 # the decode steps' CUDA graph pools: not needed here
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    ids_, pad, pos = kv._prepare(ids, None, 0)
-    plain = insert_compressed_cache(kv.captured.gm, list(kv.graphs.sites), Full()).prefill
-    t_plain = min(_timed(device, lambda: plain(ids_, pos, pad)) for _ in range(2))
-    plain = None                           # its graph's buffers, before the next prefill
-    t_stats = min(_timed(device, lambda: kv.graphs.prefill(ids_, pos, pad)) for _ in range(2))
-    t_start = _timed(device, lambda: kv.start(ids, max_new_tokens=64))
-    return {"prefill_graph_plain_s": t_plain, "prefill_graph_stats_s": t_stats, "start_s": t_start,
-            "prefill_stats_frac_of_ttft": max(t_stats - t_plain, 0.0) / row["ttft_s"],
-            "prefill_compress_frac_of_ttft": max(t_start - t_stats, 0.0) / row["ttft_s"]}
-
-
 def section_throughput(device: torch.device, smoke: bool, deadline: Deadline, prompt: int, budget: float,
                        policy_name: str = "d2o") -> dict:
     """Tokens/s at the largest batch that fits, plain transformers (full cache) vs kvpass ``policy_name``
@@ -749,11 +727,6 @@ def section_e2e(device: torch.device, smoke: bool, deadline: Deadline, copy_bw: 
                                                                                do_sample=False)))
                     row["tpot_generate_diff_ms"] = row["tpot_ms"]
                     row.update(_stepped_tpot(kv, ids, device))
-                    if policy.compresses and not label.endswith(("-eager", "-compiled")):
-                        try:
-                            row.update(_compression_cost(kv, ids, device, row))
-                        except Exception as exc:  # noqa: BLE001  (keep the row's timings)
-                            row["cost_error"] = "".join(traceback.format_exception(exc))[-800:]
                     rep = kv.last_report
                     row.update(cache_bytes=rep.cache_bytes, full_cache_bytes=rep.full_cache_bytes,
                                compressions=rep.compressions, budget_tokens=rep.budget_tokens,
@@ -826,11 +799,9 @@ def targets(results: dict) -> list[str]:
 
 
 def _prefill_cost(row: dict, rows: list[dict]) -> tuple[float | None, str]:
-    """A compressing row's prefill statistics + compression as a fraction of its TTFT: from the
-    ``_compression_cost`` probe where it ran, else (its TTFT - kvpass-full's TTFT at the same prompt) /
-    its TTFT; and which of the two it is."""
-    if "prefill_stats_frac_of_ttft" in row:
-        return row["prefill_stats_frac_of_ttft"] + row["prefill_compress_frac_of_ttft"], "probe"
+    """A compressing row's prefill statistics + compression as a fraction of its TTFT: (its TTFT -
+    kvpass-full's TTFT at the same prompt, measured in the same run) / its TTFT; kvpass-full runs the
+    same prefill attention without statistics and compresses nothing. Returns it and how it was measured."""
     full = next((r for r in rows if r["method"] == "kvpass-full" and r["prompt"] == row["prompt"] and "ttft_s" in r), None)
     if full is None or "ttft_s" not in row:
         return None, "not measured"
@@ -903,8 +874,7 @@ def markdown(results: dict) -> str:
     costs = [r for r in (e2e or {}).get("rows", []) if "decode_compress_ms" in r]
     if costs:
         lines += ["## Compression cost", "",
-                  "prefill stats + compress = (prefill graph with the policy's statistics - without) / TTFT + "
-                  "(start - prefill graph) / TTFT where that probe ran, else (TTFT - kvpass-full's TTFT) / TTFT; "
+                  "prefill stats + compress = (TTFT - kvpass-full's TTFT) / TTFT; "
                   "decode compress = one compression of every layer (CUDA graph) / interval / ms per token.", "",
                   "| prompt | method | prefill stats + compress % TTFT | measured as | decode compress ms | interval | % of ms/token |",
                   "|---|---|---|---|---|---|---|"]
