@@ -630,8 +630,9 @@ def section_throughput(device: torch.device, smoke: bool, deadline: Deadline, pr
                 row.update(tpot_ms=tpot * 1e3, tokens_per_s=batch / tpot)
                 if device.type == "cuda":
                     row["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-            except torch.OutOfMemoryError:
+            except torch.OutOfMemoryError as exc:
                 row["oom"] = True
+                row["error"] = "".join(traceback.format_exception(exc))[-1500:]    # where: the batch's limit, or a bug
             rows.append(row)
             print(f"[bench] throughput {row}", flush=True)
             gc.collect()
