@@ -584,10 +584,10 @@ def _stepped_tpot(kv, ids: torch.Tensor, device: torch.device, warm: int = 8, st
 
 
 def section_throughput(device: torch.device, smoke: bool, deadline: Deadline, prompt: int, budget: float,
-                       policy_name: str = "d2o") -> dict:
+                       policy_name: str = "d2o", max_batch: int = 32) -> dict:
     """Tokens/s at the largest batch that fits, plain transformers (full cache) vs kvpass ``policy_name``
     (prefilling one row at a time, ``KVPassModel.prefill_rows = 1``): the batch is found by doubling
-    from 1 until out of memory (or the time box); each method's tokens/s = batch / time per output
+    from 1 until out of memory, ``max_batch`` or the time box; each method's tokens/s = batch / time per output
     token, and the best of its batches is compared."""
     import kvpass
     from kvpass.rewrites import capture_causal_lm, insert_compressed_cache, match_attention
@@ -638,7 +638,7 @@ def section_throughput(device: torch.device, smoke: bool, deadline: Deadline, pr
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            if row.get("oom") or (smoke and batch >= 4):
+            if row.get("oom") or (smoke and batch >= 4) or batch >= max_batch:
                 break
             batch *= 2
     best = {}
@@ -937,7 +937,8 @@ def plot(results: dict, path: Path) -> None:
 # ------------------------------------------------------------------------------------ main
 def run(out: Path, smoke: bool = False, total_s: float = 450.0,
         sections: tuple[str, ...] = ("correctness", "kernels", "e2e", "throughput"),
-        prompts: list[int] | None = None, budget: float = 0.2, methods: set[str] | None = None) -> dict:
+        prompts: list[int] | None = None, budget: float = 0.2, methods: set[str] | None = None,
+        max_batch: int = 32) -> dict:
     """Run the benchmark, write JSON, Markdown and PNG under ``out``; returns the results."""
     start = time.monotonic()
     device = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
@@ -960,7 +961,8 @@ def run(out: Path, smoke: bool = False, total_s: float = 450.0,
         elif name == "e2e":
             guarded(results, name, lambda box=box: section_e2e(device, smoke, box, copy_bw, prompts, budget, methods))
         elif name == "throughput":
-            guarded(results, name, lambda box=box: section_throughput(device, smoke, box, max(prompts), budget))
+            guarded(results, name, lambda box=box: section_throughput(device, smoke, box, max(prompts), budget,
+                                                                          max_batch=max_batch))
     results["total_seconds"] = round(time.monotonic() - start, 1)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"speed-{slug(results.get('env', {}).get('device', 'unknown'))}"
@@ -985,11 +987,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=0.2)
     ap.add_argument("--methods", default=None,
                     help="comma-separated end-to-end methods (transformers, full, streamingllm, ...; default all)")
+    ap.add_argument("--max-batch", type=int, default=32, help="largest batch the throughput section tries")
     args = ap.parse_args(argv)
     prompts = [int(p) for p in args.prompts.split(",")] if args.prompts else None
     methods = set(args.methods.split(",")) if args.methods else None
     run(Path(args.out), args.smoke, args.total_s, tuple(s for s in args.sections.split(",") if s), prompts, args.budget,
-        methods)
+        methods, args.max_batch)
     return 0
 
 
