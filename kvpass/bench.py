@@ -904,34 +904,54 @@ def markdown(results: dict) -> str:
 
 
 def plot(results: dict, path: Path) -> None:
+    """One panel per section that has rows: decode-attention bandwidth, end-to-end ms/token against the
+    floor, largest-batch tokens/s against the batch."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    ker = results.get("kernels") or {}
-    rows = [r for r in ker.get("rows", []) if "triton_us" in r and "sdpa_us" in r]
-    for b in sorted({r["B"] for r in rows}):
-        sel = [r for r in rows if r["B"] == b]
-        axes[0].plot([r["C"] for r in sel], [r["triton_bytes_per_s"] / 1e12 for r in sel], "o-", label=f"Triton B={b}")
-        axes[0].plot([r["C"] for r in sel], [r["sdpa_bytes_per_s"] / 1e12 for r in sel], "x--", alpha=0.5,
-                     label=f"SDPA B={b}")
-    if rows:
-        axes[0].axhline(results.get("env", {}).get("copy_bytes_per_s", 0) / 1e12, color="k", lw=0.8, label="copy")
-        axes[0].set_xscale("log", base=2)
-    axes[0].set(xlabel="cache entries C", ylabel="TB/s", title="decode attention bandwidth")
-    axes[0].legend(fontsize=6, ncol=2)
+    ker = [r for r in (results.get("kernels") or {}).get("rows", []) if "triton_us" in r and "sdpa_us" in r]
     e2e = [r for r in (results.get("e2e") or {}).get("rows", []) if "tpot_ms" in r]
-    labels = [f"{r['method']}\n{r['prompt'] // 1024}k" for r in e2e]
-    axes[1].bar(range(len(e2e)), [r["tpot_ms"] for r in e2e], color="tab:blue", label="ms/token")
-    axes[1].scatter(range(len(e2e)), [r["floor_ms"] for r in e2e], color="k", marker="_", s=200, label="floor", zorder=3)
-    axes[1].set_xticks(range(len(e2e)), labels, rotation=60, fontsize=6)
-    axes[1].set(ylabel="ms per output token", title="end-to-end decode, batch 1")
-    axes[1].legend(fontsize=7)
+    thr = [r for r in (results.get("throughput") or {}).get("rows", []) if "tokens_per_s" in r]
+    panels = [(draw, rows) for draw, rows in ((_plot_kernels, ker), (_plot_e2e, e2e), (_plot_throughput, thr)) if rows]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
+    for ax, (draw, rows) in zip(axes[0], panels, strict=True):
+        draw(ax, rows, results)
     fig.suptitle(results.get("env", {}).get("device", ""))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _plot_kernels(ax, rows: list[dict], results: dict) -> None:
+    for b in sorted({r["B"] for r in rows}):
+        sel = [r for r in rows if r["B"] == b]
+        ax.plot([r["C"] for r in sel], [r["triton_bytes_per_s"] / 1e12 for r in sel], "o-", label=f"Triton B={b}")
+        ax.plot([r["C"] for r in sel], [r["sdpa_bytes_per_s"] / 1e12 for r in sel], "x--", alpha=0.5, label=f"SDPA B={b}")
+    ax.axhline(results.get("env", {}).get("copy_bytes_per_s", 0) / 1e12, color="k", lw=0.8, label="copy")
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="cache entries C", ylabel="TB/s", title="decode attention bandwidth")
+    ax.legend(fontsize=6, ncol=2)
+
+
+def _plot_e2e(ax, rows: list[dict], results: dict) -> None:
+    labels = [f"{r['method']}\n{r['prompt'] // 1024}k" for r in rows]
+    ax.bar(range(len(rows)), [r["tpot_ms"] for r in rows], color="tab:blue", label="ms/token")
+    ax.scatter(range(len(rows)), [r["floor_ms"] for r in rows], color="k", marker="_", s=200, label="floor", zorder=3)
+    ax.set_xticks(range(len(rows)), labels, rotation=60, fontsize=6)
+    ax.set(ylabel="ms per output token", title="end-to-end decode, batch 1")
+    ax.legend(fontsize=7)
+
+
+def _plot_throughput(ax, rows: list[dict], results: dict) -> None:
+    for method in dict.fromkeys(r["method"] for r in rows):
+        sel = [r for r in rows if r["method"] == method]
+        ax.plot([r["batch"] for r in sel], [r["tokens_per_s"] for r in sel], "o-", label=method)
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="batch", ylabel="tokens/s", title=f"largest batch, prompt {results['throughput']['prompt']}")
+    ax.legend(fontsize=7)
 
 
 # ------------------------------------------------------------------------------------ main
