@@ -21,11 +21,13 @@ from kvpass.prompts import chat_ids, needle_prompt
 
 
 class D2ONoMerge(D2O):
-    """D2O with merging switched off (tau = +inf): eviction + layer allocation only."""
+    """D2O with merging switched off (tau = +inf): eviction + layer allocation only. Only the prefill
+    compression (``compress``) is changed, which is all this study looks at; the decode-time step
+    (``compress_into``, the d2o_evict_one op) still merges."""
 
-    def _update_tau(self, out, u_star, valid):
-        super()._update_tau(out, u_star, valid)
-        return torch.full_like(out.state["d2o_tau"], float("inf"))
+    def _update_tau(self, state, u_star, valid):
+        super()._update_tau(state, u_star, valid)
+        return torch.full_like(state["d2o_tau"], float("inf"))
 
 
 VARIANTS = {
