@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
+from kvpass.kernels.cosine_match import cosine_tile_argmax, unit_rows
 from torch import Tensor
 
 _EPS = 1e-6
@@ -74,7 +75,7 @@ def _cosine_kmeans_assign_kernel(
     k_hi = tl.where(tl.max(valid.to(tl.int32), 0) > 0, K, 0)          # no valid key: nothing to compare
     x = tl.load(X + b * sxb + g * sxh + offs_i[:, None] * sxn + offs_d[None, :] * sxd,
                 mask=valid[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-    x = x / tl.maximum(tl.sqrt(tl.sum(x * x, 1)), eps)[:, None]
+    x = unit_rows(x, eps)
     best = tl.full([BLOCK_N], float("-inf"), tl.float32)
     label = tl.zeros([BLOCK_N], tl.int64)
     for c0 in range(0, k_hi, BLOCK_K):
@@ -82,20 +83,10 @@ def _cosine_kmeans_assign_kernel(
         c_mask = offs_c < K
         mu = tl.load(MU + b * smb + g * smh + offs_c[:, None] * smk + offs_d[None, :] * smd,
                      mask=c_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-        mu = mu / tl.maximum(tl.sqrt(tl.sum(mu * mu, 1)), eps)[:, None]
-        if EXACT:
-            s = tl.dot(x, tl.trans(mu), input_precision="ieee")
-        else:
-            s = tl.dot(x, tl.trans(mu))
         ok = c_mask
         if HAS_USABLE:
             ok = ok & (tl.load(USABLE + row * K + offs_c, mask=c_mask, other=0) != 0)
-        s = tl.where(ok[None, :], s, float("-inf"))
-        tile_best = tl.max(s, 1)
-        tile_label = tl.argmax(s, 1).to(tl.int64) + c0
-        better = tile_best > best
-        label = tl.where(better, tile_label, label)
-        best = tl.where(better, tile_best, best)
+        best, label = cosine_tile_argmax(x, mu, ok[None, :], best, label, c0, eps, EXACT)
     label = tl.where(valid, label, -1)
     tl.store(LABEL + row * N + offs_i, label, mask=i_mask)
 

@@ -56,6 +56,31 @@ def cosine_match_reference(src: Tensor, dst: Tensor, dst_valid: Tensor | None = 
 # best_i, index_i = running (max, first argmax); a later tile wins only if strictly greater.
 
 @triton.jit
+def unit_rows(x, eps):
+    """x [R, BLOCK_D] fp32 -> x_r / max(|x_r|, eps) per row."""
+    return x / tl.maximum(tl.sqrt(tl.sum(x * x, 1)), eps)[:, None]
+
+
+@triton.jit
+def cosine_tile_argmax(xn, y, ok, best, index, first, eps, EXACT: tl.constexpr):
+    """One tile of a running cosine argmax: xn [R, BLOCK_D] unit rows (fp32), y [T, BLOCK_D] candidate
+    rows (fp32, normalised here), ok [R or 1, T] candidates allowed, best [R] / index [R] int64 so far,
+    first = the index of y's first row. s = xn . yn (ieee fp32 if EXACT, else tensor cores), -inf where
+    not ok; a tile's (max, first argmax) replaces (best, index) only where strictly greater, so ties go
+    to the lowest index. Returns the new (best, index). Shared by cosine_match and cosine_kmeans_assign."""
+    yn = unit_rows(y, eps)
+    if EXACT:
+        s = tl.dot(xn, tl.trans(yn), input_precision="ieee")
+    else:
+        s = tl.dot(xn, tl.trans(yn))
+    s = tl.where(ok, s, float("-inf"))
+    tile_best = tl.max(s, 1)
+    tile_index = tl.argmax(s, 1).to(tl.int64) + first
+    better = tile_best > best
+    return tl.where(better, tile_best, best), tl.where(better, tile_index, index)
+
+
+@triton.jit
 def _cosine_match_kernel(
     X, Y, VALID, IDX, BEST,
     sxb, sxh, sxs, sxd, syb, syh, syn, syd,
@@ -73,7 +98,7 @@ def _cosine_match_kernel(
     d_mask = offs_d < HEAD_DIM
     x = tl.load(X + b * sxb + g * sxh + offs_i[:, None] * sxs + offs_d[None, :] * sxd,
                 mask=i_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-    x = x / tl.maximum(tl.sqrt(tl.sum(x * x, 1)), eps)[:, None]
+    x = unit_rows(x, eps)
     if CHUNKED:
         i_last = tl.minimum(i0 + BLOCK_S, S) - 1
         lo = (i0 // SRC_CHUNK) * DST_CHUNK
@@ -89,23 +114,13 @@ def _cosine_match_kernel(
         n_mask = offs_n < hi
         y = tl.load(Y + b * syb + g * syh + offs_n[:, None] * syn + offs_d[None, :] * syd,
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-        y = y / tl.maximum(tl.sqrt(tl.sum(y * y, 1)), eps)[:, None]
-        if EXACT:
-            s = tl.dot(x, tl.trans(y), input_precision="ieee")
-        else:
-            s = tl.dot(x, tl.trans(y))
         ok = n_mask
         if HAS_VALID:
             ok = ok & (tl.load(VALID + pid_bg.to(tl.int64) * N + offs_n, mask=n_mask, other=0) != 0)
         ok2 = ok[None, :]
         if CHUNKED:
             ok2 = ok2 & (chunk_i[:, None] == (offs_n // DST_CHUNK)[None, :])
-        s = tl.where(ok2, s, float("-inf"))
-        tile_best = tl.max(s, 1)
-        tile_idx = tl.argmax(s, 1).to(tl.int64) + n0
-        better = tile_best > best
-        index = tl.where(better, tile_idx, index)
-        best = tl.where(better, tile_best, best)
+        best, index = cosine_tile_argmax(x, y, ok2, best, index, n0, eps, EXACT)
     out = pid_bg.to(tl.int64) * S + offs_i
     tl.store(IDX + out, index, mask=i_mask)
     tl.store(BEST + out, best, mask=i_mask)
