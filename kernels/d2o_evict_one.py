@@ -109,9 +109,11 @@ def merge_weights(u_star: Tensor, valid: Tensor, tau: Tensor, variant: str) -> t
     return merged, torch.where(merged, u_star, 0.0), 1.0
 
 
-def merged_rows(into: Tensor, src: Tensor, merged: Tensor, w_e: Tensor, w_self: float, norm: Tensor) -> Tensor:
+def merged_rows(into: Tensor, src: Tensor, merged: Tensor, w_e: Tensor, w_self: float, variant: str) -> Tensor:
     """(w_self * into + w_e * src) / norm where ``merged``, else ``into`` (§5.6 step 4, one evicted
-    entry per row). into, src: [B, Hkv, 1, D]; merged, w_e, norm: [B, Hkv, 1]."""
+    entry per row; norm = w_self + w_e ("paper") or w_self + 1 ("code")). into, src: [B, Hkv, 1, D];
+    merged, w_e: [B, Hkv, 1]."""
+    norm = w_self + (w_e if variant == "paper" else merged.float())
     new = (w_self * into.float() + w_e[..., None] * src.float()) / norm[..., None]
     return torch.where(merged[..., None], new.to(into.dtype), into)
 
@@ -130,11 +132,10 @@ def d2o_evict_one_reference(k: Tensor, v: Tensor, col_sum: Tensor, position: Ten
     row0 = torch.arange(b * h, device=k.device).view(b, h, 1) * c
     flat_n, flat_e = (pick.nearest + row0).reshape(-1), (pick.e + row0).reshape(-1)
     flat_last = (row0 + c - 1).reshape(-1)
-    norm = w_self + (w_e if variant == "paper" else merged.float())       # [B, Hkv, 1]
     for buf, src in ((k, pick.k_e), (v, pick.v_e)):
         rows = buf.view(b * h * c, d)
         into = rows.index_select(0, flat_n).view(b, h, 1, d)
-        rows.index_copy_(0, flat_n, merged_rows(into, src, merged, w_e, w_self, norm).view(b * h, d))
+        rows.index_copy_(0, flat_n, merged_rows(into, src, merged, w_e, w_self, variant).view(b * h, d))
     # the newest entry (slot c - 1) moves into the evicted slot; a row that evicted nothing has
     # e = c - 1, an empty slot, so the move and the clearing below leave it unchanged
     for t in (k, v, log_weight, position, col_sum, *others):

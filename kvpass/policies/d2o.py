@@ -239,11 +239,10 @@ class D2O(Policy):
         merged, w_e, w_self = self._merge_weights(pick.u_star, pick.valid, tau)
         target = pick.nearest - (pick.nearest > e).long()                      # [B, Hkv, 1] in the output's slots
         flat = (target + row0 // c * keep).reshape(-1)
-        norm = w_self + (w_e if self.d2o_variant == "paper" else merged.float())  # [B, Hkv, 1]
         for name, s_e in (("k", pick.k_e), ("v", pick.v_e)):
             base = getattr(out, name)
             into = base.view(b * h * keep, d).index_select(0, flat).view(b, h, 1, d)
-            new = _merged_rows(into, s_e, merged, w_e, w_self, norm)
+            new = _merged_rows(into, s_e, merged, w_e, w_self, self.d2o_variant)
             base.view(b * h * keep, d).index_copy_(0, flat, new.view(b * h, d))
         return out
 
