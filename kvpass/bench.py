@@ -105,6 +105,15 @@ def time_fn(fn: Callable[[], object], device: torch.device, graph: bool = True) 
     return float(ms) * 1e-3
 
 
+def time_graphed_or_eager(fn: Callable[[], object], device: torch.device) -> tuple[float, bool]:
+    """``time_fn(fn)`` from a CUDA graph, or, where ``fn`` cannot be captured (it synchronises with the
+    host, as Chelsea's compression does), timed eagerly with its launches. Returns (seconds, graphed)."""
+    try:
+        return time_fn(fn, device), device.type == "cuda"
+    except RuntimeError:                        # a failed capture (torch.AcceleratorError is a RuntimeError)
+        sync(device)
+        return time_fn(fn, device, graph=False), False
+
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     got, want = got.double(), want.double()
     if not bool(torch.isfinite(got).all()):
@@ -428,10 +437,7 @@ def clusterkv_kernel_rows(device: torch.device, smoke: bool, deadline: Deadline)
         return copies[nbytes]
 
     def timed_row(row: dict, fn: Callable[[], object], moved: int, baseline: float, **info) -> dict:
-        try:
-            t, graphed = time_fn(fn, device), device.type == "cuda"
-        except RuntimeError:                     # not capturable in a CUDA graph: timed with its launches
-            t, graphed = time_fn(fn, device, graph=False), False
+        t, graphed = time_graphed_or_eager(fn, device)
         return {**row, "us": t * 1e6, "graphed": graphed, "bytes": moved, "bytes_per_s": moved / t,
                 "copy_bytes_per_s": baseline,
                 "frac_of_copy": (moved / t) / baseline, **{k: v(t) if callable(v) else v for k, v in info.items()}}
@@ -573,11 +579,9 @@ def _stepped_tpot(kv, ids: torch.Tensor, device: torch.device, warm: int = 8, st
     layers = [lay for lay in session.layers if lay.compressible]
     if layers:
         compress_all = lambda: [kv.compress_into(lay.cache, lay.budget) for lay in layers]   # noqa: E731
-        try:
-            ms, how = time_fn(compress_all, device) * 1e3, "CUDA graph" if device.type == "cuda" else "eager"
-        except Exception:  # noqa: BLE001  (a policy whose compression synchronises cannot be captured: the step runs it eagerly too)
-            sync(device)
-            ms, how = time_fn(compress_all, device, graph=False) * 1e3, "eager (capture failed)"
+        seconds, graphed = time_graphed_or_eager(compress_all, device)   # the step runs it eagerly too where not graphed
+        ms = seconds * 1e3
+        how = "CUDA graph" if graphed else "eager (capture failed)" if device.type == "cuda" else "eager"
         out.update(decode_compress_ms=ms, decode_compress_frac_of_tpot=ms / interval / out["tpot_ms"],
                    decode_compress_timed=how)
     return out
