@@ -66,29 +66,47 @@ def head_column_sums_rows(q: Tensor, k: Tensor, pad: Tensor, scale: float, windo
 # pass 1, one program per (b, h, block of rows):  lse2_i = log2 sum_{j allowed} 2^(s2_ij)  (online max)
 # pass 2, one program per (b, h, block of keys):  c_j = sum_{i >= pad, allowed} 2^(s2_ij - lse2_i)
 # Each pass visits only the tiles under the causal (and window) band: about one attention forward.
+# A program's own operand (pass 1: its q rows; pass 2: its keys) is loaded once; the tiles that lie
+# wholly inside the band (every pair allowed) skip the mask, so only the tiles on the diagonal, the pad
+# edge and the window edge build it. Pad rows need no mask in pass 2: their lse2 is +inf (they add 0).
 
 
 @triton.jit
-def _logits2_tile(Q, K, PAD, b, h, g, i0, j0, sqb, sqh, sqt, sqd, skb, skh, skt, skd, T, scale, softcap,
-                  HEAD_DIM: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_D: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT: tl.constexpr):
-    """Base-2 logits of rows [i0, i0 + BLOCK_M) x keys [j0, j0 + BLOCK_N), -inf where not allowed
-    (and on pad rows): [BLOCK_M, BLOCK_N] fp32."""
-    i = i0 + tl.arange(0, BLOCK_M)
-    j = j0 + tl.arange(0, BLOCK_N)
+def _load_rows(X, b, h, r0, sxb, sxh, sxt, sxd, T, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    """Rows [r0, r0 + BLOCK) of head h of batch row b: [BLOCK, BLOCK_D] (zeros past T and HEAD_DIM)."""
+    r = r0 + tl.arange(0, BLOCK)
     dd = tl.arange(0, BLOCK_D)
-    pad = tl.load(PAD + b)
-    q = tl.load(Q + b * sqb + h * sqh + i[:, None] * sqt + dd[None, :] * sqd,
-                mask=(i[:, None] < T) & (dd[None, :] < HEAD_DIM), other=0.0)
-    k = tl.load(K + b * skb + g * skh + j[:, None] * skt + dd[None, :] * skd,
-                mask=(j[:, None] < T) & (dd[None, :] < HEAD_DIM), other=0.0)
+    return tl.load(X + b * sxb + h * sxh + r[:, None] * sxt + dd[None, :] * sxd,
+                   mask=(r[:, None] < T) & (dd[None, :] < HEAD_DIM), other=0.0)
+
+
+@triton.jit
+def _qk_logits2(q, k, scale, softcap, HAS_SOFTCAP: tl.constexpr, DOT: tl.constexpr):
+    """Base-2 logits of q [BLOCK_M, BLOCK_D] x k [BLOCK_N, BLOCK_D]: [BLOCK_M, BLOCK_N] fp32, no mask."""
     s = _dot(q, tl.trans(k), DOT) * scale
     if HAS_SOFTCAP:
         s = softcap * _tanh(s / softcap)
+    return s * 1.4426950408889634
+
+
+@triton.jit
+def _masked(s2, i0, j0, pad, T, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """s2 with -inf where (i, j) is not allowed (and on pad rows and rows past T)."""
+    i = i0 + tl.arange(0, BLOCK_M)
+    j = j0 + tl.arange(0, BLOCK_N)
     allowed = (j[None, :] <= i[:, None]) & (j[None, :] >= pad) & (i[:, None] >= pad) & (i[:, None] < T)
     if WINDOW > 0:
         allowed = allowed & (i[:, None] - j[None, :] < WINDOW)
-    return tl.where(allowed, s * 1.4426950408889634, float("-inf"))
+    return tl.where(allowed, s2, float("-inf"))
+
+
+@triton.jit
+def _lse_step(m, l_sum, s2):
+    """Online log-sum-exp: fold the logits s2 [BLOCK_M, BLOCK_N] into the running (max, sum)."""
+    m_new = tl.maximum(m, tl.max(s2, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, l_sum * tl.exp2(m - m_safe) + tl.sum(tl.exp2(s2 - m_safe[:, None]), axis=1)
 
 
 @triton.jit
@@ -105,15 +123,28 @@ def _row_lse_kernel(Q, K, PAD, LSE, sqb, sqh, sqt, sqd, skb, skh, skt, skd, HQ, 
         lo = tl.maximum(lo, i0 - WINDOW + 1)
     lo = (lo // BLOCK_N) * BLOCK_N
     hi = tl.minimum(i0 + BLOCK_M, T)
+    # key tiles [a, bnd) lie inside the band for every row of this block: j0 >= pad, j0 + BLOCK_N - 1 <= i0
+    # (causal) and i0 + BLOCK_M - 1 - j0 < WINDOW. (A block holding pad rows, i0 < pad, has none.)
+    first = pad
+    if WINDOW > 0:
+        first = tl.maximum(first, i0 + BLOCK_M - WINDOW)
+    a = tl.minimum(tl.maximum(tl.cdiv(first, BLOCK_N) * BLOCK_N, lo), hi)
+    bnd = tl.minimum(tl.maximum(((i0 + 1) // BLOCK_N) * BLOCK_N, a), hi)
+    q = _load_rows(Q, b, h, i0, sqb, sqh, sqt, sqd, T, HEAD_DIM, BLOCK_M, BLOCK_D)
+    k_base = K + b * skb + g * skh
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
-    for j0 in range(lo, hi, BLOCK_N):
-        s2 = _logits2_tile(Q, K, PAD, b, h, g, i0, j0, sqb, sqh, sqt, sqd, skb, skh, skt, skd, T, scale, softcap,
-                           HEAD_DIM, WINDOW, BLOCK_M, BLOCK_N, BLOCK_D, HAS_SOFTCAP, DOT)
-        m_new = tl.maximum(m, tl.max(s2, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_sum = l_sum * tl.exp2(m - m_safe) + tl.sum(tl.exp2(s2 - m_safe[:, None]), axis=1)
-        m = m_new
+    for j0 in range(lo, a, BLOCK_N):
+        k = _load_rows(k_base, 0, 0, j0, 0, 0, skt, skd, T, HEAD_DIM, BLOCK_N, BLOCK_D)
+        s2 = _masked(_qk_logits2(q, k, scale, softcap, HAS_SOFTCAP, DOT), i0, j0, pad, T, WINDOW, BLOCK_M, BLOCK_N)
+        m, l_sum = _lse_step(m, l_sum, s2)
+    for j0 in range(a, bnd, BLOCK_N):
+        k = _load_rows(k_base, 0, 0, j0, 0, 0, skt, skd, T, HEAD_DIM, BLOCK_N, BLOCK_D)
+        m, l_sum = _lse_step(m, l_sum, _qk_logits2(q, k, scale, softcap, HAS_SOFTCAP, DOT))
+    for j0 in range(bnd, hi, BLOCK_N):
+        k = _load_rows(k_base, 0, 0, j0, 0, 0, skt, skd, T, HEAD_DIM, BLOCK_N, BLOCK_D)
+        s2 = _masked(_qk_logits2(q, k, scale, softcap, HAS_SOFTCAP, DOT), i0, j0, pad, T, WINDOW, BLOCK_M, BLOCK_N)
+        m, l_sum = _lse_step(m, l_sum, s2)
     i = i0 + tl.arange(0, BLOCK_M)
     lse = tl.where(l_sum > 0, m + tl.log2(tl.maximum(l_sum, 1e-30)), float("inf"))    # +inf: row adds nothing
     tl.store(LSE + bh * T + i, lse, mask=i < T)
@@ -132,13 +163,33 @@ def _column_sum_kernel(Q, K, PAD, LSE, COL, sqb, sqh, sqt, sqd, skb, skh, skt, s
     hi = T
     if WINDOW > 0:
         hi = tl.minimum(T, j0 + BLOCK_N - 1 + WINDOW)
+    # row tiles [a, bnd) lie inside the band for every key of this block (no pad keys here):
+    # i0 >= j0 + BLOCK_N - 1 (causal) and i0 + BLOCK_M - 1 - j0 < WINDOW
+    a = tl.minimum(tl.maximum(tl.cdiv(j0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M, lo), hi)
+    a = tl.where(j0 < pad, hi, a)
+    bnd = hi
+    if WINDOW > 0:
+        bnd = tl.cdiv(j0 + WINDOW - BLOCK_M + 1, BLOCK_M) * BLOCK_M
+    bnd = tl.minimum(tl.maximum(bnd, a), hi)
+    k = _load_rows(K, b, g, j0, skb, skh, skt, skd, T, HEAD_DIM, BLOCK_N, BLOCK_D)
+    q_base = Q + b * sqb + h * sqh
+    lse_base = LSE + bh * T
     col = tl.zeros([BLOCK_N], tl.float32)
-    for i0 in range(lo, hi, BLOCK_M):
-        s2 = _logits2_tile(Q, K, PAD, b, h, g, i0, j0, sqb, sqh, sqt, sqd, skb, skh, skt, skd, T, scale, softcap,
-                           HEAD_DIM, WINDOW, BLOCK_M, BLOCK_N, BLOCK_D, HAS_SOFTCAP, DOT)
+    for i0 in range(lo, a, BLOCK_M):
+        q = _load_rows(q_base, 0, 0, i0, 0, 0, sqt, sqd, T, HEAD_DIM, BLOCK_M, BLOCK_D)
+        s2 = _masked(_qk_logits2(q, k, scale, softcap, HAS_SOFTCAP, DOT), i0, j0, pad, T, WINDOW, BLOCK_M, BLOCK_N)
         i = i0 + tl.arange(0, BLOCK_M)
-        lse = tl.load(LSE + bh * T + i, mask=i < T, other=float("inf"))
-        col += tl.sum(tl.exp2(s2 - lse[:, None]), axis=0)
+        col += tl.sum(tl.exp2(s2 - tl.load(lse_base + i, mask=i < T, other=float("inf"))[:, None]), axis=0)
+    for i0 in range(a, bnd, BLOCK_M):
+        q = _load_rows(q_base, 0, 0, i0, 0, 0, sqt, sqd, T, HEAD_DIM, BLOCK_M, BLOCK_D)
+        s2 = _qk_logits2(q, k, scale, softcap, HAS_SOFTCAP, DOT)
+        i = i0 + tl.arange(0, BLOCK_M)
+        col += tl.sum(tl.exp2(s2 - tl.load(lse_base + i, mask=i < T, other=float("inf"))[:, None]), axis=0)
+    for i0 in range(bnd, hi, BLOCK_M):
+        q = _load_rows(q_base, 0, 0, i0, 0, 0, sqt, sqd, T, HEAD_DIM, BLOCK_M, BLOCK_D)
+        s2 = _masked(_qk_logits2(q, k, scale, softcap, HAS_SOFTCAP, DOT), i0, j0, pad, T, WINDOW, BLOCK_M, BLOCK_N)
+        i = i0 + tl.arange(0, BLOCK_M)
+        col += tl.sum(tl.exp2(s2 - tl.load(lse_base + i, mask=i < T, other=float("inf"))[:, None]), axis=0)
     j = j0 + tl.arange(0, BLOCK_N)
     tl.store(COL + bh * T + j, col, mask=j < T)
 

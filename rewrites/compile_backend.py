@@ -44,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
+from kvpass.rewrites.sym_ops_to_builtins import replace_sym_ops_with_builtins
 from torch import nn
 from torch.fx import GraphModule
 
@@ -113,6 +114,10 @@ def kvpass_backend(gm: GraphModule, example_inputs: list, options: dict | None =
     COMPILE_COUNTS[kind] += 1
     log.info("kvpass backend: compiling a %s graph (%d nodes)", kind, len(gm.graph.nodes))
     patches = {} if opts.mode == "default" else {"max_autotune": "max-autotune" in opts.mode}
+    if hasattr(torch._inductor.config, "emulate_precision_casts"):
+        # fused kernels round intermediates to the model's dtype where eager does (RMSNorm's bf16 cast,
+        # RoPE's products), so compiled decoding follows the eager graph's numerics, not fp32's
+        patches["emulate_precision_casts"] = True
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 
@@ -205,10 +210,13 @@ def compiled_model(compiled: nn.Module):
 
 
 def compile_graphs(model, opts: CompileOptions | None = None) -> None:
-    """Replace a KVPassModel's prefill and decode graphs by their compiled forms, in place."""
+    """Replace a KVPassModel's prefill and decode graphs by their compiled forms, in place (first
+    ``replace_sym_ops_with_builtins``: Dynamo cannot trace the ``torch.sym_min`` that export leaves on CUDA)."""
     options = {"mode": (opts or CompileOptions()).mode}
     graphs = model.graphs
-    prefill = torch.compile(graphs.prefill, backend=BACKEND, options=options, dynamic=True)
-    decode = torch.compile(graphs.decode, backend=BACKEND, options=options, dynamic=False, fullgraph=True)
+    prefill = torch.compile(replace_sym_ops_with_builtins(graphs.prefill), backend=BACKEND, options=options,
+                            dynamic=True)
+    decode = torch.compile(replace_sym_ops_with_builtins(graphs.decode), backend=BACKEND, options=options,
+                           dynamic=False, fullgraph=True)
     model.graphs = replace(graphs, prefill=prefill, decode=decode)
     model.eager_graphs = graphs

@@ -72,11 +72,38 @@ def part_a(t: int) -> dict:
         f = lambda: torch.ops.aten._scaled_dot_product_flash_attention(q, ke, ve, 0.0, True, False, scale=scale)  # noqa: E731
         lse_flash = f()[1]
         out["flash_lse_expanded_ms"] = ms(f)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    for backend in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+        try:
+            with sdpa_kernel(getattr(SDPBackend, backend)):
+                out[f"sdpa_{backend.lower()}_ms"] = ms(sdpa)
+        except Exception as e:  # noqa: BLE001
+            out[f"sdpa_{backend.lower()}_error"] = repr(e)[:200]
+    ke, ve = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
+    for name, kk, vv in (("gqa", k, v), ("expanded", ke, ve)):
+        try:
+            f = lambda kk=kk, vv=vv: torch.ops.aten._scaled_dot_product_cudnn_attention(  # noqa: E731
+                q, kk, vv, None, True, 0.0, True, False, scale=scale)
+            res = f()
+            out[f"cudnn_lse_{name}_ms"] = ms(f)
+            out[f"cudnn_lse_{name}_shape"] = list(res[1].shape)
+            out[f"cudnn_lse_{name}_maxdiff_vs_flash"] = float((res[1].reshape(lse_flash.shape).float()
+                                                                - lse_flash.float()).abs().max())
+        except Exception as e:  # noqa: BLE001
+            out[f"cudnn_lse_{name}_error"] = repr(e)[:300]
+        try:
+            f = lambda kk=kk, vv=vv: torch.ops.aten._scaled_dot_product_efficient_attention(  # noqa: E731
+                q, kk, vv, None, True, 0.0, True, scale=scale)
+            res = f()
+            out[f"efficient_lse_{name}_ms"] = ms(f)
+            out[f"efficient_lse_{name}_shape"] = list(res[1].shape)
+        except Exception as e:  # noqa: BLE001
+            out[f"efficient_lse_{name}_error"] = repr(e)[:300]
     args = (*q.stride(), *k.stride(), 32, 4, t, float(scale), 1.0)
     lse = torch.empty(32 * t, device=dev, dtype=torch.float32)
     col = torch.empty(1, 32, t, device=dev, dtype=torch.float32)
-    configs = [(64, 64, 4, 2), (128, 64, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3),
-               (128, 32, 4, 3)]
+    configs = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3),
+               (128, 128, 8, 2), (128, 128, 8, 3), (128, 32, 4, 3), (64, 32, 4, 3)]
     for bm, bn, w, s in configs:
         meta = dict(HEAD_DIM=128, WINDOW=0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=128, HAS_SOFTCAP=False, DOT=0,
                     num_warps=w, num_stages=s)

@@ -35,18 +35,21 @@ def test_blocked_column_sums_equal_dense(hq, hkv, window, softcap):
     torch.testing.assert_close(got.sum(-1), real_rows[:, None].expand(2, hkv), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("block_m, block_n", [(16, 16), (32, 16), (16, 32)])
 @pytest.mark.parametrize("hq, hkv, t, window, softcap", [(4, 2, 37, None, None), (3, 1, 29, 7, None),
-                                                        (2, 2, 40, None, 30.0), (2, 1, 16, 3, 20.0)])
-def test_triton_head_column_sums_equal_dense(hq, hkv, t, window, softcap, triton_device):
-    """The two-pass Triton kernels (blocks of 16: odd T, pads and windows cross tile edges) against
-    the float64 dense attention, per query head."""
+                                                        (2, 2, 40, None, 30.0), (2, 1, 16, 3, 20.0),
+                                                        (2, 1, 75, 21, None)])
+def test_triton_head_column_sums_equal_dense(hq, hkv, t, window, softcap, block_m, block_n, triton_device):
+    """The two-pass Triton kernels (blocks of 16 and 32: odd T, pads and windows cross tile edges, and
+    the tiles inside the band skip the mask) against the float64 dense attention, per query head."""
     from kvpass.kernels.attention_column_sums import head_column_sums_triton
 
     torch.manual_seed(t * 7 + hq)
     q, k = torch.randn(3, hq, t, 24), torch.randn(3, hkv, t, 24)
     pad = torch.tensor([0, 5, 18])
     dev = torch.device(triton_device)
-    got = head_column_sums_triton(q.to(dev), k.to(dev), pad.to(dev), 0.3, window, softcap, block_m=16, block_n=16)
+    got = head_column_sums_triton(q.to(dev), k.to(dev), pad.to(dev), 0.3, window, softcap, block_m=block_m,
+                                 block_n=block_n)
     want = dense_column_sums(q, k, pad, 0.3, window, softcap) if hq == hkv else None
     per_head = torch.stack([dense_column_sums(q[:, h:h + 1], k[:, h // (hq // hkv):h // (hq // hkv) + 1], pad, 0.3,
                                               window, softcap)[:, 0] for h in range(hq)], dim=1)
