@@ -27,6 +27,7 @@ from kvpass.kernels.merge_entries import merge_entries, merge_entries_reference
 from kvpass.kernels.merge_weighted import merge_weighted, merge_weighted_reference
 from kvpass.kernels.page_recall_attention import page_recall_attention, page_recall_attention_reference
 from kvpass.kernels.prefill_attention import prefill_attention, prefill_attention_reference, prefill_mask
+from kvpass.kernels.prefill_attention_lse import prefill_attention_lse, prefill_attention_lse_reference
 from kvpass.kernels.write_kv import write_kv, write_kv_reference
 
 __all__ = [
@@ -46,5 +47,6 @@ __all__ = [
     "merge_weighted", "merge_weighted_reference",
     "page_recall_attention", "page_recall_attention_reference",
     "prefill_attention", "prefill_attention_reference", "prefill_mask",
+    "prefill_attention_lse", "prefill_attention_lse_reference",
     "write_kv", "write_kv_reference",
 ]

@@ -24,11 +24,13 @@ from torch import Tensor
 
 
 def head_column_sums(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
-                     softcap: float | None = None, block: int = 256) -> Tensor:
+                     softcap: float | None = None, block: int = 256, lse: Tensor | None = None) -> Tensor:
     """c[b, h, j] = sum over real query rows i of A_h[i, j], per query head: [B, Hq, T] fp32.
-    The Triton kernels on CUDA; elsewhere ``head_column_sums_rows``."""
+    The Triton kernels on CUDA (given ``lse``, the rows' base-2 log-sum-exps [B, Hq, T] from
+    ``prefill_attention_lse``, only the column pass runs); elsewhere ``head_column_sums_rows``, which
+    computes its own softmax (``lse`` is an optimisation: the result is the same)."""
     if q.device.type == "cuda" and HAS_TRITON:
-        return head_column_sums_triton(q, k, pad, scale, window, softcap)
+        return head_column_sums_triton(q, k, pad, scale, window, softcap, lse=lse)
     return head_column_sums_rows(q, k, pad, scale, window, softcap, block)
 
 
@@ -102,8 +104,14 @@ def _masked(s2, i0, j0, pad, T, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLO
 
 
 @triton.jit
-def _lse_step(m, l_sum, s2):
-    """Online log-sum-exp: fold the logits s2 [BLOCK_M, BLOCK_N] into the running (max, sum)."""
+def _lse_tile(q, k_base, i0, j0, m, l_sum, pad, T, skt, skd, scale, softcap, HEAD_DIM: tl.constexpr,
+              WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+              HAS_SOFTCAP: tl.constexpr, DOT: tl.constexpr, MASK: tl.constexpr):
+    """Online log-sum-exp: fold key tile [j0, j0 + BLOCK_N) into the rows' running (max, sum)."""
+    k = _load_rows(k_base, 0, 0, j0, 0, 0, skt, skd, T, HEAD_DIM, BLOCK_N, BLOCK_D)
+    s2 = _qk_logits2(q, k, scale, softcap, HAS_SOFTCAP, DOT)
+    if MASK:
+        s2 = _masked(s2, i0, j0, pad, T, WINDOW, BLOCK_M, BLOCK_N)
     m_new = tl.maximum(m, tl.max(s2, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     return m_new, l_sum * tl.exp2(m - m_safe) + tl.sum(tl.exp2(s2 - m_safe[:, None]), axis=1)
@@ -135,19 +143,31 @@ def _row_lse_kernel(Q, K, PAD, LSE, sqb, sqh, sqt, sqd, skb, skh, skt, skd, HQ, 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     for j0 in range(lo, a, BLOCK_N):
-        k = _load_rows(k_base, 0, 0, j0, 0, 0, skt, skd, T, HEAD_DIM, BLOCK_N, BLOCK_D)
-        s2 = _masked(_qk_logits2(q, k, scale, softcap, HAS_SOFTCAP, DOT), i0, j0, pad, T, WINDOW, BLOCK_M, BLOCK_N)
-        m, l_sum = _lse_step(m, l_sum, s2)
+        m, l_sum = _lse_tile(q, k_base, i0, j0, m, l_sum, pad, T, skt, skd, scale, softcap, HEAD_DIM, WINDOW,
+                             BLOCK_M, BLOCK_N, BLOCK_D, HAS_SOFTCAP, DOT, True)
     for j0 in range(a, bnd, BLOCK_N):
-        k = _load_rows(k_base, 0, 0, j0, 0, 0, skt, skd, T, HEAD_DIM, BLOCK_N, BLOCK_D)
-        m, l_sum = _lse_step(m, l_sum, _qk_logits2(q, k, scale, softcap, HAS_SOFTCAP, DOT))
+        m, l_sum = _lse_tile(q, k_base, i0, j0, m, l_sum, pad, T, skt, skd, scale, softcap, HEAD_DIM, WINDOW,
+                             BLOCK_M, BLOCK_N, BLOCK_D, HAS_SOFTCAP, DOT, False)
     for j0 in range(bnd, hi, BLOCK_N):
-        k = _load_rows(k_base, 0, 0, j0, 0, 0, skt, skd, T, HEAD_DIM, BLOCK_N, BLOCK_D)
-        s2 = _masked(_qk_logits2(q, k, scale, softcap, HAS_SOFTCAP, DOT), i0, j0, pad, T, WINDOW, BLOCK_M, BLOCK_N)
-        m, l_sum = _lse_step(m, l_sum, s2)
+        m, l_sum = _lse_tile(q, k_base, i0, j0, m, l_sum, pad, T, skt, skd, scale, softcap, HEAD_DIM, WINDOW,
+                             BLOCK_M, BLOCK_N, BLOCK_D, HAS_SOFTCAP, DOT, True)
     i = i0 + tl.arange(0, BLOCK_M)
     lse = tl.where(l_sum > 0, m + tl.log2(tl.maximum(l_sum, 1e-30)), float("inf"))    # +inf: row adds nothing
     tl.store(LSE + bh * T + i, lse, mask=i < T)
+
+
+@triton.jit
+def _column_tile(q_base, lse_base, k, i0, j0, pad, T, sqt, sqd, scale, softcap, HEAD_DIM: tl.constexpr,
+                 WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 HAS_SOFTCAP: tl.constexpr, DOT: tl.constexpr, MASK: tl.constexpr):
+    """sum over rows [i0, i0 + BLOCK_M) of 2^(s2_ij - lse2_i), per key of the tile: [BLOCK_N] fp32."""
+    q = _load_rows(q_base, 0, 0, i0, 0, 0, sqt, sqd, T, HEAD_DIM, BLOCK_M, BLOCK_D)
+    s2 = _qk_logits2(q, k, scale, softcap, HAS_SOFTCAP, DOT)
+    if MASK:
+        s2 = _masked(s2, i0, j0, pad, T, WINDOW, BLOCK_M, BLOCK_N)
+    i = i0 + tl.arange(0, BLOCK_M)
+    lse = tl.load(lse_base + i, mask=i < T, other=float("inf"))
+    return tl.sum(tl.exp2(s2 - lse[:, None]), axis=0)
 
 
 @triton.jit
@@ -176,65 +196,90 @@ def _column_sum_kernel(Q, K, PAD, LSE, COL, sqb, sqh, sqt, sqd, skb, skh, skt, s
     lse_base = LSE + bh * T
     col = tl.zeros([BLOCK_N], tl.float32)
     for i0 in range(lo, a, BLOCK_M):
-        q = _load_rows(q_base, 0, 0, i0, 0, 0, sqt, sqd, T, HEAD_DIM, BLOCK_M, BLOCK_D)
-        s2 = _masked(_qk_logits2(q, k, scale, softcap, HAS_SOFTCAP, DOT), i0, j0, pad, T, WINDOW, BLOCK_M, BLOCK_N)
-        i = i0 + tl.arange(0, BLOCK_M)
-        col += tl.sum(tl.exp2(s2 - tl.load(lse_base + i, mask=i < T, other=float("inf"))[:, None]), axis=0)
+        col += _column_tile(q_base, lse_base, k, i0, j0, pad, T, sqt, sqd, scale, softcap, HEAD_DIM, WINDOW,
+                            BLOCK_M, BLOCK_N, BLOCK_D, HAS_SOFTCAP, DOT, True)
     for i0 in range(a, bnd, BLOCK_M):
-        q = _load_rows(q_base, 0, 0, i0, 0, 0, sqt, sqd, T, HEAD_DIM, BLOCK_M, BLOCK_D)
-        s2 = _qk_logits2(q, k, scale, softcap, HAS_SOFTCAP, DOT)
-        i = i0 + tl.arange(0, BLOCK_M)
-        col += tl.sum(tl.exp2(s2 - tl.load(lse_base + i, mask=i < T, other=float("inf"))[:, None]), axis=0)
+        col += _column_tile(q_base, lse_base, k, i0, j0, pad, T, sqt, sqd, scale, softcap, HEAD_DIM, WINDOW,
+                            BLOCK_M, BLOCK_N, BLOCK_D, HAS_SOFTCAP, DOT, False)
     for i0 in range(bnd, hi, BLOCK_M):
-        q = _load_rows(q_base, 0, 0, i0, 0, 0, sqt, sqd, T, HEAD_DIM, BLOCK_M, BLOCK_D)
-        s2 = _masked(_qk_logits2(q, k, scale, softcap, HAS_SOFTCAP, DOT), i0, j0, pad, T, WINDOW, BLOCK_M, BLOCK_N)
-        i = i0 + tl.arange(0, BLOCK_M)
-        col += tl.sum(tl.exp2(s2 - tl.load(lse_base + i, mask=i < T, other=float("inf"))[:, None]), axis=0)
+        col += _column_tile(q_base, lse_base, k, i0, j0, pad, T, sqt, sqd, scale, softcap, HEAD_DIM, WINDOW,
+                            BLOCK_M, BLOCK_N, BLOCK_D, HAS_SOFTCAP, DOT, True)
     j = j0 + tl.arange(0, BLOCK_N)
     tl.store(COL + bh * T + j, col, mask=j < T)
 
 
-def head_column_sums_triton(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
-                            softcap: float | None = None, *, block_m: int | None = None,
-                            block_n: int | None = None) -> Tensor:
-    """``head_column_sums`` by the two Triton passes: [B, Hq, T] fp32."""
-    require_triton()
-    for name, t in (("k", k), ("pad", pad)):
-        check_device(name, t, q.device)
-    check_device("q", q, q.device)
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per pass on CUDA: the fastest of a sweep on an H200 at T = 32k,
+# Hq 32, Hkv 8, D 128, bf16 (benchmarks/probes/decode_fusion_and_prefill_stats.py: pass 1 10.6 ms, pass 2
+# 14.0 ms per layer, from 16.3 and 18.8 ms before the band tiles skipped the mask). The interpreter: 16s.
+_ROW_LSE_CONFIG = (128, 64, 8, 3)
+_COLUMN_SUM_CONFIG = (128, 64, 4, 3)
+
+
+def _launch_args(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None, softcap: float | None):
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     if k.shape != (b, hkv, t, d) or hq % hkv:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} do not match (k must be [B, Hkv, T, D], Hkv | Hq)")
-    on_gpu = q.device.type == "cuda"
-    block_m = block_m or (64 if on_gpu else 16)
-    block_n = block_n or (64 if on_gpu else 16)
-    block_d = max(16, next_pow2(d))
-    dot = 1 if q.dtype == torch.float32 else (2 if not on_gpu else 0)
-    pad = pad.to(torch.int64).contiguous()
-    lse = torch.empty(b * hq * t, device=q.device, dtype=torch.float32)
-    col = torch.empty(b, hq, t, device=q.device, dtype=torch.float32)
-    meta = dict(HEAD_DIM=d, WINDOW=int(window or 0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-                HAS_SOFTCAP=softcap is not None, DOT=dot, num_warps=4, num_stages=2 if on_gpu else 1)
+    for name, x in (("q", q), ("k", k), ("pad", pad)):
+        check_device(name, x, q.device)
     args = (*q.stride(), *k.stride(), hq, hq // hkv, t, float(scale), float(softcap) if softcap is not None else 1.0)
-    _row_lse_kernel[(triton.cdiv(t, block_m), b * hq)](q, k, pad, lse, *args, **meta)
-    _column_sum_kernel[(triton.cdiv(t, block_n), b * hq)](q, k, pad, lse, col, *args, **meta)
+    dot = 1 if q.dtype == torch.float32 else (2 if q.device.type != "cuda" else 0)
+    meta = dict(HEAD_DIM=d, WINDOW=int(window or 0), BLOCK_D=max(16, next_pow2(d)), HAS_SOFTCAP=softcap is not None,
+                DOT=dot)
+    return pad.to(torch.int64).contiguous(), args, meta
+
+
+def _config(default: tuple[int, int, int, int], on_gpu: bool, block_m: int | None, block_n: int | None) -> dict:
+    bm, bn, warps, stages = default if on_gpu else (16, 16, 4, 1)
+    return dict(BLOCK_M=block_m or bm, BLOCK_N=block_n or bn, num_warps=warps, num_stages=stages)
+
+
+def row_lse_triton(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
+                   softcap: float | None = None, *, block_m: int | None = None, block_n: int | None = None) -> Tensor:
+    """Pass 1: lse2[b, h, i] = log2 sum_{j allowed} 2^(s2_ij), +inf on pad rows: [B, Hq, T] fp32."""
+    require_triton()
+    pad, args, meta = _launch_args(q, k, pad, scale, window, softcap)
+    b, hq, t, _ = q.shape
+    cfg = _config(_ROW_LSE_CONFIG, q.device.type == "cuda", block_m, block_n)
+    lse = torch.empty(b, hq, t, device=q.device, dtype=torch.float32)
+    _row_lse_kernel[(triton.cdiv(t, cfg["BLOCK_M"]), b * hq)](q, k, pad, lse, *args, **meta, **cfg)
+    return lse
+
+
+def head_column_sums_triton(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
+                            softcap: float | None = None, *, lse: Tensor | None = None, block_m: int | None = None,
+                            block_n: int | None = None) -> Tensor:
+    """``head_column_sums`` by the Triton passes: [B, Hq, T] fp32. ``lse``: the rows' base-2 log-sum-exps
+    [B, Hq, T] (+inf on pad rows) where the prefill attention already gave them
+    (``prefill_attention_lse``); else pass 1 computes them first."""
+    if lse is None:
+        lse = row_lse_triton(q, k, pad, scale, window, softcap, block_m=block_m, block_n=block_n)
+    require_triton()
+    pad, args, meta = _launch_args(q, k, pad, scale, window, softcap)
+    b, hq, t, _ = q.shape
+    if tuple(lse.shape) != (b, hq, t) or lse.dtype != torch.float32:
+        raise ValueError(f"lse must be [B, Hq, T] = {(b, hq, t)} float32, got {tuple(lse.shape)} {lse.dtype}")
+    check_device("lse", lse, q.device)
+    cfg = _config(_COLUMN_SUM_CONFIG, q.device.type == "cuda", block_m, block_n)
+    col = torch.empty(b, hq, t, device=q.device, dtype=torch.float32)
+    _column_sum_kernel[(triton.cdiv(t, cfg["BLOCK_N"]), b * hq)](q, k, pad, lse.contiguous(), col, *args, **meta, **cfg)
     return col
 
 
 def attention_column_sums_reference(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
-                                    softcap: float | None = None, block: int = 256) -> Tensor:
+                                    softcap: float | None = None, block: int = 256, lse: Tensor | None = None) -> Tensor:
     b, hq, t, _ = q.shape
     hkv = k.shape[1]
-    return head_column_sums(q, k, pad, scale, window, softcap, block).reshape(b, hkv, hq // hkv, t).mean(dim=2)
+    c = head_column_sums(q, k, pad, scale, window, softcap, block, lse)
+    return c.reshape(b, hkv, hq // hkv, t).mean(dim=2)
 
 
 @torch.library.custom_op("kvpass::attention_column_sums", mutates_args=())
 def attention_column_sums(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
-                          softcap: float | None = None) -> Tensor:
-    return attention_column_sums_reference(q, k, pad, scale, window, softcap)
+                          softcap: float | None = None, lse: Tensor | None = None) -> Tensor:
+    return attention_column_sums_reference(q, k, pad, scale, window, softcap, lse=lse)
 
 
 @attention_column_sums.register_fake
-def _(q, k, pad, scale, window=None, softcap=None):
+def _(q, k, pad, scale, window=None, softcap=None, lse=None):
     return q.new_empty(k.shape[0], k.shape[1], k.shape[2], dtype=torch.float32)

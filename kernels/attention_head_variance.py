@@ -19,8 +19,8 @@ from torch import Tensor
 
 
 def attention_head_variance_reference(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
-                                      softcap: float | None = None) -> Tensor:
-    return head_variance_of_sums(head_column_sums(q, k, pad, scale, window, softcap), pad)
+                                      softcap: float | None = None, lse: Tensor | None = None) -> Tensor:
+    return head_variance_of_sums(head_column_sums(q, k, pad, scale, window, softcap, lse=lse), pad)
 
 
 def head_variance_of_sums(c: Tensor, pad: Tensor) -> Tensor:
@@ -35,10 +35,10 @@ def head_variance_of_sums(c: Tensor, pad: Tensor) -> Tensor:
 
 @torch.library.custom_op("kvpass::attention_head_variance", mutates_args=())
 def attention_head_variance(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
-                            softcap: float | None = None) -> Tensor:
-    return attention_head_variance_reference(q, k, pad, scale, window, softcap)
+                            softcap: float | None = None, lse: Tensor | None = None) -> Tensor:
+    return attention_head_variance_reference(q, k, pad, scale, window, softcap, lse)
 
 
 @attention_head_variance.register_fake
-def _(q, k, pad, scale, window=None, softcap=None):
+def _(q, k, pad, scale, window=None, softcap=None, lse=None):
     return q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)

@@ -44,46 +44,58 @@ from kvpass.policies.base import Attention, Policy, Stat
 ops = torch.ops.kvpass
 
 
-def prefill_attention_explicit(q: Tensor, k: Tensor, v: Tensor, pad: Tensor, scale: float,
-                               window: int | None = None, softcap: float | None = None) -> Tensor:
-    """``kvpass::prefill_attention`` as matmul / where / softmax (fp32 scores).
-    q: [B, Hq, T, D]; k, v: [B, Hkv, T, D]; pad: [B] int64 -> [B, Hq, T, D]."""
+def _masked_prefill_logits(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None,
+                           softcap: float | None) -> Tensor:
+    """Prefill attention logits, -inf where ``prefill_mask`` forbids: [B, Hkv, G, T, T] fp32 (one block)."""
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     qg = q.reshape(b, hkv, (hq // hkv) * t, d).float()                  # G query heads per KV head
     s = torch.matmul(qg, k.float().transpose(-1, -2)) * scale           # [B, Hkv, G*T, T]
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
-    s = s.reshape(b, hkv, hq // hkv, t, t)
     mask = prefill_mask(pad, t, window)[:, :, None]                    # [B, 1, 1, T, T]
-    p = torch.softmax(torch.where(mask, s, float("-inf")), dim=-1)
+    return torch.where(mask, s.reshape(b, hkv, hq // hkv, t, t), float("-inf"))
+
+
+def prefill_attention_explicit(q: Tensor, k: Tensor, v: Tensor, pad: Tensor, scale: float,
+                               window: int | None = None, softcap: float | None = None) -> Tensor:
+    """``kvpass::prefill_attention`` as matmul / where / softmax (fp32 scores).
+    q: [B, Hq, T, D]; k, v: [B, Hkv, T, D]; pad: [B] int64 -> [B, Hq, T, D]."""
+    p = torch.softmax(_masked_prefill_logits(q, k, pad, scale, window, softcap), dim=-1)
     o = torch.matmul(p, v.float()[:, :, None])                          # [B, Hkv, G, T, D]
-    return o.reshape(b, hq, t, d).to(q.dtype)
+    return o.reshape(q.shape).to(q.dtype)
+
+
+def prefill_attention_lse_explicit(q: Tensor, k: Tensor, v: Tensor, pad: Tensor, scale: float,
+                                   window: int | None = None, softcap: float | None = None) -> tuple[Tensor, Tensor]:
+    """``kvpass::prefill_attention_lse``: (o [B, Hq, T, D], base-2 row log-sum-exps [B, Hq, T] fp32, +inf
+    on pad rows), one block."""
+    s = _masked_prefill_logits(q, k, pad, scale, window, softcap)
+    o = torch.matmul(torch.softmax(s, dim=-1), v.float()[:, :, None]).reshape(q.shape).to(q.dtype)
+    t = q.shape[2]
+    pad_row = torch.arange(t, device=q.device)[None, :] < pad[:, None]                # [B, T]
+    lse = torch.logsumexp(s, dim=-1).reshape(q.shape[:3]) * 1.4426950408889634
+    return o, torch.where(pad_row[:, None, :], float("inf"), lse)
 
 
 def _prefill_probs(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None,
                    softcap: float | None) -> Tensor:
     """Prefill attention probabilities, pad query rows zeroed: [B, Hkv, G, T, T] fp32 (one block)."""
-    b, hq, t, d = q.shape
-    hkv = k.shape[1]
-    qg = q.reshape(b, hkv, (hq // hkv) * t, d).float()
-    s = torch.matmul(qg, k.float().transpose(-1, -2)) * scale
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    s = s.reshape(b, hkv, hq // hkv, t, t)
-    mask = prefill_mask(pad, t, window)[:, :, None]
+    t = q.shape[2]
     real_row = (torch.arange(t, device=q.device)[None, :] >= pad[:, None]).float()   # [B, T]
-    return torch.softmax(torch.where(mask, s, float("-inf")), dim=-1) * real_row[:, None, None, :, None]
+    p = torch.softmax(_masked_prefill_logits(q, k, pad, scale, window, softcap), dim=-1)
+    return p * real_row[:, None, None, :, None]
 
 
 def column_sums_explicit(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
-                         softcap: float | None = None) -> Tensor:
-    """``kvpass::attention_column_sums`` in one block: [B, Hkv, T] fp32 (materialises T x T per head)."""
+                         softcap: float | None = None, lse: Tensor | None = None) -> Tensor:
+    """``kvpass::attention_column_sums`` in one block: [B, Hkv, T] fp32 (materialises T x T per head;
+    its own softmax, so ``lse`` is not needed)."""
     return _prefill_probs(q, k, pad, scale, window, softcap).sum(dim=3).mean(dim=2)
 
 
 def head_variance_explicit(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
-                           softcap: float | None = None) -> Tensor:
+                           softcap: float | None = None, lse: Tensor | None = None) -> Tensor:
     """``kvpass::attention_head_variance`` in one block: unbiased variance over real columns of each
     query head's column sums, [B, Hq] fp32."""
     b, hq, t, _ = q.shape
@@ -92,7 +104,8 @@ def head_variance_explicit(q: Tensor, k: Tensor, pad: Tensor, scale: float, wind
 
 def column_sums_and_head_variance_explicit(q: Tensor, k: Tensor, pad: Tensor, scale: float,
                                            window: int | None = None,
-                                           softcap: float | None = None) -> tuple[Tensor, Tensor]:
+                                           softcap: float | None = None,
+                                           lse: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``kvpass::attention_column_sums_and_head_variance`` in one block: ([B, Hkv, T], [B, Hq]) fp32."""
     b, hq, t, _ = q.shape
     c = _prefill_probs(q, k, pad, scale, window, softcap).sum(dim=3)     # [B, Hkv, G, T]
@@ -117,6 +130,7 @@ def write_and_attend(q: Tensor, k_new: Tensor, v_new: Tensor, k: Tensor, v: Tens
 
 
 _EXPLICIT = {ops.prefill_attention.default: prefill_attention_explicit,
+             ops.prefill_attention_lse.default: prefill_attention_lse_explicit,
              ops.attention_column_sums.default: column_sums_explicit,
              ops.attention_head_variance.default: head_variance_explicit,
              ops.attention_column_sums_and_head_variance.default: column_sums_and_head_variance_explicit}

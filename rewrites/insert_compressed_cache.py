@@ -60,6 +60,9 @@ DECODE_ATTENTION_OPS = {Attention.DENSE: ops.decode_attention.default,
 PREFILL_STAT_OPS = {Stat.COLUMN_SUM: ops.attention_column_sums.default,
                     Stat.WINDOW_SCORES: ops.attention_window_scores.default,
                     Stat.HEAD_VARIANCE: ops.attention_head_variance.default}
+# Statistics whose ops take the prompt rows' log-sum-exps (``lse``) from ``prefill_attention_lse``, so
+# that only their column pass runs over the n x n logits.
+LSE_STATS = frozenset({Stat.COLUMN_SUM, Stat.HEAD_VARIANCE})
 # Statistics accumulated from every decode step's attention row.
 DECODE_STATS = frozenset({Stat.COLUMN_SUM})
 
@@ -145,14 +148,18 @@ def _logits_node(out) -> Node:
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def _prefill_stat_nodes(graph: Graph, policy: Policy, args: tuple, opts: dict) -> dict[Stat, Node]:
+def _prefill_stat_nodes(graph: Graph, policy: Policy, args: tuple, opts: dict, lse: Node | None) -> dict[Stat, Node]:
     """One layer's statistic nodes, in ``Stat`` value order. Column sums and head variance with the same
-    options come from one ``attention_column_sums_and_head_variance`` call (one pass, not two)."""
+    options come from one ``attention_column_sums_and_head_variance`` call (one pass, not two); they take
+    ``lse`` (the attention's row log-sum-exps) where they use the attention's own options."""
     stats = sorted(policy.stats, key=lambda s: s.value)
     for stat in stats:
         if stat not in PREFILL_STAT_OPS:
             raise NotImplementedError(f"no prefill op computes {stat} yet")
     kwargs = {stat: {**opts, **policy.stat_options(stat)} for stat in stats}
+    for stat in stats:
+        if lse is not None and stat in LSE_STATS and not policy.stat_options(stat):
+            kwargs[stat]["lse"] = lse
     nodes: dict[Stat, Node] = {}
     pair = (Stat.COLUMN_SUM, Stat.HEAD_VARIANCE)
     if all(s in kwargs for s in pair) and kwargs[pair[0]] == kwargs[pair[1]]:
@@ -172,9 +179,15 @@ def build_prefill(gm: GraphModule, sites: list[AttentionSite], policy: Policy,
         opts = {"scale": site.scale, "window": site.window, "softcap": site.softcap}
         with graph.inserting_before(target):
             q, k, v = env[site.q], repeat_cached_kv(graph, site, env[site.k]), repeat_cached_kv(graph, site, env[site.v])
-            attn = graph.call_function(ops.prefill_attention.default, (q, k, v, pad), dict(opts))
-            if site.window is None and policy.compresses:
-                for stat, node in _prefill_stat_nodes(graph, policy, (q, k, pad), opts).items():
+            stats_here = site.window is None and policy.compresses
+            lse = None
+            if stats_here and policy.stats & LSE_STATS:    # the attention also gives the rows' log-sum-exps
+                both = graph.call_function(ops.prefill_attention_lse.default, (q, k, v, pad), dict(opts))
+                attn, lse = (graph.call_function(operator.getitem, (both, i)) for i in range(2))
+            else:
+                attn = graph.call_function(ops.prefill_attention.default, (q, k, v, pad), dict(opts))
+            if stats_here:
+                for stat, node in _prefill_stat_nodes(graph, policy, (q, k, pad), opts, lse).items():
                     stat_outputs.append(node)
                     stat_keys.append((site.layer, stat))
         target.replace_all_uses_with(attn)
