@@ -10,7 +10,11 @@ import math
 import pytest
 import torch
 from kvpass.kernels import prefill_attention_lse_reference, prefill_attention_reference, prefill_mask
-from kvpass.kernels.attention_column_sums import head_column_sums_rows, head_column_sums_triton, row_lse_triton
+from kvpass.kernels.attention_column_sums import (
+    head_column_sums_rows,
+    head_column_sums_triton,
+    row_lse_triton,
+)
 from kvpass.kernels.prefill_attention_lse import row_lse_reference
 from kvpass.rewrites.functional_graphs import prefill_attention_lse_explicit
 
