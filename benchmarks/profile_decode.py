@@ -3,6 +3,7 @@ Llama-3.1-8B-shaped random-weight model at a long prompt, per policy (torch.prof
 so every kernel is attributed; the CUDA-graph replayed step time is measured beside it).
 
     PYTHONUNBUFFERED=1 python3 benchmarks/profile_decode.py --out $OUT [--prompt 32768 --policies streamingllm,d2o]
+                                                            [--compiled: the kvpass backend's Inductor graphs]
 
 Writes ``profile-decode.json`` and ``profile-decode.md`` (top kernels per policy) under --out.
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import torch
 from kvpass.rewrites import capture_causal_lm, insert_compressed_cache, match_attention
+from kvpass.rewrites.compile_backend import compile_graphs
 
 import kvpass
 from kvpass.bench import LLAMA_8B, build_model, sync
@@ -25,7 +27,8 @@ from kvpass.runtime import KVPassModel
 def _bucket(name: str) -> str:
     """A coarse family for a kernel name (what a reader wants to sum)."""
     n = name.lower()
-    for key, label in (("decode_attention", "decode attention (Triton)"), ("gemv", "matmul (GEMV/GEMM)"),
+    for key, label in (("decode_attention", "decode attention (Triton)"), ("triton_", "Inductor-fused (Triton)"),
+                       ("gemv", "matmul (GEMV/GEMM)"),
                        ("gemm", "matmul (GEMV/GEMM)"), ("cublas", "matmul (GEMV/GEMM)"), ("nvjet", "matmul (GEMV/GEMM)"),
                        ("cutlass", "matmul (GEMV/GEMM)"), ("reduce", "reductions"), ("scatter", "scatter/gather/index"),
                        ("gather", "scatter/gather/index"), ("index", "scatter/gather/index"), ("copy", "copies"),
@@ -35,12 +38,15 @@ def _bucket(name: str) -> str:
     return "other"
 
 
-def profile_policy(model, captured, sites, name: str, budget: float, prompt: int, steps: int) -> dict:
+def profile_policy(model, captured, sites, name: str, budget: float, prompt: int, steps: int,
+                   compiled: bool = False) -> dict:
     policy = kvpass.get_policy(name)
     kv = KVPassModel(model, policy, budget if policy.compresses else 1.0, captured,
                      insert_compressed_cache(captured.gm, sites, policy))
+    if compiled:                                  # the "kvpass" torch.compile backend's graphs (Inductor)
+        compile_graphs(kv)
     ids = torch.randint(1, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0)).cuda()
-    out: dict = {"policy": name}
+    out: dict = {"policy": name + ("-compiled" if compiled else "")}
     for graphed in (True, False):
         kv.decode_step.enabled = graphed
         kv.decode_step.reset()
@@ -84,6 +90,7 @@ def main() -> int:
     ap.add_argument("--policies", default="streamingllm,d2o")
     ap.add_argument("--budget", type=float, default=0.2)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--compiled", action="store_true", help="compile the graphs with the kvpass backend first")
     args = ap.parse_args()
     device = torch.device("cuda")
     model = build_model(LLAMA_8B, device, torch.bfloat16)
@@ -91,7 +98,7 @@ def main() -> int:
     sites = match_attention(captured, model.config)
     results = {"device": torch.cuda.get_device_name(), "prompt": args.prompt, "budget": args.budget, "policies": []}
     for name in args.policies.split(","):
-        res = profile_policy(model, captured, sites, name, args.budget, args.prompt, args.steps)
+        res = profile_policy(model, captured, sites, name, args.budget, args.prompt, args.steps, args.compiled)
         results["policies"].append(res)
         print(json.dumps({k: v for k, v in res.items() if k != "kernels"}), flush=True)
         torch.cuda.empty_cache()
