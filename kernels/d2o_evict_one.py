@@ -351,16 +351,19 @@ def _sm_count(index: int) -> int:
 
 
 def default_splits(rows: int, c: int, device: torch.device) -> int:
-    """Key-scan splits per row: enough programs for about two per SM, at least 512 slots per split."""
+    """Key-scan splits per row: enough programs for about two per SM, at least 256 slots per split."""
     if device.type != "cuda":
         return 1
-    return max(1, min(triton.cdiv(2 * _sm_count(device.index or 0), rows), triton.cdiv(c, 512)))
+    return max(1, min(triton.cdiv(2 * _sm_count(device.index or 0), rows), triton.cdiv(c, 256)))
 
 
+# The step is latency-bound (one layer's row is a few thousand slots): few, wide loop iterations. The
+# scalar passes read BLOCK_SCAN slots an iteration (4096: two iterations at C = 6555), the key scan 64
+# keys; these and the splits are what benchmarks/probes/d2o_evict_one_sweep.py compares on a GPU.
 def d2o_evict_one_triton(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor,
                          length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: int,
                          sinks: int, recent: int, beta: float, variant: str, *, splits: int | None = None,
-                         block_c: int = 32, block_scan: int = 1024) -> None:
+                         block_c: int = 64, block_scan: int = 4096, num_warps: int = 8) -> None:
     """The two Triton kernels (same contract as ``d2o_evict_one_reference``); scratch: 3 tensors of
     B Hkv (splits) elements."""
     require_triton()
@@ -378,7 +381,7 @@ def d2o_evict_one_triton(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor
         k, col_sum, position, length, e, best, nearest, *k.stride(),
         h, c, triton.cdiv(c, splits), keep, sinks, recent,
         HEAD_DIM=d, BLOCK_SCAN=min(block_scan, next_pow2(c)), BLOCK_C=block_c, BLOCK_D=block_d,
-        SPLITS=splits, ACC=tl_acc, F64=acc == torch.float64, num_warps=4)
+        SPLITS=splits, ACC=tl_acc, F64=acc == torch.float64, num_warps=num_warps)
     _merge_move_kernel[(b,)](
         k, v, col_sum, position, log_weight, length, tau, tau_set.view(torch.uint8), e, best, nearest,
         *k.stride(), *v.stride(), h, c, keep, float(beta), 1.0 - float(beta),
