@@ -337,8 +337,9 @@ def check_evict_one_inputs(k: Tensor, v: Tensor, col_sum: Tensor, position: Tens
                                   ("tau_set", tau_set, torch.bool, (b,))):
         if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
+    for name, t in (("col_sum", col_sum), ("position", position), ("log_weight", log_weight), ("length", length),
+                    ("tau", tau), ("tau_set", tau_set), ("v", v)):       # devices after shapes: same errors anywhere
         check_device(name, t, k.device)
-    check_device("v", v, k.device)
     for t in others:
         check_device("others", t, k.device)
         if tuple(t.shape[:3]) != (b, h, c):
