@@ -84,15 +84,6 @@ def _load_rows(X, b, h, r0, sxb, sxh, sxt, sxd, T, HEAD_DIM: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _qk_logits2(q, k, scale, softcap, HAS_SOFTCAP: tl.constexpr, DOT: tl.constexpr):
-    """Base-2 logits of q [BLOCK_M, BLOCK_D] x k [BLOCK_N, BLOCK_D]: [BLOCK_M, BLOCK_N] fp32, no mask."""
-    s = _dot(q, tl.trans(k), DOT) * scale
-    if HAS_SOFTCAP:
-        s = softcap * _tanh(s / softcap)
-    return s * 1.4426950408889634
-
-
-@triton.jit
 def _masked(s2, i0, j0, pad, T, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """s2 with -inf where (i, j) is not allowed (and on pad rows and rows past T)."""
     i = i0 + tl.arange(0, BLOCK_M)
@@ -104,14 +95,26 @@ def _masked(s2, i0, j0, pad, T, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLO
 
 
 @triton.jit
+def _tile_logits2(q, k, i0, j0, pad, T, scale, softcap, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT: tl.constexpr, MASK: tl.constexpr):
+    """Base-2 logits of rows [i0, i0 + BLOCK_M) (q) x keys [j0, j0 + BLOCK_N) (k): [BLOCK_M, BLOCK_N] fp32,
+    -inf where not allowed if MASK (a tile inside the band needs none)."""
+    s = _dot(q, tl.trans(k), DOT) * scale
+    if HAS_SOFTCAP:
+        s = softcap * _tanh(s / softcap)
+    s2 = s * 1.4426950408889634
+    if MASK:
+        s2 = _masked(s2, i0, j0, pad, T, WINDOW, BLOCK_M, BLOCK_N)
+    return s2
+
+
+@triton.jit
 def _lse_tile(q, k_base, i0, j0, m, l_sum, pad, T, skt, skd, scale, softcap, HEAD_DIM: tl.constexpr,
               WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               HAS_SOFTCAP: tl.constexpr, DOT: tl.constexpr, MASK: tl.constexpr):
     """Online log-sum-exp: fold key tile [j0, j0 + BLOCK_N) into the rows' running (max, sum)."""
     k = _load_rows(k_base, 0, 0, j0, 0, 0, skt, skd, T, HEAD_DIM, BLOCK_N, BLOCK_D)
-    s2 = _qk_logits2(q, k, scale, softcap, HAS_SOFTCAP, DOT)
-    if MASK:
-        s2 = _masked(s2, i0, j0, pad, T, WINDOW, BLOCK_M, BLOCK_N)
+    s2 = _tile_logits2(q, k, i0, j0, pad, T, scale, softcap, WINDOW, BLOCK_M, BLOCK_N, HAS_SOFTCAP, DOT, MASK)
     m_new = tl.maximum(m, tl.max(s2, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     return m_new, l_sum * tl.exp2(m - m_safe) + tl.sum(tl.exp2(s2 - m_safe[:, None]), axis=1)
@@ -162,9 +165,7 @@ def _column_tile(q_base, lse_base, k, i0, j0, pad, T, sqt, sqd, scale, softcap, 
                  HAS_SOFTCAP: tl.constexpr, DOT: tl.constexpr, MASK: tl.constexpr):
     """sum over rows [i0, i0 + BLOCK_M) of 2^(s2_ij - lse2_i), per key of the tile: [BLOCK_N] fp32."""
     q = _load_rows(q_base, 0, 0, i0, 0, 0, sqt, sqd, T, HEAD_DIM, BLOCK_M, BLOCK_D)
-    s2 = _qk_logits2(q, k, scale, softcap, HAS_SOFTCAP, DOT)
-    if MASK:
-        s2 = _masked(s2, i0, j0, pad, T, WINDOW, BLOCK_M, BLOCK_N)
+    s2 = _tile_logits2(q, k, i0, j0, pad, T, scale, softcap, WINDOW, BLOCK_M, BLOCK_N, HAS_SOFTCAP, DOT, MASK)
     i = i0 + tl.arange(0, BLOCK_M)
     lse = tl.load(lse_base + i, mask=i < T, other=float("inf"))
     return tl.sum(tl.exp2(s2 - lse[:, None]), axis=0)
