@@ -16,6 +16,8 @@ buffer, about the work of one attention forward.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
 from kvpass.kernels.decode_attention import _dot, _tanh
@@ -34,19 +36,17 @@ def head_column_sums(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: in
     return head_column_sums_rows(q, k, pad, scale, window, softcap, block)
 
 
-def head_column_sums_rows(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
-                          softcap: float | None = None, block: int = 256) -> Tensor:
-    """``head_column_sums`` in plain torch: row blocks of ``block`` queries with an fp32 softmax (float64
-    for float64 inputs) over the keys up to the block's last row (the later ones are masked anyway);
-    pad query rows contribute nothing."""
+def masked_logit_blocks(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
+                        softcap: float | None = None, block: int = 256) -> Iterator[tuple[slice, Tensor]]:
+    """The prefill logits in row blocks of ``block`` queries, fp32 (float64 for float64 inputs):
+    (rows, s [B, Hkv, G, len(rows), end]) over the keys up to the block's last row (causal: the later ones
+    are masked anyway), -inf where ``prefill_mask`` forbids. Never the T x T matrix of all heads at once."""
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
     mask = prefill_mask(pad, t, window)                                  # [B, 1, T, T]
-    real_row = torch.arange(t, device=q.device)[None, :] >= pad[:, None]  # [B, T]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     kf = k.to(acc)
-    out = torch.zeros(b, hq, t, dtype=acc, device=q.device)
     for start in range(0, t, block):
         rows = slice(start, start + block)
         nrows = q[:, :, rows].shape[2]
@@ -55,7 +55,18 @@ def head_column_sums_rows(q: Tensor, k: Tensor, pad: Tensor, scale: float, windo
         s = torch.matmul(qb, kf[:, :, :end].transpose(-1, -2)) * scale     # [B, Hkv, G*rows, end]
         if softcap is not None:
             s = softcap * torch.tanh(s / softcap)
-        s = s.reshape(b, hkv, group, nrows, end).masked_fill(~mask[:, :, None, rows, :end], float("-inf"))
+        yield rows, s.reshape(b, hkv, group, nrows, end).masked_fill(~mask[:, :, None, rows, :end], float("-inf"))
+
+
+def head_column_sums_rows(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
+                          softcap: float | None = None, block: int = 256) -> Tensor:
+    """``head_column_sums`` in plain torch: ``masked_logit_blocks`` with an fp32 softmax (float64 for
+    float64 inputs); pad query rows contribute nothing."""
+    b, hq, t, _ = q.shape
+    real_row = torch.arange(t, device=q.device)[None, :] >= pad[:, None]  # [B, T]
+    out = torch.zeros(b, hq, t, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32, device=q.device)
+    for rows, s in masked_logit_blocks(q, k, pad, scale, window, softcap, block):
+        end = s.shape[-1]
         p = torch.softmax(s, dim=-1) * real_row[:, None, None, rows, None]
         out[:, :, :end] += p.sum(dim=3).reshape(b, hq, end)
     return out

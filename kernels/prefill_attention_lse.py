@@ -22,8 +22,8 @@ import logging
 
 import torch
 from kvpass.kernels._triton import HAS_TRITON
-from kvpass.kernels.attention_column_sums import row_lse_triton
-from kvpass.kernels.prefill_attention import prefill_attention_reference, prefill_mask
+from kvpass.kernels.attention_column_sums import masked_logit_blocks, row_lse_triton
+from kvpass.kernels.prefill_attention import prefill_attention_reference
 from torch import Tensor
 
 log = logging.getLogger(__name__)
@@ -32,24 +32,12 @@ _LOG2E = 1.4426950408889634
 
 def row_lse_reference(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
                       softcap: float | None = None, block: int = 256) -> Tensor:
-    """lse2 [B, Hq, T] in plain torch, row blocks of ``block`` queries, fp32 (float64 for float64)."""
-    b, hq, t, d = q.shape
-    hkv = k.shape[1]
-    group = hq // hkv
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    mask = prefill_mask(pad, t, window)                                    # [B, 1, T, T]
+    """lse2 [B, Hq, T] in plain torch over ``masked_logit_blocks``, fp32 (float64 for float64)."""
+    b, hq, t, _ = q.shape
     pad_row = torch.arange(t, device=q.device)[None, :] < pad[:, None]     # [B, T]
-    kf = k.to(acc)
-    out = torch.empty(b, hq, t, dtype=acc, device=q.device)
-    for start in range(0, t, block):
-        rows = slice(start, start + block)
-        nrows = q[:, :, rows].shape[2]
-        qb = q[:, :, rows].to(acc).reshape(b, hkv, group * nrows, d)
-        s = torch.matmul(qb, kf.transpose(-1, -2)) * scale                 # [B, Hkv, G*rows, T]
-        if softcap is not None:
-            s = softcap * torch.tanh(s / softcap)
-        s = s.reshape(b, hkv, group, nrows, t).masked_fill(~mask[:, :, None, rows], float("-inf"))
-        out[:, :, rows] = torch.logsumexp(s, dim=-1).reshape(b, hq, nrows) * _LOG2E
+    out = torch.empty(b, hq, t, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32, device=q.device)
+    for rows, s in masked_logit_blocks(q, k, pad, scale, window, softcap, block):
+        out[:, :, rows] = torch.logsumexp(s, dim=-1).reshape(b, hq, -1) * _LOG2E
     return out.masked_fill(pad_row[:, None, :], float("inf"))
 
 

@@ -164,8 +164,8 @@ class KVPassModel(nn.Module):
         self._all_logits_prefill = None
         # Each decode step's device work, replayed from a CUDA graph on CUDA (eager on CPU); decode_step.py.
         self.decode_step = StaticDecodeStep()
-        # What decode steps call to compress a layer in its own buffers: the policy's compress_into, or a
-        # compiled version of it (the benchmark's `-compiled` rows: torch.compile(policy.compress_into)).
+        # What decode steps call to compress a layer in its own buffers: the policy's compress_into (an
+        # attribute, so a caller may swap in another implementation, e.g. a compiled one).
         self.compress_into = policy.compress_into
         # Rows prefilled at a time (None: the whole batch). Smaller groups bound the prefill's memory (the
         # full K, V of every layer exist only for the group being compressed), so larger batches fit;

@@ -11,7 +11,6 @@ graph vs CUDA graph of the inductor-compiled decode graph, tokens compared.
 from __future__ import annotations
 
 import argparse
-import builtins
 import dataclasses
 import importlib
 import json
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import torch
 from kvpass.kernels._triton import triton
+from kvpass.rewrites.sym_ops_to_builtins import replace_sym_ops_with_builtins
 from triton.testing import do_bench
 
 import kvpass
@@ -171,15 +171,8 @@ def part_c(model, ids, policies, mode) -> dict:
     for name in policies:
         kv = kvpass.apply(model, name, 0.2)
         base, toks = tpot(kv, ids)
-        plain = kv.graphs.decode
-        graph = torch.fx.Graph()
-        graph.output(graph.graph_copy(plain.graph, {}))
-        syms = {torch.sym_min: builtins.min, torch.sym_max: builtins.max}
-        for node in graph.nodes:
-            if node.op == "call_function" and node.target in syms:
-                node.target = syms[node.target]
-        plain = torch.fx.GraphModule(plain, graph)
-        out.setdefault("non_aten_targets", sorted({str(n.target) for n in graph.nodes if n.op == "call_function"
+        plain = replace_sym_ops_with_builtins(kv.graphs.decode)
+        out.setdefault("non_aten_targets", sorted({str(n.target) for n in plain.graph.nodes if n.op == "call_function"
                                                    and not isinstance(n.target, torch._ops.OpOverload)}))
         kv.graphs = dataclasses.replace(kv.graphs, decode=torch.compile(plain, dynamic=False, fullgraph=True, mode=mode))
         kv.decode_step.reset()
