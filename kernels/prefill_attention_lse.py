@@ -13,7 +13,9 @@ int64. Returns (o [B, Hq, T, D], lse2 [B, Hq, T] fp32).
 On CUDA, for a prompt without pads, window or softcap, both come from one cuDNN attention call (the
 kernel SDPA itself picks on Hopper, which returns the log-sum-exp at no extra cost; measured on an
 H200 at 32k: 14.6 ms per layer with or without it). Otherwise, or where cuDNN refuses the shapes:
-SDPA for o and the Triton row pass (``row_lse_triton``) for lse2. On CPU: the plain-torch reference.
+SDPA for o and the Triton row pass (``row_lse_triton``) for lse2. On CPU, for a prompt without pads,
+window or softcap, both come from the flash kernel SDPA runs there (the same o, bit for bit); otherwise
+the plain-torch reference.
 """
 
 from __future__ import annotations
@@ -73,6 +75,18 @@ def prefill_attention_lse_cuda(q: Tensor, k: Tensor, v: Tensor, pad: Tensor, sca
             row_lse_triton(q, k, pad, scale, window, softcap))
 
 
+def prefill_attention_lse_cpu(q: Tensor, k: Tensor, v: Tensor, pad: Tensor, scale: float,
+                              window: int | None = None, softcap: float | None = None) -> tuple[Tensor, Tensor]:
+    """(o, lse2) on CPU: one call of SDPA's CPU flash kernel, which returns the log-sum-exp, where the
+    prompt has no pads, window or softcap (its mask must be causal); else the reference."""
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if op is None or window is not None or softcap is not None or bool(pad.any()):
+        return prefill_attention_lse_reference(q, k, v, pad, scale, window, softcap)
+    group = q.shape[1] // k.shape[1]
+    o, lse = op(q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), 0.0, True, scale=scale)
+    return o, (lse * _LOG2E).to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+
+
 @torch.library.custom_op("kvpass::prefill_attention_lse", mutates_args=())
 def prefill_attention_lse(q: Tensor, k: Tensor, v: Tensor, pad: Tensor, scale: float,
                           window: int | None = None, softcap: float | None = None) -> tuple[Tensor, Tensor]:
@@ -82,6 +96,11 @@ def prefill_attention_lse(q: Tensor, k: Tensor, v: Tensor, pad: Tensor, scale: f
 @prefill_attention_lse.register_fake
 def _(q, k, v, pad, scale, window=None, softcap=None):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@prefill_attention_lse.register_kernel("cpu")
+def _(q, k, v, pad, scale, window=None, softcap=None):
+    return prefill_attention_lse_cpu(q, k, v, pad, scale, window, softcap)
 
 
 if HAS_TRITON:

@@ -78,6 +78,24 @@ def test_triton_row_pass_and_column_pass_with_given_lse(hq, hkv, t, window, soft
         head_column_sums_triton(q.to(dev), k.to(dev), pad.to(dev), 0.3, window, softcap, lse=given[:, :1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("pad, window, softcap", [((0, 0), None, None), ((0, 3), None, None),
+                                                  ((0, 0), 5, None), ((0, 0), None, 20.0)])
+def test_cpu_op_equals_reference(dtype, pad, window, softcap):
+    """On CPU the op takes SDPA's flash kernel (with its log-sum-exp) for a prompt without pads, window or
+    softcap: the same o as prefill_attention, bit for bit, and the reference's lse; otherwise the reference."""
+    torch.manual_seed(len(pad) + (window or 0))
+    q = torch.randn(2, 6, 37, 16, dtype=dtype).transpose(1, 2).contiguous().transpose(1, 2)
+    k, v = torch.randn(2, 2, 37, 16, dtype=dtype), torch.randn(2, 2, 37, 16, dtype=dtype)
+    pad = torch.tensor(pad)
+    o, lse = torch.ops.kvpass.prefill_attention_lse(q, k, v, pad, 0.3, window, softcap)
+    want_o, want_lse = prefill_attention_lse_reference(q, k, v, pad, 0.3, window, softcap)
+    assert torch.equal(o, prefill_attention_reference(q, k, v, pad, 0.3, window, softcap))
+    assert lse.dtype == want_lse.dtype and lse.shape == want_lse.shape
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5}.get(dtype, 1e-3)             # bf16: its kernel rounds q k
+    torch.testing.assert_close(lse, want_lse, rtol=tol, atol=tol)
+
+
 def test_prefill_graph_takes_lse_from_the_attention():
     """D2O (column sums + head variance) and H2O get prefill_attention_lse with the stats fed its lse;
     StreamingLLM (no statistics) keeps the plain prefill attention."""
