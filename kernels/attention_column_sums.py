@@ -78,6 +78,8 @@ def head_column_sums_rows(q: Tensor, k: Tensor, pad: Tensor, scale: float, windo
 #     allowed(i, j) = pad <= j <= i and (no window or i - j < window); pad rows (i < pad) are skipped
 # pass 1, one program per (b, h, block of rows):  lse2_i = log2 sum_{j allowed} 2^(s2_ij)  (online max)
 # pass 2, one program per (b, h, block of keys):  c_j = sum_{i >= pad, allowed} 2^(s2_ij - lse2_i)
+#     (the tiles of 2^(s2 - lse2) are added up elementwise in a [BLOCK_M, BLOCK_N] accumulator; its rows are
+#     summed once, at the end)
 # Each pass visits only the tiles under the causal (and window) band: about one attention forward.
 # A program's own operand (pass 1: its q rows; pass 2: its keys) is loaded once; the tiles that lie
 # wholly inside the band (every pair allowed) skip the mask, so only the tiles on the diagonal, the pad
@@ -174,12 +176,13 @@ def _row_lse_kernel(Q, K, PAD, LSE, sqb, sqh, sqt, sqd, skb, skh, skt, skd, HQ, 
 def _column_tile(q_base, lse_base, k, i0, j0, pad, T, sqt, sqd, scale, softcap, HEAD_DIM: tl.constexpr,
                  WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                  HAS_SOFTCAP: tl.constexpr, DOT: tl.constexpr, MASK: tl.constexpr):
-    """sum over rows [i0, i0 + BLOCK_M) of 2^(s2_ij - lse2_i), per key of the tile: [BLOCK_N] fp32."""
+    """2^(s2_ij - lse2_i) of rows [i0, i0 + BLOCK_M) x the tile's keys: [BLOCK_M, BLOCK_N] fp32. The caller
+    adds the tiles up elementwise and sums the rows once at the end (no cross-warp reduction per tile)."""
     q = _load_rows(q_base, 0, 0, i0, 0, 0, sqt, sqd, T, HEAD_DIM, BLOCK_M, BLOCK_D)
     s2 = _tile_logits2(q, k, i0, j0, pad, T, scale, softcap, WINDOW, BLOCK_M, BLOCK_N, HAS_SOFTCAP, DOT, MASK)
     i = i0 + tl.arange(0, BLOCK_M)
     lse = tl.load(lse_base + i, mask=i < T, other=float("inf"))
-    return tl.sum(tl.exp2(s2 - lse[:, None]), axis=0)
+    return tl.exp2(s2 - lse[:, None])
 
 
 @triton.jit
@@ -206,7 +209,7 @@ def _column_sum_kernel(Q, K, PAD, LSE, COL, sqb, sqh, sqt, sqd, skb, skh, skt, s
     k = _load_rows(K, b, g, j0, skb, skh, skt, skd, T, HEAD_DIM, BLOCK_N, BLOCK_D)
     q_base = Q + b * sqb + h * sqh
     lse_base = LSE + bh * T
-    col = tl.zeros([BLOCK_N], tl.float32)
+    col = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for i0 in range(lo, a, BLOCK_M):
         col += _column_tile(q_base, lse_base, k, i0, j0, pad, T, sqt, sqd, scale, softcap, HEAD_DIM, WINDOW,
                             BLOCK_M, BLOCK_N, BLOCK_D, HAS_SOFTCAP, DOT, True)
@@ -217,7 +220,7 @@ def _column_sum_kernel(Q, K, PAD, LSE, COL, sqb, sqh, sqt, sqd, skb, skh, skt, s
         col += _column_tile(q_base, lse_base, k, i0, j0, pad, T, sqt, sqd, scale, softcap, HEAD_DIM, WINDOW,
                             BLOCK_M, BLOCK_N, BLOCK_D, HAS_SOFTCAP, DOT, True)
     j = j0 + tl.arange(0, BLOCK_N)
-    tl.store(COL + bh * T + j, col, mask=j < T)
+    tl.store(COL + bh * T + j, tl.sum(col, axis=0), mask=j < T)
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per pass on CUDA: the fastest of a sweep on an H200 at T = 32k,

@@ -3,7 +3,7 @@
 A layer of capacity C = keep + 1: every (b, g) row holding keep + 1 entries evicts one, the others
 (length <= keep) evict nothing and are left unchanged. Per evicting row, with live slots j < length:
 
-    newest  = max_j position[j]
+    newest  = position[C - 1]    (the entry this decode step wrote at slot length: an evicting row is full)
     e       = argmin col_sum[j] over j >= sinks, position[j] <= newest - recent   (ties: lowest j)
     nearest = argmax cos(k_e, k_j) over live j != e,   u = that cosine             (ties: lowest j)
               cos(x, y) = x . y / (max(|x|, eps) max(|y|, eps)), eps = 1e-12, in fp32 (fp64 inputs: fp64)
@@ -25,14 +25,14 @@ int64 (-1 empty); log_weight [B, Hkv, C] fp32 (-inf empty); length [B, Hkv] int6
 tau_set [B] bool (the layer's threshold state); others: more slot metadata [B, Hkv, C, ...]. All are
 updated in place; nothing is returned and nothing synchronises with the host.
 
-Cost per evicting row: reads of C positions (twice), C scores and C keys (C D elements), writes of
-at most three slots. Rows that evict nothing read nothing beyond their length.
+Cost per evicting row: reads of C positions, C scores and C keys (C D elements), writes of at most
+three slots. Rows that evict nothing read nothing beyond their length.
 
-Triton path (CUDA; on CPU under TRITON_INTERPRET=1 for the tests): kernel A, grid (B Hkv, splits):
-every program finds its row's e (the scalar passes) and scans 1/splits of the keys for the nearest;
-kernel B, grid (B,): combines the splits' maxima, the EMA threshold, merges and moves. Splitting the
-key scan keeps the GPU busy at B = 1 (Hkv programs alone would use a few SMs); the scalar passes it
-repeats per split read 12 bytes a slot against the 2 D bytes of a key, from L2.
+Triton path (CUDA; on CPU under TRITON_INTERPRET=1 for the tests), three kernels. A and B run one
+program per (row, split of its slots): A the chunk's lowest candidate score, B the row's e from A's
+minima and the chunk's most similar key. C, one program per batch row: combines the splits' maxima,
+the EMA threshold, merges and moves. Splitting keeps the GPU busy at B = 1 (Hkv programs alone would
+use a few SMs), and each program's work is one short scan (the op is latency-bound).
 """
 
 from __future__ import annotations
@@ -69,13 +69,14 @@ def pick_one(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, length: Te
     sinks (slots [0, sinks), where they stay) and the recent window (the ``recent`` newest positions),
     its K, V and its most cosine-similar other live key. A row holding at most keep entries evicts
     nothing (e = C - 1). A row's positions count its tokens and the window is never evicted, so the
-    window is exactly the positions above newest - recent, wherever their slots are.
+    window is exactly the positions above newest - recent, wherever their slots are; newest is the
+    position in slot C - 1, where the decode step wrote its entry (a row that evicts is full).
     k, v: [B, Hkv, C, D]; col_sum, position: [B, Hkv, C]; length: [B, Hkv]."""
     b, h, c, d = k.shape
     j = torch.arange(c, device=k.device)
     live = j < length[..., None]
     evict = length > keep                                                  # [B, Hkv]
-    newest = position.amax(-1, keepdim=True)                               # [B, Hkv, 1]
+    newest = position[..., c - 1:]                                         # [B, Hkv, 1]
     cand = live & (j >= sinks) & (position <= newest - recent)
     prio = torch.where(cand, col_sum.double(), float("inf"))
     e = torch.where(evict, prio.argmin(-1), c - 1)[..., None]              # [B, Hkv, 1]
@@ -147,12 +148,18 @@ def d2o_evict_one_reference(k: Tensor, v: Tensor, col_sum: Tensor, position: Ten
 
 
 # --------------------------------------------------------------------------------------- Triton
-# Kernel A, program (row = b Hkv + g, split s); n = length if length > keep else 0 (no work):
-#     newest = max_{j < n} position[j]
-#     e      = first argmin_{j < n} (col_sum[j] if j >= sinks and position[j] <= newest - recent else inf)
-#              (C - 1 if n = 0); fp32 comparisons give the order of the reference's fp64 ones (exact cast)
+# Three kernels; the first two split every row's C slots into chunks [s CHUNK, (s + 1) CHUNK), one
+# program a (row = b Hkv + g, split s), so a row's scans run side by side (B Hkv programs alone would
+# leave most SMs idle at B = 1). n = length if length > keep else 0 (a row that evicts nothing scans nothing).
+# Kernel A, the candidates of the chunk:
+#     newest = position[C - 1]          (the entry this step wrote: a row that evicts is full)
+#     low[row, s], arg[row, s] = first (min, argmin) over j < n of the chunk of
+#              (col_sum[j] if j >= sinks and position[j] <= newest - recent else inf)     (arg = s CHUNK if none)
+#     fp32 comparisons give the order of the reference's fp64 ones (an exact cast)
+# Kernel B, the nearest key in the chunk:
+#     e      = arg[row, first argmin_s low[row, s]]   (C - 1 if n = 0)
 #     xn     = k_e / max(|k_e|, eps)
-#     over j in [s CHUNK, (s + 1) CHUNK) and j < n, j != e:  s_j = xn . k_j / max(|k_j|, eps)
+#     over j < n of the chunk, j != e:  s_j = xn . k_j / max(|k_j|, eps)
 #     best[row, s], nearest[row, s] = running (max, first argmax); a later block wins only if greater
 # Split s = 0 writes e. Rows are normalised and dotted in ACC (fp32; fp64 for fp64 keys) with IEEE
 # sqrt, as the reference's F.normalize; the dot's summation order is not torch's (last-bit differences).
@@ -167,30 +174,30 @@ def _unit(x, norm_sq, eps, F64: tl.constexpr):
 
 
 @triton.jit
-def _pick_kernel(
-    K, COL, POS, LENGTH, E, BEST, NEAREST,
-    skb, skh, skc, skd,
-    HKV, C, CHUNK, KEEP, SINKS, RECENT,
-    HEAD_DIM: tl.constexpr, BLOCK_SCAN: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLITS: tl.constexpr, ACC: tl.constexpr, F64: tl.constexpr,
-):
-    row = tl.program_id(0)
-    split = tl.program_id(1)
-    b = (row // HKV).to(tl.int64)
-    g = (row % HKV).to(tl.int64)
-    base = row.to(tl.int64) * C                          # COL, POS: contiguous [B Hkv, C]
+def _row_scan_bounds(LENGTH, row, split, CHUNK, KEEP):
+    """(evict, n, lo, hi): whether the row evicts, its live slots to scan and the split's chunk [lo, hi)."""
     length = tl.load(LENGTH + row)
     evict = length > KEEP
     n = tl.where(evict, length, 0)
-    newest = tl.full([], -1, tl.int64)
-    for c0 in range(0, n, BLOCK_SCAN):
-        offs = c0 + tl.arange(0, BLOCK_SCAN)
-        newest = tl.maximum(newest, tl.max(tl.load(POS + base + offs, mask=offs < n, other=-1), 0))
+    lo = split * CHUNK
+    return evict, n, lo, tl.minimum(lo + CHUNK, n)
+
+
+@triton.jit
+def _candidate_kernel(
+    COL, POS, LENGTH, LOW, ARG, C, CHUNK, KEEP, SINKS, RECENT,
+    BLOCK_SCAN: tl.constexpr, SPLITS: tl.constexpr,
+):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    base = row.to(tl.int64) * C                          # COL, POS: contiguous [B Hkv, C]
+    evict, n, lo, hi = _row_scan_bounds(LENGTH, row, split, CHUNK, KEEP)
+    newest = tl.load(POS + base + C - 1)
     low = tl.full([], float("inf"), tl.float32)
-    e = tl.full([], 0, tl.int64)
-    for c0 in range(0, n, BLOCK_SCAN):
+    e = lo.to(tl.int64)
+    for c0 in range(lo, hi, BLOCK_SCAN):
         offs = c0 + tl.arange(0, BLOCK_SCAN)
-        m = offs < n
+        m = offs < hi
         pos = tl.load(POS + base + offs, mask=m, other=-1)
         score = tl.load(COL + base + offs, mask=m, other=0.0)
         score = tl.where(m & (offs >= SINKS) & (pos <= newest - RECENT), score, float("inf"))
@@ -198,15 +205,36 @@ def _pick_kernel(
         blk_e = tl.argmin(score, 0).to(tl.int64) + c0
         e = tl.where(blk_low < low, blk_e, e)
         low = tl.minimum(blk_low, low)
-    e = tl.where(evict, e, C - 1)
+    out = row.to(tl.int64) * SPLITS + split
+    tl.store(LOW + out, low)
+    tl.store(ARG + out, e)
+
+
+@triton.jit
+def _nearest_key_kernel(
+    K, LENGTH, LOW, ARG, E, BEST, NEAREST,
+    skb, skh, skc, skd,
+    HKV, C, CHUNK, KEEP,
+    HEAD_DIM: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr, ACC: tl.constexpr, F64: tl.constexpr,
+):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    b = (row // HKV).to(tl.int64)
+    g = (row % HKV).to(tl.int64)
+    evict, n, lo, hi = _row_scan_bounds(LENGTH, row, split, CHUNK, KEEP)
+    offs_s = tl.arange(0, BLOCK_SPLITS)
+    parts = row.to(tl.int64) * SPLITS + offs_s
+    low = tl.load(LOW + parts, mask=offs_s < SPLITS, other=float("inf"))
+    arg = tl.load(ARG + parts, mask=offs_s < SPLITS, other=0)
+    first = tl.argmin(low, 0, tie_break_left=True)
+    e = tl.where(evict, tl.sum(tl.where(offs_s == first, arg, 0), 0), C - 1)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     k_row = K + b * skb + g * skh
     eps = tl.full([], 1e-12, ACC)
     x = tl.load(k_row + e * skc + offs_d * skd, mask=d_mask, other=0.0).to(ACC)
     x = _unit(x, tl.sum(x * x, 0), eps, F64)
-    lo = split * CHUNK
-    hi = tl.minimum(lo + CHUNK, n)
     best = tl.full([], float("-inf"), ACC)
     nearest = tl.full([], 0, tl.int64)
     for c0 in range(lo, hi, BLOCK_C):
@@ -226,8 +254,8 @@ def _pick_kernel(
     tl.store(E + row, e, mask=split == 0)
 
 
-# Kernel B, program b over its heads g (vectors of BLOCK_H):
-#     nearest_g, u_g = first max over the splits of (best, nearest) (a later split wins only if greater)
+# Kernel C, program b over its heads g (vectors of BLOCK_H):
+#     nearest_g, u_g = first max over the splits of (best, nearest) (an earlier split wins ties)
 #     ev_g = length_g > keep;  u_g = 0 unless ev_g;  n = sum_g ev_g
 #     current = sum_g u_g / max(n, 1);  tau, tau_set as in the module docstring (beta, 1 - beta fp32)
 #     merged_g, w_e, norm per the variant;  per block of D:
@@ -241,7 +269,7 @@ def _pick_kernel(
 @triton.jit
 def _merge_and_move(X, batch_off, head_off, sc, sd, e, nearest, evict, merged, take_new, w_e, norm, w_self, C,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Kernel B's K (or V) part for the BLOCK_H heads of one batch row (see the comment above it)."""
+    """Kernel C's K (or V) part for the BLOCK_H heads of one batch row (see the comment above it)."""
     offs_d = tl.arange(0, BLOCK_D)
     for d0 in range(0, HEAD_DIM, BLOCK_D):
         d_mask = (d0 + offs_d) < HEAD_DIM
@@ -264,7 +292,7 @@ def _merge_move_kernel(
     skb, skh, skc, skd, svb, svh, svc, svd,
     HKV, C, KEEP, beta, one_minus_beta, w_self,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
-    ACC: tl.constexpr, PAPER: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr, ACC: tl.constexpr, PAPER: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H).to(tl.int64)
@@ -272,13 +300,13 @@ def _merge_move_kernel(
     rows = b * HKV + offs_h
     length = tl.load(LENGTH + rows, mask=h_mask, other=0)
     evict = h_mask & (length > KEEP)
-    best = tl.full([BLOCK_H], float("-inf"), ACC)
-    nearest = tl.zeros([BLOCK_H], tl.int64)
-    for s in range(SPLITS):
-        part = tl.load(BEST + rows * SPLITS + s, mask=h_mask, other=float("-inf"))
-        j = tl.load(NEAREST + rows * SPLITS + s, mask=h_mask, other=0)
-        nearest = tl.where(part > best, j, nearest)
-        best = tl.maximum(part, best)
+    offs_s = tl.arange(0, BLOCK_SPLITS)
+    parts = rows[:, None] * SPLITS + offs_s[None, :]                       # [BLOCK_H, BLOCK_SPLITS], one load
+    m_parts = h_mask[:, None] & (offs_s < SPLITS)[None, :]
+    part = tl.load(BEST + parts, mask=m_parts, other=float("-inf"))
+    first = tl.argmax(part, 1, tie_break_left=True)
+    best = tl.max(part, 1)
+    nearest = tl.sum(tl.where(offs_s[None, :] == first[:, None], tl.load(NEAREST + parts, mask=m_parts, other=0), 0), 1)
     u = tl.where(evict, best.to(tl.float32), 0.0)
     e = tl.load(E + rows, mask=h_mask, other=0)
     n_evict = tl.sum(evict.to(tl.int32), 0)
@@ -320,14 +348,16 @@ def _merge_move_kernel(
 
 def check_evict_one_inputs(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor,
                            length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: int,
-                           variant: str) -> None:
-    """ValueError naming the tensor, the expected and the actual shape/dtype."""
+                           sinks: int, recent: int, variant: str) -> None:
+    """ValueError naming the tensor, the expected and the actual shape/dtype (or the bad split of keep)."""
     if k.dim() != 4 or v.shape != k.shape or v.dtype != k.dtype or not k.dtype.is_floating_point:
         raise ValueError(f"k, v must be one float [B, Hkv, C, D] shape, got {k.dtype} {tuple(k.shape)}, "
                          f"{v.dtype} {tuple(v.shape)}")
     b, h, c, _ = k.shape
     if c != keep + 1 or keep < 1:
         raise ValueError(f"capacity C must be keep + 1 with keep >= 1, got C = {c}, keep = {keep}")
+    if sinks < 0 or recent < 0 or sinks + recent > keep:        # else an evicting row could have no candidate
+        raise ValueError(f"sinks ({sinks}) + recent ({recent}) must be at most keep ({keep}), both >= 0")
     if variant not in ("paper", "code"):
         raise ValueError(f"variant must be 'paper' or 'code', got {variant!r}")
     for name, t, dtype, shape in (("col_sum", col_sum, torch.float32, (b, h, c)),
@@ -358,37 +388,43 @@ def default_splits(rows: int, c: int, device: torch.device) -> int:
     return max(1, min(triton.cdiv(2 * _sm_count(device.index or 0), rows), triton.cdiv(c, 256)))
 
 
-# The step is latency-bound (one layer's row is a few thousand slots): few, wide loop iterations. The
-# scalar passes read BLOCK_SCAN slots an iteration (4096: two iterations at C = 6555), the key scan 64
+# The step is latency-bound (one layer's row is a few thousand slots): short, wide programs. Kernel A reads
+# up to BLOCK_SCAN slots an iteration (one iteration for a chunk of C / splits <= 1024 slots), kernel B 64
 # keys; these and the splits are what benchmarks/probes/d2o_evict_one_sweep.py compares on a GPU.
 def d2o_evict_one_triton(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor,
                          length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: int,
                          sinks: int, recent: int, beta: float, variant: str, *, splits: int | None = None,
-                         block_c: int = 64, block_scan: int = 4096, num_warps: int = 8) -> None:
-    """The two Triton kernels (same contract as ``d2o_evict_one_reference``); scratch: 3 tensors of
+                         block_c: int = 64, block_scan: int = 1024, num_warps: int = 8) -> None:
+    """The three Triton kernels (same contract as ``d2o_evict_one_reference``); scratch: 5 tensors of
     B Hkv (splits) elements."""
     require_triton()
-    check_evict_one_inputs(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, variant)
+    check_evict_one_inputs(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks, recent,
+                           variant)
     b, h, c, d = k.shape
     splits = splits or default_splits(b * h, c, k.device)
+    chunk = triton.cdiv(c, splits)
     acc = torch.float64 if k.dtype == torch.float64 else torch.float32
     e = torch.empty(b * h, dtype=torch.int64, device=k.device)
+    low = torch.empty(b * h * splits, dtype=torch.float32, device=k.device)
+    arg = torch.empty(b * h * splits, dtype=torch.int64, device=k.device)
     best = torch.empty(b * h * splits, dtype=acc, device=k.device)
     nearest = torch.empty(b * h * splits, dtype=torch.int64, device=k.device)
-    evict = length > keep if others else None                                   # before kernel B shortens rows
+    evict = length > keep if others else None                                   # before kernel C shortens rows
     block_d = max(16, next_pow2(d))
     tl_acc = tl.float64 if acc == torch.float64 else tl.float32
-    _pick_kernel[(b * h, splits)](
-        k, col_sum, position, length, e, best, nearest, *k.stride(),
-        h, c, triton.cdiv(c, splits), keep, sinks, recent,
-        HEAD_DIM=d, BLOCK_SCAN=min(block_scan, next_pow2(c)), BLOCK_C=block_c, BLOCK_D=block_d,
-        SPLITS=splits, ACC=tl_acc, F64=acc == torch.float64, num_warps=num_warps)
+    _candidate_kernel[(b * h, splits)](
+        col_sum, position, length, low, arg, c, chunk, keep, sinks, recent,
+        BLOCK_SCAN=min(block_scan, next_pow2(chunk)), SPLITS=splits, num_warps=4)
+    _nearest_key_kernel[(b * h, splits)](
+        k, length, low, arg, e, best, nearest, *k.stride(), h, c, chunk, keep,
+        HEAD_DIM=d, BLOCK_C=block_c, BLOCK_D=block_d, SPLITS=splits, BLOCK_SPLITS=next_pow2(splits),
+        ACC=tl_acc, F64=acc == torch.float64, num_warps=num_warps)
     _merge_move_kernel[(b,)](
         k, v, col_sum, position, log_weight, length, tau, tau_set.view(torch.uint8), e, best, nearest,
         *k.stride(), *v.stride(), h, c, keep, float(beta), 1.0 - float(beta),
         math.e if variant == "paper" else 1.0,
-        HEAD_DIM=d, BLOCK_H=next_pow2(h), BLOCK_D=min(block_d, 128), SPLITS=splits, ACC=tl_acc,
-        PAPER=variant == "paper", num_warps=4, enable_fp_fusion=False)
+        HEAD_DIM=d, BLOCK_H=next_pow2(h), BLOCK_D=min(block_d, 128), SPLITS=splits,
+        BLOCK_SPLITS=next_pow2(splits), ACC=tl_acc, PAPER=variant == "paper", num_warps=4, enable_fp_fusion=False)
     if others:                                       # a row that evicts nothing has e = C - 1: no move
         flat_e = e + torch.arange(b * h, device=k.device) * c
         flat_last = torch.arange(b * h, device=k.device) * c + c - 1

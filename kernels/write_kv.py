@@ -7,11 +7,15 @@ growing layer and ``position % window`` for a sliding-window ring.
 Shapes: k_cache, v_cache: [B, Hkv, C, D]; log_weight: [B, Hkv, C] fp32; slot: [B, Hkv] int64;
 k_new, v_new: [B, Hkv, 1, D]. The cache buffers may live on another device than the new token
 (a recall policy's host-resident K, V; ``Policy.host_resident``). Traffic: 2*B*Hkv*D elements written.
+
+On CUDA (all tensors on one device) one Triton launch writes all three, where the reference's three
+scatters are three launches: at batch 1 the step is launch-bound, and this runs once per layer per token.
 """
 
 from __future__ import annotations
 
 import torch
+from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
 from torch import Tensor
 
 
@@ -23,6 +27,45 @@ def write_kv_reference(k_cache: Tensor, v_cache: Tensor, log_weight: Tensor, slo
     log_weight.scatter_(2, slot.to(log_weight.device)[:, :, None], 0.0)
 
 
+# Program (b, g): s = slot[b, g];  k_cache[b, g, s, :] = k_new[b, g, 0, :] (cast to the cache dtype),
+# v likewise, log_weight[b, g, s] = 0. One program a row: D elements each of k and v.
+@triton.jit
+def _write_kv_kernel(KC, VC, LW, SLOT, KN, VN, HKV, C,
+                     skcb, skch, skcc, skcd, svcb, svch, svcc, svcd,
+                     sknb, sknh, sknd, svnb, svnh, svnd,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0)
+    b = (row // HKV).to(tl.int64)
+    g = (row % HKV).to(tl.int64)
+    s = tl.load(SLOT + row)
+    d = tl.arange(0, BLOCK_D)
+    m = d < HEAD_DIM
+    k = tl.load(KN + b * sknb + g * sknh + d * sknd, mask=m)
+    v = tl.load(VN + b * svnb + g * svnh + d * svnd, mask=m)
+    tl.store(KC + b * skcb + g * skch + s * skcc + d * skcd, k.to(KC.dtype.element_ty), mask=m)
+    tl.store(VC + b * svcb + g * svch + s * svcc + d * svcd, v.to(VC.dtype.element_ty), mask=m)
+    tl.store(LW + row.to(tl.int64) * C + s, 0.0)
+
+
+def write_kv_triton(k_cache: Tensor, v_cache: Tensor, log_weight: Tensor, slot: Tensor,
+                    k_new: Tensor, v_new: Tensor) -> None:
+    """The reference's writes in one launch (same contract; every tensor on one device)."""
+    require_triton()
+    b, h, c, d = k_cache.shape
+    for name, t in (("v_cache", v_cache), ("log_weight", log_weight), ("slot", slot), ("k_new", k_new),
+                    ("v_new", v_new)):
+        check_device(name, t, k_cache.device)
+    if (v_cache.shape != k_cache.shape or k_new.shape != (b, h, 1, d) or v_new.shape != k_new.shape
+            or log_weight.shape != (b, h, c) or not log_weight.is_contiguous() or slot.shape != (b, h)):
+        raise ValueError(f"write_kv: k_cache, v_cache [B, Hkv, C, D] = {tuple(k_cache.shape)} need log_weight "
+                         f"contiguous [B, Hkv, C], slot [B, Hkv], k_new, v_new [B, Hkv, 1, D]; got "
+                         f"{tuple(log_weight.shape)}, {tuple(slot.shape)}, {tuple(k_new.shape)}, {tuple(v_new.shape)}")
+    _write_kv_kernel[(b * h,)](
+        k_cache, v_cache, log_weight, slot.to(torch.int64).contiguous(), k_new, v_new, h, c,
+        *k_cache.stride(), *v_cache.stride(), k_new.stride(0), k_new.stride(1), k_new.stride(3),
+        v_new.stride(0), v_new.stride(1), v_new.stride(3), HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), num_warps=1)
+
+
 @torch.library.custom_op("kvpass::write_kv", mutates_args=("k_cache", "v_cache", "log_weight"))
 def write_kv(k_cache: Tensor, v_cache: Tensor, log_weight: Tensor, slot: Tensor,
              k_new: Tensor, v_new: Tensor) -> None:
@@ -32,3 +75,13 @@ def write_kv(k_cache: Tensor, v_cache: Tensor, log_weight: Tensor, slot: Tensor,
 @write_kv.register_fake
 def _(k_cache, v_cache, log_weight, slot, k_new, v_new):
     return None
+
+
+if HAS_TRITON:
+    @write_kv.register_kernel("cuda")
+    def _(k_cache, v_cache, log_weight, slot, k_new, v_new):
+        devices = {t.device for t in (k_cache, v_cache, log_weight, slot, k_new, v_new)}
+        if len(devices) == 1:
+            write_kv_triton(k_cache, v_cache, log_weight, slot, k_new, v_new)
+        else:                                          # host-resident K, V: the reference moves the rows
+            write_kv_reference(k_cache, v_cache, log_weight, slot, k_new, v_new)

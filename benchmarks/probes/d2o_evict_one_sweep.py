@@ -4,7 +4,7 @@ bf16, C = 6555 = a 0.2 budget of 32k + 1), every row evicting in every timed cal
     PYTHONUNBUFFERED=1 python3 benchmarks/probes/d2o_evict_one_sweep.py --out $OUT
 
 Each call evicts: before it, the rows' lengths are set back to C (``fill_``), which re-arms the same work
-(scan of C scores and positions, a key scan, a merge, a move); the fill alone is timed and subtracted.
+(a scan of C scores and positions, a key scan, a merge, a move); the fill alone is timed and subtracted.
 Timed from a CUDA graph by triton's do_bench (median). Writes d2o-evict-one-sweep.json under --out.
 """
 
@@ -49,7 +49,7 @@ def main() -> None:
                                  st["tau"], st["tau_set"], [], keep, 4, keep // 4, 0.7, "paper", **kw)
 
         arm = time_fn(lambda st=st: st["length"].fill_(a.c), torch.device("cuda")) * 1e6
-        grid = itertools.product((None, 13, 52), (32, 64, 128), (1024, 4096), (4, 8))
+        grid = itertools.product((None, 13, 52), (32, 64, 128), (256, 1024), (4, 8))
         for splits, block_c, block_scan, warps in grid:
             kw = dict(splits=splits, block_c=block_c, block_scan=block_scan, num_warps=warps)
             try:
@@ -59,7 +59,7 @@ def main() -> None:
                 rows.append({"b": b, **kw, "error": repr(e)[:200]})
         best = min((r for r in rows if r["b"] == b and "us_per_layer" in r), key=lambda r: r["us_per_layer"])
         default = next(r for r in rows if r["b"] == b and r["splits"] is None and r["block_c"] == 64
-                       and r["block_scan"] == 4096 and r["num_warps"] == 8)
+                       and r["block_scan"] == 1024 and r["num_warps"] == 8)
         print(f"b={b}: fill {arm:.1f} us; default {default['us_per_layer']:.1f} us/layer; best {best}", flush=True)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "d2o-evict-one-sweep.json").write_text(json.dumps(

@@ -187,7 +187,7 @@ class D2O(Policy):
         O(C) reads of one layer's scores and keys, writes of two slots per row. The live slots stay
         [0, length) but no longer in sequence order, which is why the recent window is found by
         position (``pick_one``). Same entries and values as ``compress`` (tested as sets). On CUDA one
-        op of two Triton kernels (``torch.ops.kvpass.d2o_evict_one``), elsewhere and under export its
+        op of three Triton kernels (``torch.ops.kvpass.d2o_evict_one``), elsewhere and under export its
         plain-torch reference. Any other capacity: ``compress`` and a copy back."""
         if cache.capacity != keep + 1:
             super().compress_into(cache, keep)

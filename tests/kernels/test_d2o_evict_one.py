@@ -35,7 +35,7 @@ def random_layer(b: int, h: int, keep: int, d: int, seed: int, dtype: torch.dtyp
                  near: float = 0.3) -> dict[str, torch.Tensor]:
     """A layer of capacity keep + 1: ragged rows (by default random lengths, every other row full: full
     rows evict, shorter ones do not), distinct live positions with gaps in no slot order (as after earlier
-    in-place steps), scores on a coarse grid (ties), a fraction ``near`` of keys near-copies of others
+    in-place steps) except the newest of a full row in slot C - 1, scores on a coarse grid (ties), a fraction ``near`` of keys near-copies of others
     (merges), garbage K/V in empty slots, and tau set in some batch rows. 'window' is one more
     slot-metadata tensor, moved with its slot like col_sum."""
     gen = torch.Generator().manual_seed(seed)
@@ -47,6 +47,9 @@ def random_layer(b: int, h: int, keep: int, d: int, seed: int, dtype: torch.dtyp
     position = torch.full((b, h, c), -1)
     for row, n in zip(position.view(-1, c), length.view(-1).tolist(), strict=True):
         row[:n] = torch.randperm(2 * c, generator=gen)[:n]              # distinct, with gaps, in no order
+        if n == c:                                                      # but a full row's newest is in slot C - 1,
+            newest = int(row.argmax())                                  # which the decode step just wrote
+            row[[newest, c - 1]] = row[[c - 1, newest]]
     k = torch.randn(b, h, c, d, generator=gen, dtype=torch.float64)
     src = torch.randint(0, c, (b, h, c), generator=gen)
     copy = torch.rand(b, h, c, generator=gen) < near
@@ -172,10 +175,10 @@ def test_newest_entry_is_merged_into_before_it_moves(variant: str, triton_device
     assert want["position"][0, 1].tolist() == [0, 1, 2, 3, 4, 5, -1]             # the newest itself went
 
 
-@pytest.mark.parametrize("splits, block_c", [(1, 16), (1, 4), (3, 4)])     # one block, blocks, splits
+@pytest.mark.parametrize("splits, block_c", [(1, 16), (1, 4), (2, 4), (3, 4)])  # one block, blocks, splits
 def test_ties_go_to_the_lowest_slot(splits: int, block_c: int, triton_device: str) -> None:
-    """Equal lowest scores: the lower slot is evicted; equally similar keys (exact copies, in one block or
-    in different splits): the lower slot is merged into."""
+    """Equal lowest scores (in one chunk, or in two: splits 2): the lower slot is evicted; equally similar
+    keys (exact copies, in one block or in different splits): the lower slot is merged into."""
     keep = 12
     layer = random_layer(1, 1, keep, 8, seed=2, dtype=torch.float32)
     layer["length"].fill_(keep + 1)
@@ -204,6 +207,8 @@ def test_op_runs_the_reference_on_cpu_and_checks_inputs() -> None:
         assert torch.equal(layer[name], want[name]), name
     with pytest.raises(ValueError, match="keep \\+ 1"):
         run_step(d2o_evict_one_triton, layer, 7, 2, 2, "code")
+    with pytest.raises(ValueError, match="at most keep"):
+        run_step(d2o_evict_one_triton, layer, 8, 2, 7, "code")
     layer["tau"] = layer["tau"].double()
     with pytest.raises(ValueError, match="tau must be"):
         run_step(d2o_evict_one_triton, layer, 8, 2, 2, "code")
