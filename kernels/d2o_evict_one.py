@@ -382,19 +382,22 @@ def _sm_count(index: int) -> int:
 
 
 def default_splits(rows: int, c: int, device: torch.device) -> int:
-    """Key-scan splits per row: enough programs for about two per SM, at least 256 slots per split."""
+    """Splits per row: up to eight programs per SM, at least 128 slots per split (the sweep's best at
+    B = 1 and 4: many short programs, as each program's scan is a chain of dependent loads)."""
     if device.type != "cuda":
         return 1
-    return max(1, min(triton.cdiv(2 * _sm_count(device.index or 0), rows), triton.cdiv(c, 256)))
+    return max(1, min(triton.cdiv(8 * _sm_count(device.index or 0), rows), triton.cdiv(c, 128)))
 
 
 # The step is latency-bound (one layer's row is a few thousand slots): short, wide programs. Kernel A reads
-# up to BLOCK_SCAN slots an iteration (one iteration for a chunk of C / splits <= 1024 slots), kernel B 64
-# keys; these and the splits are what benchmarks/probes/d2o_evict_one_sweep.py compares on a GPU.
+# up to BLOCK_SCAN slots an iteration (one iteration for a chunk of C / splits <= 1024 slots), kernel B 32
+# keys; these and the splits are what benchmarks/probes/d2o_evict_one_sweep.py compares on a GPU (H200,
+# C = 6555: 23.6 us a layer at B = 1 and 54 at B = 4, from 26.8 and 85.5 with 64-key blocks and 2 programs
+# an SM; the two-kernel version before: 32.2 at B = 1).
 def d2o_evict_one_triton(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor,
                          length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: int,
                          sinks: int, recent: int, beta: float, variant: str, *, splits: int | None = None,
-                         block_c: int = 64, block_scan: int = 1024, num_warps: int = 8) -> None:
+                         block_c: int = 32, block_scan: int = 1024, num_warps: int = 8) -> None:
     """The three Triton kernels (same contract as ``d2o_evict_one_reference``); scratch: 5 tensors of
     B Hkv (splits) elements."""
     require_triton()

@@ -564,8 +564,8 @@ def _stepped_tpot(kv, ids: torch.Tensor, device: torch.device, warm: int = 8, st
     A policy compressing every ``interval`` > 1 steps gets ``interval`` more warm-up steps (its first
     compression and that step's graph capture) and at least 2 x ``interval`` timed steps, so the timed
     steps hold whole periods. Then, for a compressing policy, one decode-time compression of every
-    compressed layer (``compress_into``, what the steps run) timed on its own from a CUDA graph: before
-    each timed call every layer's lengths are set back to its capacity (a full buffer, as when a step
+    compressed layer (``DecodeSession.compress_layers``, what the steps run) timed on its own from a
+    CUDA graph: before each timed call every layer's lengths are set back to its capacity (a full buffer, as when a step
     compresses), else every call after the first would find nothing to evict; that re-arming is timed
     alone and subtracted."""
     interval = getattr(kv.policy, "interval", 1) if kv.policy.compresses else 1
@@ -583,16 +583,16 @@ def _stepped_tpot(kv, ids: torch.Tensor, device: torch.device, warm: int = 8, st
     tpot = (time.perf_counter() - t0) / steps
     out = {"tpot_ms": tpot * 1e3, "decode_tokens_per_s": ids.shape[0] / tpot, "tpot_method": f"{steps} stepped tokens",
            "interval": interval}
-    layers = [lay for lay in session.layers if lay.compressible]
+    due = [i for i, lay in enumerate(session.layers) if lay.compressible]
+    layers = [session.layers[i] for i in due]
     if layers:
         def arm() -> None:
             for lay in layers:
                 lay.cache.length.fill_(lay.cache.capacity)
 
-        def compress_all() -> None:
+        def compress_all() -> None:                                     # as a step does: side by side on CUDA
             arm()
-            for lay in layers:
-                kv.compress_into(lay.cache, lay.budget)
+            session.compress_layers(due)
 
         seconds, graphed = time_graphed_or_eager(compress_all, device)   # the step runs it eagerly too where not graphed
         arm_seconds = time_fn(arm, device, graph=graphed)

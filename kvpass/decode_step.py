@@ -9,6 +9,8 @@ and replays it every step.
 
 * step inputs (the token ids [B] and positions [B, 1]) are new tensors every step: they are copied
   into static buffers owned by the step before each replay;
+* the layers compressed in a step run side by side, on ``branches`` side streams forked from the
+  step's stream and joined back (``run_side_by_side``): independent, short work, replayed in parallel;
 * persistent tensors (every layer's cache tensors: K, V, log-weights, lengths, positions, policy
   slot metadata and state) are read and written in place at the addresses the graph was captured
   with. Compression keeps them (``cache.load_into`` copies into the same buffers). When one of them
@@ -58,12 +60,19 @@ class StaticDecodeStep:
     A variant whose capture fails runs eagerly from then on (``graphed`` says which). ``captures``
     counts captures (tests and benchmarks read it)."""
 
-    def __init__(self, enabled: bool = True, warmup: int = 1) -> None:
-        self.enabled, self.warmup = enabled, warmup
+    def __init__(self, enabled: bool = True, warmup: int = 1, branches: int = 8) -> None:
+        self.enabled, self.warmup, self.branches = enabled, warmup, branches
+        self._side: dict[torch.device, list[torch.cuda.Stream]] = {}
         self.captures = 0
         self._state_key: Key | None = None
         self._graphs: dict[Key, tuple[object, list[Tensor], tuple[Tensor, ...]]] = {}
         self._eager: set[Key] = set()
+
+    def side_streams(self, device: torch.device) -> list[torch.cuda.Stream]:
+        """``branches`` streams on ``device`` for ``run_side_by_side`` (made once, reused by every capture)."""
+        if device not in self._side:
+            self._side[device] = [torch.cuda.Stream(device) for _ in range(self.branches)]
+        return self._side[device]
 
     def reset(self) -> None:
         """Drop every captured graph (and its memory pool)."""
@@ -126,6 +135,22 @@ class StaticDecodeStep:
         with torch.cuda.graph(graph):
             outs = tuple(fn(*static))
         return graph, outs
+
+
+def run_side_by_side(calls: Sequence[Callable[[], object]], streams: Sequence[torch.cuda.Stream]) -> None:
+    """Run independent ``calls`` (each reading and writing only its own tensors, e.g. one layer's
+    compression) forked over ``streams`` (round robin) and joined back to the current stream. Captured
+    in a CUDA graph, the branches replay side by side: a layer's compression is a few short, latency-bound
+    kernels, and one stream would run every layer's one after the other."""
+    main = torch.cuda.current_stream()
+    used = list(streams[: len(calls)])
+    for s in used:
+        s.wait_stream(main)
+    for j, call in enumerate(calls):
+        with torch.cuda.stream(used[j % len(used)]):
+            call()
+    for s in used:
+        main.wait_stream(s)
 
 
 class _null:

@@ -15,6 +15,7 @@ Data flow of ``generate``:
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from kvpass.cache import (
     select_heads,
     with_capacity,
 )
-from kvpass.decode_step import StaticDecodeStep
+from kvpass.decode_step import StaticDecodeStep, run_side_by_side
 from kvpass.policies.base import Policy, Stat
 from kvpass.rewrites import CapturedModel, RewrittenGraphs
 from kvpass.sampling import next_token
@@ -509,8 +510,7 @@ class DecodeSession:
         layers, graphs = self.layers, self.owner.graphs
 
         def step(tokens: Tensor, pos: Tensor) -> tuple[Tensor]:
-            for i in compress:
-                self.owner.compress_into(layers[i].cache, layers[i].budget)
+            self.compress_layers(compress)
             slots = [self._slot(lay, pos) for lay in layers]
             flat = [x for lay, slot in zip(layers, slots, strict=True) for x in self._decode_inputs(lay, slot)]
             outs = graphs.decode(tokens[:, None], pos, *flat)
@@ -527,6 +527,17 @@ class DecodeSession:
             big = {id(t) for lay in layers for c in lay.caches() for t in (c.k, c.v)}
             restore = [t for t in persistent if id(t) not in big]
         return self.owner.decode_step(step, [tokens, self.pos], persistent, restore, variant=compress)[0]
+
+    def compress_layers(self, indices: Sequence[int]) -> None:
+        """Compress the layers ``indices`` in their own buffers (``compress_into``, no host sync). On
+        CUDA the layers run side by side on the decode step's side streams (``run_side_by_side``)."""
+        calls = [functools.partial(self.owner.compress_into, self.layers[i].cache, self.layers[i].budget)
+                 for i in indices]
+        if len(calls) > 1 and self.logits.is_cuda:
+            run_side_by_side(calls, self.owner.decode_step.side_streams(self.logits.device))
+        else:
+            for call in calls:
+                call()
 
     @staticmethod
     def _slot(lay: _Layer, pos: Tensor) -> Tensor:

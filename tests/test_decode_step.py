@@ -104,3 +104,25 @@ def test_cuda_graph_decode_with_compression_matches_eager(policy, budget):
     assert torch.equal(got, want)
     assert 1 <= kv.decode_step.captures <= 3
     assert kv.last_report.compressions > 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_side_by_side_calls_replay_in_a_graph_and_join():
+    """More calls than streams (round robin), each a chain of kernels on its own tensor, captured in a
+    CUDA graph: every replay runs every call once, and the step's stream sees their results (joined)."""
+    xs = [torch.zeros(1 << 16, device="cuda") for _ in range(11)]
+    step = StaticDecodeStep(branches=4)
+
+    def body():
+        ds.run_side_by_side([lambda x=x, i=i: x.add_(i).mul_(2) for i, x in enumerate(xs)],
+                            step.side_streams(torch.device("cuda")))
+        return torch.stack([x[-1] for x in xs])
+
+    graph = torch.cuda.CUDAGraph()
+    body()                                                               # warm-up: x = 2 i
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        out = body()
+    graph.replay()                                                       # x = 2 (2 i + i) = 6 i
+    assert out.tolist() == [6.0 * i for i in range(11)]

@@ -58,7 +58,7 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001
                 rows.append({"b": b, **kw, "error": repr(e)[:200]})
         best = min((r for r in rows if r["b"] == b and "us_per_layer" in r), key=lambda r: r["us_per_layer"])
-        default = next(r for r in rows if r["b"] == b and r["splits"] is None and r["block_c"] == 64
+        default = next(r for r in rows if r["b"] == b and r["splits"] is None and r["block_c"] == 32
                        and r["block_scan"] == 1024 and r["num_warps"] == 8)
         print(f"b={b}: fill {arm:.1f} us; default {default['us_per_layer']:.1f} us/layer; best {best}", flush=True)
     a.out.mkdir(parents=True, exist_ok=True)
