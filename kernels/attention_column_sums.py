@@ -224,10 +224,11 @@ def _column_sum_kernel(Q, K, PAD, LSE, COL, sqb, sqh, sqt, sqd, skb, skh, skt, s
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per pass on CUDA: the fastest of a sweep on an H200 at T = 32k,
-# Hq 32, Hkv 8, D 128, bf16 (benchmarks/probes/decode_fusion_and_prefill_stats.py: pass 1 10.6 ms, pass 2
-# 14.0 ms per layer, from 16.3 and 18.8 ms before the band tiles skipped the mask). The interpreter: 16s.
+# Hq 32, Hkv 8, D 128, bf16 (benchmarks/probes/decode_fusion_and_prefill_stats.py: pass 1 10.6 ms, from 16.3
+# before the band tiles skipped the mask; pass 2 9.1 ms, from 18.8 before that and 14.0 before its 2D
+# accumulator, 10.7 with it at pass 1's blocks). The interpreter: 16s. Pass 1 runs only without an lse given.
 _ROW_LSE_CONFIG = (128, 64, 8, 3)
-_COLUMN_SUM_CONFIG = (128, 64, 4, 3)
+_COLUMN_SUM_CONFIG = (64, 128, 4, 3)
 
 
 def _launch_args(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None, softcap: float | None):
