@@ -146,8 +146,9 @@ def check_cosine_match_inputs(src: Tensor, dst: Tensor, dst_valid: Tensor | None
 
 
 def cosine_match_triton(src: Tensor, dst: Tensor, dst_valid: Tensor | None = None, src_chunk: int = 0,
-                        dst_chunk: int = 0, *, block_s: int = 32, block_n: int = 64) -> tuple[Tensor, Tensor]:
-    """The Triton matcher (same contract as ``cosine_match_reference``)."""
+                        dst_chunk: int = 0, *, block_s: int = 32, block_n: int = 64, num_warps: int = 4,
+                        num_stages: int | None = None) -> tuple[Tensor, Tensor]:
+    """The Triton matcher (same contract as ``cosine_match_reference``); the keywords set the launch."""
     require_triton()
     check_cosine_match_inputs(src, dst, dst_valid, src_chunk, dst_chunk)
     b, hkv, s, d = src.shape
@@ -162,7 +163,8 @@ def cosine_match_triton(src: Tensor, dst: Tensor, dst_valid: Tensor | None = Non
         hkv, s, n, max(src_chunk, 1), max(dst_chunk, 1), _EPS,
         HEAD_DIM=d, BLOCK_S=block_s, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
         HAS_VALID=dst_valid is not None, CHUNKED=src_chunk > 0,
-        EXACT=src.dtype == torch.float32 or src.device.type != "cuda", num_warps=4)
+        EXACT=src.dtype == torch.float32 or src.device.type != "cuda", num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}))
     return index, best
 
 

@@ -1,0 +1,59 @@
+"""Launch parameters of the cosine matcher at D2O's prefill shape (every evicted key against the kept ones),
+one GPU: B 1, Hkv 8, S = 0.8 x 32k evicted, N = 0.2 x 32k kept, D 128, bf16.
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/probes/cosine_match_sweep.py --out $OUT
+
+Each (block_s, block_n, warps, stages) timed from a CUDA graph (do_bench median); its indices compared with
+the default launch's (fraction equal). Writes cosine-match-sweep.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+from pathlib import Path
+
+import torch
+from kvpass.kernels.cosine_match import cosine_match_triton
+
+from kvpass.bench import time_fn
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--prompt", type=int, default=32768)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    n = a.prompt // 5
+    s = a.prompt - n
+    g = torch.Generator(device=dev).manual_seed(0)
+    src = torch.randn(1, 8, s, 128, device=dev, generator=g).to(torch.bfloat16)
+    dst = torch.randn(1, 8, n, 128, device=dev, generator=g).to(torch.bfloat16)
+    valid = torch.rand(1, 8, n, device=dev, generator=g) < 0.99
+    want = cosine_match_triton(src, dst, valid)
+    default_ms = time_fn(functools.partial(cosine_match_triton, src, dst, valid), dev) * 1e3
+    flops = 2 * 8 * s * n * 128
+    rows = []
+    for bs, bn, nw, ns in itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (2, 3)):
+        kw = dict(block_s=bs, block_n=bn, num_warps=nw, num_stages=ns)
+        try:
+            fn = functools.partial(cosine_match_triton, src, dst, valid, **kw)
+            got = fn()
+            ms = time_fn(fn, dev) * 1e3
+            rows.append({**kw, "ms": ms, "tflops": flops / ms / 1e9,
+                         "same_index": float((got[0] == want[0]).float().mean()),
+                         "max_best_diff": float((got[1] - want[1]).abs().max())})
+        except Exception as exc:  # noqa: BLE001  (a config may not fit shared memory)
+            rows.append({**kw, "error": repr(exc)[:200]})
+    best = min((r for r in rows if "ms" in r), key=lambda r: r["ms"])
+    print(f"default {default_ms:.2f} ms ({flops / default_ms / 1e9:.0f} TFLOP/s); best {best}", flush=True)
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "cosine-match-sweep.json").write_text(json.dumps(
+        {"gpu": torch.cuda.get_device_name(), "S": s, "N": n, "default_ms": default_ms, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

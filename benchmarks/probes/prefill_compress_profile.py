@@ -1,0 +1,63 @@
+"""Where a policy's prefill compression (building the compressed caches from the prefill's K, V and
+statistics) spends its GPU time: Llama-3.1-8B-shaped random bf16 model, one prompt.
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/probes/prefill_compress_profile.py --out $OUT --policies d2o
+
+Per policy: ``kv.prefill`` once, then ``kv.start_from`` (the compression) timed and profiled with
+torch.profiler (CUDA kernels, summed per kernel name). Writes prefill-compress-profile.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import kvpass
+from kvpass.bench import LLAMA_8B, build_model, sync
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--prompt", type=int, default=32768)
+    ap.add_argument("--policies", default="d2o")
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    model = build_model(LLAMA_8B, dev, torch.bfloat16)
+    ids = torch.randint(1, 128000, (1, a.prompt), generator=torch.Generator().manual_seed(0)).to(dev)
+    out = {"gpu": torch.cuda.get_device_name(), "prompt": a.prompt, "policies": {}}
+    for name in a.policies.split(","):
+        kv = kvpass.apply(model, name, 0.2)
+        kv.generate(ids[:, :2048], max_new_tokens=2)                       # warm: Triton compiles, cuBLAS
+        pre = kv.prefill(ids, max_new_tokens=8)
+        kv.start_from(pre)                                                 # warm the compression at this size
+        del pre
+        pre = kv.prefill(ids, max_new_tokens=8)
+        sync(dev)
+        t0 = time.perf_counter()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            kv.start_from(pre)
+            sync(dev)
+        wall = time.perf_counter() - t0
+        kernels: dict[str, list[float]] = {}
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                kernels.setdefault(ev.name[:140], []).append(ev.device_time)
+        rows = sorted(({"kernel": k, "ms": sum(v) / 1e3, "calls": len(v)} for k, v in kernels.items()),
+                      key=lambda r: -r["ms"])
+        out["policies"][name] = {"wall_s_profiled": wall, "kernel_ms": sum(r["ms"] for r in rows), "top": rows[:25]}
+        print(f"{name}: {wall:.3f} s profiled, kernels {sum(r['ms'] for r in rows):.1f} ms", flush=True)
+        for r in rows[:15]:
+            print(f"  {r['ms']:8.2f} ms {r['calls']:5d}  {r['kernel']}", flush=True)
+        del pre, kv
+        torch.cuda.empty_cache()
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "prefill-compress-profile.json").write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
