@@ -218,22 +218,23 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-# Rows b * hkv from which the launch favours fewer, longer splits and two pipeline stages: the best of a
-# sweep on an H200 at B = 16-32, Hkv 8, C 1k-64k (benchmarks/probes/decode_attention_batch_sweep.py: 0.91-1.00
-# of SDPA's time where the one-size launch gave 0.87-0.98); smaller batches keep 8 waves and 3 stages.
+# Rows b * hkv from which the launch takes half the splits (rounded down) and two pipeline stages: the best
+# of a sweep on an H200 at B = 16-32, Hkv 8, C 1k-64k (benchmarks/probes/decode_attention_batch_sweep.py:
+# 0.91-1.00 of SDPA's time where the one-size launch gave 0.87-0.98; rounding up instead gave 3 splits at
+# B = 32, a second, mostly idle wave: 0.82); smaller batches keep 8 waves and 3 stages.
 MANY_ROWS = 128
 
 
 def decode_splits(b: int, hkv: int, c: int, block_n: int, device: torch.device, min_split: int = 128,
                   waves: int | None = None) -> int:
-    """How many splits of the cache: about ``waves`` programs per multiprocessor (default 8, or 4 from
-    ``MANY_ROWS`` rows; several are resident at once, so many small programs also shrink the tail of the
-    last wave), each split at least ``min_split`` slots (rounded to BLOCK_N). The combine step reads
+    """How many splits of the cache: about ``waves`` programs per multiprocessor (default 8, halved, rounding
+    down, from ``MANY_ROWS`` rows; several are resident at once, so many small programs also shrink the tail
+    of the last wave), each split at least ``min_split`` slots (rounded to BLOCK_N). The combine step reads
     splits x G x D fp32 per (b, g), small next to the C x D cache. The benchmark sweeps 0.5x and 2x of
     this choice."""
-    if waves is None:
-        waves = 4 if b * hkv >= MANY_ROWS else 8
-    want = max(1, -(-waves * _sm_count(device) // (b * hkv)))
+    want = max(1, -(-(waves or 8) * _sm_count(device) // (b * hkv)))
+    if waves is None and b * hkv >= MANY_ROWS:
+        want = max(1, want // 2)
     return max(1, min(want, -(-c // max(min_split, block_n))))
 
 
