@@ -54,3 +54,15 @@ def test_speed_script_loads_kvpass_from_a_plain_checkout():
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().endswith(str(Path("kernels") / "__init__.py"))
+
+
+def test_prefill_cost_compares_compiled_rows_with_the_compiled_full_row():
+    from kvpass.bench import _prefill_cost
+
+    rows = [{"method": "kvpass-full", "prompt": 8, "ttft_s": 1.5}, {"method": "kvpass-full-compiled", "prompt": 8,
+                                                                   "ttft_s": 1.25},
+            {"method": "kvpass-d2o", "prompt": 8, "ttft_s": 2.0}, {"method": "kvpass-d2o-compiled", "prompt": 8,
+                                                                  "ttft_s": 1.75}]
+    assert _prefill_cost(rows[2], rows) == (0.25, "TTFT minus kvpass-full's")
+    assert _prefill_cost(rows[3], rows) == (0.5 / 1.75, "TTFT minus kvpass-full-compiled's")
+    assert _prefill_cost(rows[3], rows[2:])[0] is None                      # no compiled full row: not measured
