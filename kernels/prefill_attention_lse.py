@@ -62,7 +62,7 @@ def _cudnn_attention_lse(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple
     o, lse = res[0], res[1]
     if o.stride() != q.stride():                        # the op's declared layout is q's (register_fake)
         o = torch.empty_like(q).copy_(o)
-    return o, lse.reshape(q.shape[:3]).float() * _LOG2E
+    return o, (lse.reshape(q.shape[:3]).float() * _LOG2E).contiguous()
 
 
 def prefill_attention_lse_cuda(q: Tensor, k: Tensor, v: Tensor, pad: Tensor, scale: float,
@@ -84,7 +84,8 @@ def prefill_attention_lse_cpu(q: Tensor, k: Tensor, v: Tensor, pad: Tensor, scal
         return prefill_attention_lse_reference(q, k, v, pad, scale, window, softcap)
     group = q.shape[1] // k.shape[1]
     o, lse = op(q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), 0.0, True, scale=scale)
-    return o, (lse * _LOG2E).to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+    lse2 = (lse * _LOG2E).to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+    return o, lse2.contiguous()                         # the kernel's lse is [B, T, H] in memory; the fake's is not
 
 
 @torch.library.custom_op("kvpass::prefill_attention_lse", mutates_args=())
