@@ -69,8 +69,9 @@ class StaticDecodeStep:
         self._eager: set[Key] = set()
 
     def side_streams(self, device: torch.device) -> list[torch.cuda.Stream]:
-        """``branches`` streams on ``device`` for ``run_side_by_side`` (made once, reused by every capture)."""
-        if device not in self._side:
+        """``branches`` streams on ``device`` for ``run_side_by_side`` (made once per count, reused by every
+        capture)."""
+        if len(self._side.get(device, ())) != self.branches:
             self._side[device] = [torch.cuda.Stream(device) for _ in range(self.branches)]
         return self._side[device]
 
