@@ -24,7 +24,7 @@ from kvpass.rewrites.sym_ops_to_builtins import replace_sym_ops_with_builtins
 from triton.testing import do_bench
 
 import kvpass
-from kvpass.bench import LLAMA_8B, build_model, sync
+from kvpass.bench import llama_8b_with_prompt, sync
 
 acs = importlib.import_module("kvpass.kernels.attention_column_sums")   # the package re-exports the op's name
 
@@ -205,8 +205,7 @@ def main() -> None:
     if "a" in parts:
         guard("a_colsum", lambda: part_a(a.prompt))
     if "b" in parts or "c" in parts:
-        model = build_model(LLAMA_8B, torch.device("cuda"), torch.bfloat16)
-        ids = torch.randint(1, 128000, (1, a.prompt), generator=torch.Generator().manual_seed(0)).cuda()
+        model, ids = llama_8b_with_prompt(a.prompt, torch.device("cuda"))
         # warm (Triton compile, cuBLAS) on a short prompt
         kvpass.apply(model, "d2o", 0.2).generate(ids[:, :2048], max_new_tokens=4)
         if "b" in parts:

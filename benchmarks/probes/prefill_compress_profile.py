@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import kvpass
-from kvpass.bench import LLAMA_8B, build_model, sync
+from kvpass.bench import llama_8b_with_prompt, sync
 
 
 def main() -> None:
@@ -27,8 +27,7 @@ def main() -> None:
     ap.add_argument("--policies", default="d2o")
     a = ap.parse_args()
     dev = torch.device("cuda")
-    model = build_model(LLAMA_8B, dev, torch.bfloat16)
-    ids = torch.randint(1, 128000, (1, a.prompt), generator=torch.Generator().manual_seed(0)).to(dev)
+    model, ids = llama_8b_with_prompt(a.prompt, dev)
     out = {"gpu": torch.cuda.get_device_name(), "prompt": a.prompt, "policies": {}}
     for name in a.policies.split(","):
         kv = kvpass.apply(model, name, 0.2)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import kvpass
-from kvpass.bench import LLAMA_8B, build_model, time_fn
+from kvpass.bench import llama_8b_with_prompt, time_fn
 
 
 def main() -> None:
@@ -27,8 +27,7 @@ def main() -> None:
     ap.add_argument("--branches", default="1,4,8,16,32")
     a = ap.parse_args()
     dev = torch.device("cuda")
-    model = build_model(LLAMA_8B, dev, torch.bfloat16)
-    ids = torch.randint(1, 128000, (1, a.prompt), generator=torch.Generator().manual_seed(0)).to(dev)
+    model, ids = llama_8b_with_prompt(a.prompt, dev)
     kv = kvpass.apply(model, "d2o", 0.2)
     session = kv.start(ids, max_new_tokens=16)
     tok = session.logits.argmax(-1)
