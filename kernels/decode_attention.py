@@ -59,7 +59,7 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, log_weight: Tens
 # Combine: lse = log2 sum_s 2^lse_s; o = sum_s 2^(lse_s - lse) o_s.  Scores: the split kernel stores
 # s2_mj; p_mj = 2^(s2_mj - lse_m), score_j = (1/G) sum_m p_mj. Empty slots (lw = -inf) get p = 0.
 
-_LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634
 
 
 @triton.jit

@@ -46,11 +46,16 @@ def _softcapped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: 
     return out
 
 
+def plain_causal(pad: Tensor, window: int | None, softcap: float | None) -> bool:
+    """No pads, window or softcap: the mask is plain causal, which fused attention kernels (SDPA's
+    flash kernels, cuDNN) apply themselves, without a T x T mask. Reads ``pad`` on the host."""
+    return window is None and softcap is None and not bool(pad.any())
+
+
 def prefill_attention_reference(q: Tensor, k: Tensor, v: Tensor, pad: Tensor, scale: float,
                                 window: int | None = None, softcap: float | None = None) -> Tensor:
     gqa = q.shape[1] != k.shape[1]
-    if window is None and softcap is None and not bool(pad.any()):
-        # no pads: plain causal attention, which SDPA runs with its fused (flash) kernels, no T x T mask
+    if plain_causal(pad, window, softcap):                # SDPA's fused (flash) kernels, no T x T mask
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     mask = prefill_mask(pad, q.shape[2], window)
     if softcap is not None:

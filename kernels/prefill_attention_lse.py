@@ -25,11 +25,11 @@ import logging
 import torch
 from kvpass.kernels._triton import HAS_TRITON
 from kvpass.kernels.attention_column_sums import masked_logit_blocks, row_lse_triton
-from kvpass.kernels.prefill_attention import prefill_attention_reference
+from kvpass.kernels.decode_attention import LOG2E
+from kvpass.kernels.prefill_attention import plain_causal, prefill_attention_reference
 from torch import Tensor
 
 log = logging.getLogger(__name__)
-_LOG2E = 1.4426950408889634
 
 
 def row_lse_reference(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
@@ -39,7 +39,7 @@ def row_lse_reference(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: i
     pad_row = torch.arange(t, device=q.device)[None, :] < pad[:, None]     # [B, T]
     out = torch.empty(b, hq, t, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32, device=q.device)
     for rows, s in masked_logit_blocks(q, k, pad, scale, window, softcap, block):
-        out[:, :, rows] = torch.logsumexp(s, dim=-1).reshape(b, hq, -1) * _LOG2E
+        out[:, :, rows] = torch.logsumexp(s, dim=-1).reshape(b, hq, -1) * LOG2E
     return out.masked_fill(pad_row[:, None, :], float("inf"))
 
 
@@ -62,12 +62,12 @@ def _cudnn_attention_lse(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple
     o, lse = res[0], res[1]
     if o.stride() != q.stride():                        # the op's declared layout is q's (register_fake)
         o = torch.empty_like(q).copy_(o)
-    return o, (lse.reshape(q.shape[:3]).float() * _LOG2E).contiguous()
+    return o, (lse.reshape(q.shape[:3]).float() * LOG2E).contiguous()
 
 
 def prefill_attention_lse_cuda(q: Tensor, k: Tensor, v: Tensor, pad: Tensor, scale: float,
                                window: int | None = None, softcap: float | None = None) -> tuple[Tensor, Tensor]:
-    if window is None and softcap is None and not bool(pad.any()):
+    if plain_causal(pad, window, softcap):
         got = _cudnn_attention_lse(q, k, v, scale)
         if got is not None:
             return got
@@ -80,11 +80,11 @@ def prefill_attention_lse_cpu(q: Tensor, k: Tensor, v: Tensor, pad: Tensor, scal
     """(o, lse2) on CPU: one call of SDPA's CPU flash kernel, which returns the log-sum-exp, where the
     prompt has no pads, window or softcap (its mask must be causal); else the reference."""
     op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    if op is None or window is not None or softcap is not None or bool(pad.any()):
+    if op is None or not plain_causal(pad, window, softcap):
         return prefill_attention_lse_reference(q, k, v, pad, scale, window, softcap)
     group = q.shape[1] // k.shape[1]
     o, lse = op(q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), 0.0, True, scale=scale)
-    lse2 = (lse * _LOG2E).to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+    lse2 = (lse * LOG2E).to(torch.float64 if q.dtype == torch.float64 else torch.float32)
     return o, lse2.contiguous()                         # the kernel's lse is [B, T, H] in memory; the fake's is not
 
 

@@ -118,6 +118,7 @@ def time_graphed_or_eager(fn: Callable[[], object], device: torch.device) -> tup
         sync(device)
         return time_fn(fn, device, graph=False), False
 
+
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     got, want = got.double(), want.double()
     if not bool(torch.isfinite(got).all()):
@@ -572,9 +573,9 @@ def _stepped_tpot(kv, ids: torch.Tensor, device: torch.device, warm: int = 8, st
     compression and that step's graph capture) and at least 2 x ``interval`` timed steps, so the timed
     steps hold whole periods. Then, for a compressing policy, one decode-time compression of every
     compressed layer (``DecodeSession.compress_layers``, what the steps run) timed on its own from a
-    CUDA graph: before each timed call every layer's lengths are set back to its capacity (a full buffer, as when a step
-    compresses), else every call after the first would find nothing to evict; that re-arming is timed
-    alone and subtracted."""
+    CUDA graph: before each timed call every layer's lengths are set back to its capacity (a full
+    buffer, as when a step compresses), else every call after the first would find nothing to evict;
+    that re-arming is timed alone and subtracted."""
     interval = getattr(kv.policy, "interval", 1) if kv.policy.compresses else 1
     if interval > 1:
         warm, steps = warm + interval, max(steps, 2 * interval)

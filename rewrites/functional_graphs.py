@@ -26,7 +26,7 @@ import operator
 import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
 import torch
 from kvpass.kernels.attention_head_variance import head_variance_of_sums
-from kvpass.kernels.decode_attention import decode_attention_reference
+from kvpass.kernels.decode_attention import LOG2E, decode_attention_reference
 from kvpass.kernels.prefill_attention import prefill_mask
 from kvpass.rewrites.attention_sites import AttentionSite, repeat_cached_kv
 from kvpass.rewrites.insert_compressed_cache import (
@@ -74,7 +74,7 @@ def prefill_attention_lse_explicit(q: Tensor, k: Tensor, v: Tensor, pad: Tensor,
     o = torch.matmul(torch.softmax(s, dim=-1), v.float()[:, :, None]).reshape(q.shape).to(q.dtype)
     t = q.shape[2]
     pad_row = torch.arange(t, device=q.device)[None, :] < pad[:, None]                # [B, T]
-    lse = torch.logsumexp(s, dim=-1).reshape(q.shape[:3]) * 1.4426950408889634
+    lse = torch.logsumexp(s, dim=-1).reshape(q.shape[:3]) * LOG2E
     return o, torch.where(pad_row[:, None, :], float("inf"), lse)
 
 
