@@ -165,9 +165,6 @@ class KVPassModel(nn.Module):
         self._all_logits_prefill = None
         # Each decode step's device work, replayed from a CUDA graph on CUDA (eager on CPU); decode_step.py.
         self.decode_step = StaticDecodeStep()
-        # What decode steps call to compress a layer in its own buffers: the policy's compress_into (an
-        # attribute, so a caller may swap in another implementation, e.g. a compiled one).
-        self.compress_into = policy.compress_into
         # Rows prefilled at a time (None: the whole batch). Smaller groups bound the prefill's memory (the
         # full K, V of every layer exist only for the group being compressed), so larger batches fit;
         # per-layer budgets (D2O, PyramidKV) are then those of the first group [OURS].
@@ -441,7 +438,7 @@ class DecodeSession:
         if due and not self.owner.decode_step.graphed(self.logits.device, due):
             for i in due:                         # eager: compress, check the budget (a sync), then the step
                 lay = self.layers[i]
-                self.owner.compress_into(lay.cache, lay.budget)
+                self.policy.compress_into(lay.cache, lay.budget)
                 lay.host_len = int(lay.cache.length.max())
                 self.owner._check_within_budget(lay)
             due_in_step: tuple[int, ...] = ()
@@ -529,9 +526,9 @@ class DecodeSession:
         return self.owner.decode_step(step, [tokens, self.pos], persistent, restore, variant=compress)[0]
 
     def compress_layers(self, indices: Sequence[int]) -> None:
-        """Compress the layers ``indices`` in their own buffers (``compress_into``, no host sync). On
-        CUDA the layers run side by side on the decode step's side streams (``run_side_by_side``)."""
-        calls = [functools.partial(self.owner.compress_into, self.layers[i].cache, self.layers[i].budget)
+        """Compress the layers ``indices`` in their own buffers (the policy's ``compress_into``, no host
+        sync). On CUDA the layers run side by side on the decode step's side streams (``run_side_by_side``)."""
+        calls = [functools.partial(self.policy.compress_into, self.layers[i].cache, self.layers[i].budget)
                  for i in indices]
         if len(calls) > 1 and self.logits.is_cuda:
             run_side_by_side(calls, self.owner.decode_step.side_streams(self.logits.device))

@@ -311,3 +311,16 @@ def test_bad_hyperparameters_raise():
         EMS(local_window=8).compress(clustered_cache([[20]], c=20), 8)
     with pytest.raises(ValueError, match="minimum"):
         kvpass.apply(tiny_model("llama"), policy="ems", budget=8, local_window=8)       # before any tracing
+
+
+def test_decode_compression_runs_the_policy_bound_to_the_model(monkeypatch):
+    """The decode steps compress with the policy ``bind_model`` gave the runtime (EMS: the model's RoPE
+    frequencies, so "w.o. pos" compares un-rotated keys), the same one the prefill compressed with."""
+    km = kvpass.apply(tiny_model("llama"), policy="ems", budget=12, **SMALL)
+    assert km.policy.rope_inv_freq is not None
+    seen = []
+    compress_into = EMS.compress_into
+    monkeypatch.setattr(EMS, "compress_into", lambda self, cache, keep: seen.append(self.rope_inv_freq)
+                        or compress_into(self, cache, keep))
+    km.generate(prompt(2, 40), max_new_tokens=8, do_sample=False)
+    assert seen and all(f == km.policy.rope_inv_freq for f in seen)
