@@ -10,15 +10,18 @@ from kvpass.rewrites import rewrite_model
 from kvpass.runtime import KVPassModel
 
 
-def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float | int = 0.2,
-          **policy_kwargs) -> KVPassModel:
+def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float | int = 0.2, *,
+          fuse_linears: bool | None = None, **policy_kwargs) -> KVPassModel:
     """Rewrite a transformers causal LM to decode over a compressed KV cache.
 
     model: any ``*ForCausalLM`` whose attention kvpass can find (SDPA or eager). It is traced, not
-        modified, and the returned model shares its weights.
+        modified (with fuse_linears its parameters are re-laid, values unchanged), and the returned model
+        shares its weights.
     policy: a registered name (``kvpass policies`` lists them) or a Policy instance.
     budget: a float fraction in (0, 1] of prompt + generated tokens, or an int token count, per
         compressed layer (see ``kvpass.budget``). Ignored by ``full``.
+    fuse_linears: run sibling projections (q/k/v, gate/up) as one GEMM over concatenated weights; the
+        parameters become views of that tensor (same values, no extra memory). Default: on CUDA only.
     policy_kwargs: the policy's hyperparameters (e.g. ``sinks=4`` for streamingllm).
     """
     chosen = get_policy(policy, **policy_kwargs)       # unknown name / parameter: fails before any tracing
@@ -27,4 +30,4 @@ def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float
         raise ValueError(f"budget of {budget} tokens is smaller than {chosen.name}'s minimum of "
                          f"{chosen.min_budget()} (sinks + window)")
     captured, graphs = rewrite_model(model, chosen)
-    return KVPassModel(model, chosen, budget, captured, graphs)
+    return KVPassModel(model, chosen, budget, captured, graphs, fuse_linears=fuse_linears)

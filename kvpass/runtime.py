@@ -36,6 +36,7 @@ from kvpass.cache import (
 from kvpass.decode_step import StaticDecodeStep, run_side_by_side
 from kvpass.policies.base import Policy, Stat
 from kvpass.rewrites import CapturedModel, RewrittenGraphs
+from kvpass.rewrites.fuse_sibling_linears import fuse_sibling_linears
 from kvpass.sampling import next_token
 
 
@@ -150,12 +151,20 @@ def _left_pads(mask: Tensor) -> Tensor:
 
 class KVPassModel(nn.Module):
     """A causal LM whose attention runs over a compressed KV cache. Built by ``kvpass.apply``; shares
-    the original model's weights and leaves that model unchanged."""
+    the original model's weights and leaves its modules and values unchanged. With ``fuse_linears``
+    (default: on CUDA) sibling projections run as one GEMM (rewrites/fuse_sibling_linears.py): their
+    parameters then share the storage of one concatenated tensor."""
 
     def __init__(self, model: nn.Module, policy: Policy, budget: float | int,
-                 captured: CapturedModel, graphs: RewrittenGraphs) -> None:
+                 captured: CapturedModel, graphs: RewrittenGraphs, fuse_linears: bool | None = None) -> None:
         super().__init__()
         check_budget(budget)
+        if fuse_linears is None:                   # on CUDA only: CPU keeps transformers' exact GEMMs
+            fuse_linears = next(model.parameters()).device.type == "cuda"
+        if fuse_linears:
+            for gm in (graphs.prefill, graphs.decode):
+                fuse_sibling_linears(gm)
+        self.fused_linears = bool(fuse_linears)
         self.policy, self.budget = policy.bind_model(model), budget
         self.captured, self.graphs = captured, graphs
         self._model = [model]                      # not a submodule: its weights are not ours to own

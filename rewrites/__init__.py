@@ -5,6 +5,7 @@
     resolve_windows          prove each site's mask causal or sliding-window, on a probe
     insert_compressed_cache  -> prefill and decode graphs over explicit cache tensors
                                 (first expand_kv_heads when the policy asks for a per-query-head cache)
+    fuse_sibling_linears     q/k/v and gate/up -> one linear each (run by KVPassModel, on CUDA by default)
 """
 
 from __future__ import annotations
