@@ -223,9 +223,13 @@ def _sm_count(device: torch.device) -> int:
 # 0.91-1.00 of SDPA's time where the one-size launch gave 0.87-0.98; rounding up instead gave 3 splits at
 # B = 32, a second, mostly idle wave: 0.82); smaller batches keep 8 waves and 3 stages.
 MANY_ROWS = 128
+# Fewest slots per split. 256 rather than 128: on an H100 at B = 1 (C = 6.5k, 13k) and at 1k x 8, half the
+# splits of the 128-slot choice ran 8-10% faster (decode-attention-batch-sweep-nvidia-h100-80gb-hbm3.json),
+# and it gives the same splits as the H200 sweep's best at B = 16-32.
+MIN_SPLIT = 256
 
 
-def decode_splits(b: int, hkv: int, c: int, block_n: int, device: torch.device, min_split: int = 128,
+def decode_splits(b: int, hkv: int, c: int, block_n: int, device: torch.device, min_split: int = MIN_SPLIT,
                   waves: int | None = None) -> int:
     """How many splits of the cache: about ``waves`` programs per multiprocessor (default 8, halved, rounding
     down, from ``MANY_ROWS`` rows; several are resident at once, so many small programs also shrink the tail
