@@ -16,10 +16,11 @@ that storage. The fused tensor is a non-persistent buffer of the graph module.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.fx import GraphModule, Node
 
 LINEAR = torch.ops.aten.linear.default
@@ -102,17 +103,28 @@ def _laid_out(parts: list[Tensor]) -> Tensor | None:
     return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]))
 
 
-def concat_in_place(parts: list[Tensor]) -> Tensor:
-    """One tensor [sum N_i, ...] holding ``parts`` row after row; each part (a Parameter or buffer) is
-    re-pointed at its rows, so its values and identity stay and its old storage is freed."""
+def _key(t: Tensor) -> tuple:
+    return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
+
+
+def concat_in_place(parts: list[Tensor], aliases: Iterable[Tensor] = ()) -> Tensor:
+    """One tensor [sum N_i, ...] holding ``parts`` row after row. Each part (a Parameter or buffer), and
+    each tensor of ``aliases`` that views exactly the same memory as a part (the model's own Parameter
+    where the traced graph holds another object over its storage), is re-pointed at its rows: values
+    and identities stay, and the old storage is freed."""
     fused = _laid_out(parts)
     if fused is not None:
         return fused
+    same: dict[tuple, list[Tensor]] = {}
+    for t in aliases:
+        same.setdefault(_key(t), []).append(t)
     with torch.no_grad():
         fused = torch.cat([p.detach() for p in parts])
         start = 0
         for p in parts:
-            p.data = fused[start:start + p.shape[0]]
+            rows = fused[start:start + p.shape[0]]
+            for t in {id(t): t for t in [p, *same.get(_key(p), [])]}.values():
+                t.data = rows
             start += p.shape[0]
     return fused
 
@@ -139,11 +151,12 @@ def _fake_cat(vals: list, dim: int):
         return torch.cat(vals, dim)
 
 
-def fuse_group(gm: GraphModule, group: SiblingLinears) -> None:
-    """Replace the group's linears in ``gm`` by one linear and one slice per original output."""
+def fuse_group(gm: GraphModule, group: SiblingLinears, aliases: list[Tensor] = ()) -> None:
+    """Replace the group's linears in ``gm`` by one linear and one slice per original output
+    (``aliases``: see ``concat_in_place``)."""
     graph = gm.graph
-    weight = concat_in_place([_attr(gm, t) for t in group.weights])
-    bias = None if group.biases is None else concat_in_place([_attr(gm, t) for t in group.biases])
+    weight = concat_in_place([_attr(gm, t) for t in group.weights], aliases)
+    bias = None if group.biases is None else concat_in_place([_attr(gm, t) for t in group.biases], aliases)
     w_name = _buffer_name(gm, group.weights)
     gm.register_buffer(w_name, weight, persistent=False)
     b_name = None
@@ -172,12 +185,16 @@ def fuse_group(gm: GraphModule, group: SiblingLinears) -> None:
                 graph.erase_node(a)
 
 
-def fuse_sibling_linears(gm: GraphModule) -> int:
+def fuse_sibling_linears(gm: GraphModule, owners: Iterable[nn.Module] = ()) -> int:
     """Fuse every group ``find_sibling_linears`` finds in ``gm`` (in place, recompiled); returns the
-    number of groups fused. The parameters involved are re-laid in place (see the module docstring)."""
+    number of groups fused. The parameters involved are re-laid in place (see the module docstring), and
+    so are the parameters and buffers of ``owners`` over the same memory: torch.export's module may hold
+    its own Parameter objects over the model's storage (torch 2.11 does), and the model's must move too,
+    or the old storage would stay alive beside the fused copy."""
     groups = find_sibling_linears(gm)
+    aliases = [t for m in owners for t in (*m.parameters(), *m.buffers())]
     for group in groups:
-        fuse_group(gm, group)
+        fuse_group(gm, group, aliases)
     if groups:
         gm.graph.lint()
         gm.recompile()

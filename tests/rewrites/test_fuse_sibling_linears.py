@@ -3,6 +3,8 @@ and the model's parameters keep their identity, values and state dict while shar
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from kvpass.rewrites.fuse_sibling_linears import concat_in_place, find_sibling_linears, fuse_sibling_linears
@@ -122,16 +124,41 @@ def test_concat_in_place_reuses_a_layout_it_made_and_only_that():
         assert torch.equal(p, v)
 
 
+def test_owner_parameters_over_the_graphs_memory_are_re_pointed_too():
+    """torch 2.11's exported module holds its own Parameter objects over the model's storage: the model's
+    must move to the fused tensor as well, or its old storage stays alive beside it."""
+    torch.manual_seed(0)
+
+    def owner_and_graph() -> tuple[torch.nn.Module, GraphModule]:
+        owner = torch.nn.Module()
+        owner.a, owner.b = torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5, 4))
+        gm = _graph({"a": owner.a.detach(), "b": owner.b.detach()}, [("x", "a"), ("x", "b")])
+        assert gm.a is not owner.a and gm.a.data_ptr() == owner.a.data_ptr()
+        return owner, gm
+
+    owner, gm = owner_and_graph()
+    values = [owner.a.detach().clone(), owner.b.detach().clone()]
+    assert fuse_sibling_linears(gm, owners=[owner]) == 1
+    fused = next(t for n, t in gm.named_buffers() if n.startswith("fused_"))
+    for p, v in zip((owner.a, owner.b, gm.a, gm.b), values * 2, strict=True):
+        assert p.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr() and torch.equal(p, v)
+    owner, gm = owner_and_graph()                  # without the owner, its parameters keep the old storage
+    fuse_sibling_linears(gm)
+    assert owner.a.untyped_storage().data_ptr() != gm.a.untyped_storage().data_ptr()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_fusing_is_the_default_and_adds_no_memory():
     model = _fresh("llama").cuda()
+    ids = torch.randint(1, 128, (2, 20), device="cuda")
+    kvpass.apply(_fresh("llama").cuda(), "full", fuse_linears=False).generate(ids, max_new_tokens=2)  # workspaces
+    gc.collect()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     kv = kvpass.apply(model, "full")
     torch.cuda.synchronize()
     assert kv.fused_linears and _linears(kv.graphs.decode) == 9
     assert torch.cuda.memory_allocated() <= before
-    ids = torch.randint(1, 128, (2, 20), device="cuda")
     want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False)
     assert torch.equal(kv.generate(ids, max_new_tokens=10), want)
