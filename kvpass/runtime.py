@@ -163,7 +163,7 @@ class KVPassModel(nn.Module):
             fuse_linears = next(model.parameters()).device.type == "cuda"
         if fuse_linears:
             for gm in (graphs.prefill, graphs.decode):
-                fuse_sibling_linears(gm, owners=[model])
+                fuse_sibling_linears(gm)
         self.fused_linears = bool(fuse_linears)
         self.policy, self.budget = policy.bind_model(model), budget
         self.captured, self.graphs = captured, graphs

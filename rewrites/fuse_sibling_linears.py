@@ -15,12 +15,12 @@ that storage. The fused tensor is a non-persistent buffer of the graph module.
 
 from __future__ import annotations
 
+import operator
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.fx import GraphModule, Node
 
 LINEAR = torch.ops.aten.linear.default
@@ -103,28 +103,18 @@ def _laid_out(parts: list[Tensor]) -> Tensor | None:
     return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]))
 
 
-def _key(t: Tensor) -> tuple:
-    return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
-
-
-def concat_in_place(parts: list[Tensor], aliases: Iterable[Tensor] = ()) -> Tensor:
-    """One tensor [sum N_i, ...] holding ``parts`` row after row. Each part (a Parameter or buffer), and
-    each tensor of ``aliases`` that views exactly the same memory as a part (the model's own Parameter
-    where the traced graph holds another object over its storage), is re-pointed at its rows: values
-    and identities stay, and the old storage is freed."""
+def concat_in_place(parts: list[Tensor]) -> Tensor:
+    """One tensor [sum N_i, ...] holding ``parts`` row after row; each part (a Parameter or buffer) is
+    re-pointed at its rows, so its values and identity stay and its old storage is freed. (The traced
+    graph's attributes are the model's own Parameter objects, with torch 2.11 and 2.13 alike.)"""
     fused = _laid_out(parts)
     if fused is not None:
         return fused
-    same: dict[tuple, list[Tensor]] = {}
-    for t in aliases:
-        same.setdefault(_key(t), []).append(t)
     with torch.no_grad():
         fused = torch.cat([p.detach() for p in parts])
         start = 0
         for p in parts:
-            rows = fused[start:start + p.shape[0]]
-            for t in {id(t): t for t in [p, *same.get(_key(p), [])]}.values():
-                t.data = rows
+            p.data = fused[start:start + p.shape[0]]
             start += p.shape[0]
     return fused
 
@@ -151,12 +141,38 @@ def _fake_cat(vals: list, dim: int):
         return torch.cat(vals, dim)
 
 
-def fuse_group(gm: GraphModule, group: SiblingLinears, aliases: list[Tensor] = ()) -> None:
-    """Replace the group's linears in ``gm`` by one linear and one slice per original output
-    (``aliases``: see ``concat_in_place``)."""
+# Ops whose result may share the input's memory, beyond those whose schema says so (OpOverload.is_view).
+_MAY_ALIAS = {torch.ops.aten.reshape.default, torch.ops.aten.contiguous.default, operator.getitem}
+
+
+def _aliases_input(node: Node) -> bool:
+    target = node.target
+    return node.op == "call_function" and (target in _MAY_ALIAS or getattr(target, "is_view", False))
+
+
+def _escapes(*starts: Node) -> bool:
+    """Whether the value of ``starts`` (one tensor) reaches the graph's output through views only. The
+    prefill graph returns each layer's V as a view of its projection: after fusion that view would hold
+    the whole fused q/k/v output (4-6x V's bytes) for as long as the cache lives."""
+    seen, todo = set(), [u for n in starts for u in n.users]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "output":
+            return True
+        if _aliases_input(node):
+            todo.extend(node.users)
+    return False
+
+
+def fuse_group(gm: GraphModule, group: SiblingLinears) -> None:
+    """Replace the group's linears in ``gm`` by one linear and one slice per original output (a copy of
+    it where the graph returns it)."""
     graph = gm.graph
-    weight = concat_in_place([_attr(gm, t) for t in group.weights], aliases)
-    bias = None if group.biases is None else concat_in_place([_attr(gm, t) for t in group.biases], aliases)
+    weight = concat_in_place([_attr(gm, t) for t in group.weights])
+    bias = None if group.biases is None else concat_in_place([_attr(gm, t) for t in group.biases])
     w_name = _buffer_name(gm, group.weights)
     gm.register_buffer(w_name, weight, persistent=False)
     b_name = None
@@ -175,6 +191,10 @@ def fuse_group(gm: GraphModule, group: SiblingLinears, aliases: list[Tensor] = (
             rows = _attr(gm, target).shape[0]
             piece = graph.call_function(torch.ops.aten.slice.Tensor, (fused, -1, start, start + rows))
             piece.meta = {k: v for k, v in node.meta.items() if k != "val"}
+            if _escapes(piece, node):         # a view returned by the graph would keep all of `fused` alive
+                piece = graph.call_function(torch.ops.aten.clone.default, (piece,),
+                                            {"memory_format": torch.contiguous_format})
+                piece.meta = {k: v for k, v in node.meta.items() if k != "val"}
             start += rows
             node.replace_all_uses_with(piece)
     for node in group.nodes:
@@ -185,16 +205,12 @@ def fuse_group(gm: GraphModule, group: SiblingLinears, aliases: list[Tensor] = (
                 graph.erase_node(a)
 
 
-def fuse_sibling_linears(gm: GraphModule, owners: Iterable[nn.Module] = ()) -> int:
+def fuse_sibling_linears(gm: GraphModule) -> int:
     """Fuse every group ``find_sibling_linears`` finds in ``gm`` (in place, recompiled); returns the
-    number of groups fused. The parameters involved are re-laid in place (see the module docstring), and
-    so are the parameters and buffers of ``owners`` over the same memory: torch.export's module may hold
-    its own Parameter objects over the model's storage (torch 2.11 does), and the model's must move too,
-    or the old storage would stay alive beside the fused copy."""
+    number of groups fused. The parameters involved are re-laid in place (see the module docstring)."""
     groups = find_sibling_linears(gm)
-    aliases = [t for m in owners for t in (*m.parameters(), *m.buffers())]
     for group in groups:
-        fuse_group(gm, group, aliases)
+        fuse_group(gm, group)
     if groups:
         gm.graph.lint()
         gm.recompile()

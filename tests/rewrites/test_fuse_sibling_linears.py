@@ -56,6 +56,7 @@ def test_parameters_keep_identity_values_and_state_dict_and_share_one_storage():
     nbytes = sum(p.numel() * p.element_size() for p in params.values())
     kv = kvpass.apply(model, "d2o", 0.5, fuse_linears=True)
     assert dict(model.named_parameters()) == params                        # the same Parameter objects
+    assert kv.graphs.decode.get_parameter("model.model.layers.0.self_attn.q_proj.weight") is attn.q_proj.weight
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]), n
         assert isinstance(p, torch.nn.Parameter) and p.requires_grad
@@ -74,6 +75,20 @@ def test_parameters_keep_identity_values_and_state_dict_and_share_one_storage():
     again = kvpass.apply(model, "streamingllm", 0.5, fuse_linears=True)
     assert attn.q_proj.weight.untyped_storage().data_ptr() == ptr
     assert _linears(again.graphs.decode) == 9
+
+
+def test_prefill_outputs_do_not_keep_the_fused_projection_alive():
+    """V leaves the prefill graph as a view of its projection; after fusion it is copied out, so the cache
+    does not hold the whole q/k/v output (here 4x V's bytes) per layer."""
+    model = _fresh("llama")
+    kv = kvpass.apply(model, "full", fuse_linears=True)
+    ids, pos, pad = torch.randint(1, 128, (2, 20)), torch.arange(20).expand(2, -1), torch.zeros(2, dtype=torch.long)
+    outs = kv.graphs.prefill(ids, pos, pad)
+    assert len(outs) == 1 + 2 * 2                                         # logits, then K, V per layer
+    for out in outs:
+        assert out.untyped_storage().nbytes() == out.numel() * out.element_size()
+    clones = [n for n in kv.graphs.prefill.graph.nodes if n.target is torch.ops.aten.clone.default]
+    assert len(clones) == 2 and not any(n.target is torch.ops.aten.clone.default for n in kv.graphs.decode.graph.nodes)
 
 
 def test_default_fuses_on_cuda_only():
@@ -122,29 +137,6 @@ def test_concat_in_place_reuses_a_layout_it_made_and_only_that():
     assert swapped.data_ptr() != fused.data_ptr() and torch.equal(swapped, torch.cat(values[::-1]))
     for p, v in zip(parts, values, strict=True):
         assert torch.equal(p, v)
-
-
-def test_owner_parameters_over_the_graphs_memory_are_re_pointed_too():
-    """torch 2.11's exported module holds its own Parameter objects over the model's storage: the model's
-    must move to the fused tensor as well, or its old storage stays alive beside it."""
-    torch.manual_seed(0)
-
-    def owner_and_graph() -> tuple[torch.nn.Module, GraphModule]:
-        owner = torch.nn.Module()
-        owner.a, owner.b = torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5, 4))
-        gm = _graph({"a": owner.a.detach(), "b": owner.b.detach()}, [("x", "a"), ("x", "b")])
-        assert gm.a is not owner.a and gm.a.data_ptr() == owner.a.data_ptr()
-        return owner, gm
-
-    owner, gm = owner_and_graph()
-    values = [owner.a.detach().clone(), owner.b.detach().clone()]
-    assert fuse_sibling_linears(gm, owners=[owner]) == 1
-    fused = next(t for n, t in gm.named_buffers() if n.startswith("fused_"))
-    for p, v in zip((owner.a, owner.b, gm.a, gm.b), values * 2, strict=True):
-        assert p.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr() and torch.equal(p, v)
-    owner, gm = owner_and_graph()                  # without the owner, its parameters keep the old storage
-    fuse_sibling_linears(gm)
-    assert owner.a.untyped_storage().data_ptr() != gm.a.untyped_storage().data_ptr()
 
 
 @pytest.mark.gpu
