@@ -10,7 +10,9 @@ and replays it every step.
 * step inputs (the token ids [B] and positions [B, 1]) are new tensors every step: they are copied
   into static buffers owned by the step before each replay;
 * the layers compressed in a step run side by side, on ``branches`` side streams forked from the
-  step's stream and joined back (``run_side_by_side``): independent, short work, replayed in parallel;
+  step's stream (``fork_side_by_side``): independent, short work, replayed in parallel, and overlapped
+  with the step itself: the decode graph waits for layer l's compression only where layer l writes its
+  K, V (the ``kvpass::await_compression`` op before each write_kv);
 * persistent tensors (every layer's cache tensors: K, V, log-weights, lengths, positions, policy
   slot metadata and state) are read and written in place at the addresses the graph was captured
   with. Compression keeps them (``cache.load_into`` copies into the same buffers). When one of them
@@ -152,6 +154,53 @@ def run_side_by_side(calls: Sequence[Callable[[], object]], streams: Sequence[to
             call()
     for s in used:
         main.wait_stream(s)
+
+
+# Compressions forked by ``fork_side_by_side`` and not yet awaited: K buffer address -> event recorded
+# on its side stream after the layer's compression.
+_PENDING: dict[int, torch.cuda.Event] = {}
+
+
+def fork_side_by_side(calls: Sequence[tuple[Tensor, Callable[[], object]]],
+                      streams: Sequence[torch.cuda.Stream]) -> None:
+    """Like ``run_side_by_side``, but not joined: each (k_cache, call) runs on a side stream and records
+    an event, which the decode graph waits for just before that layer writes its K, V
+    (``await_compression``). So the compression of layer l overlaps the step's layers before l. Whatever
+    is left pending is joined by ``join_pending`` (the step calls it after the graph)."""
+    _PENDING.clear()                          # left by a failed capture, if any: every step joins its own
+    main = torch.cuda.current_stream()
+    used = list(streams[: len(calls)])
+    for s in used:
+        s.wait_stream(main)
+    for j, (k_cache, call) in enumerate(calls):
+        stream = used[j % len(used)]
+        with torch.cuda.stream(stream):
+            call()
+        event = torch.cuda.Event()
+        event.record(stream)
+        _PENDING[k_cache.data_ptr()] = event
+
+
+def join_pending() -> None:
+    """The current stream waits for every compression still pending."""
+    main = torch.cuda.current_stream() if _PENDING else None
+    while _PENDING:
+        main.wait_event(_PENDING.popitem()[1])
+
+
+@torch.library.custom_op("kvpass::await_compression", mutates_args=("slot",))
+def await_compression(slot: Tensor, k_cache: Tensor) -> None:
+    """Before a layer writes its K, V (slot: [B, Hkv] int64, where they go; k_cache: [B, Hkv, C, D]):
+    the current stream waits for that layer's forked compression, if one is pending. Nothing is written;
+    ``slot`` is declared mutated so that compilers keep the op before write_kv, which reads it."""
+    event = _PENDING.pop(k_cache.data_ptr(), None)
+    if event is not None:
+        torch.cuda.current_stream(k_cache.device).wait_event(event)
+
+
+@await_compression.register_fake
+def _(slot: Tensor, k_cache: Tensor) -> None:
+    return None
 
 
 class _null:

@@ -33,7 +33,7 @@ from kvpass.cache import (
     select_heads,
     with_capacity,
 )
-from kvpass.decode_step import StaticDecodeStep, run_side_by_side
+from kvpass.decode_step import StaticDecodeStep, fork_side_by_side, join_pending, run_side_by_side
 from kvpass.policies.base import Policy, Stat
 from kvpass.rewrites import CapturedModel, RewrittenGraphs
 from kvpass.rewrites.fuse_sibling_linears import fuse_sibling_linears
@@ -516,10 +516,11 @@ class DecodeSession:
         layers, graphs = self.layers, self.owner.graphs
 
         def step(tokens: Tensor, pos: Tensor) -> tuple[Tensor]:
-            self.compress_layers(compress)
+            self.compress_layers(compress, join=False)
             slots = [self._slot(lay, pos) for lay in layers]
             flat = [x for lay, slot in zip(layers, slots, strict=True) for x in self._decode_inputs(lay, slot)]
             outs = graphs.decode(tokens[:, None], pos, *flat)
+            join_pending()
             for layer, scores in zip(graphs.decode_scores, outs[1:], strict=True):
                 layers[layer].cache.slot_meta[Stat.COLUMN_SUM.value] += scores
             for lay, slot in zip(layers, slots, strict=True):
@@ -534,12 +535,17 @@ class DecodeSession:
             restore = [t for t in persistent if id(t) not in big]
         return self.owner.decode_step(step, [tokens, self.pos], persistent, restore, variant=compress)[0]
 
-    def compress_layers(self, indices: Sequence[int]) -> None:
+    def compress_layers(self, indices: Sequence[int], join: bool = True) -> None:
         """Compress the layers ``indices`` in their own buffers (the policy's ``compress_into``, no host
-        sync). On CUDA the layers run side by side on the decode step's side streams (``run_side_by_side``)."""
+        sync). On CUDA the layers run side by side on the decode step's side streams: joined before
+        returning (``run_side_by_side``), or with ``join=False`` left for the decode graph to await layer
+        by layer (``fork_side_by_side``; the step joins what is left after the graph)."""
         calls = [functools.partial(self.policy.compress_into, self.layers[i].cache, self.layers[i].budget)
                  for i in indices]
-        if len(calls) > 1 and self.logits.is_cuda:
+        if calls and self.logits.is_cuda and not join:
+            streams = self.owner.decode_step.side_streams(self.logits.device)
+            fork_side_by_side([(self.layers[i].cache.k, c) for i, c in zip(indices, calls, strict=True)], streams)
+        elif len(calls) > 1 and self.logits.is_cuda:
             run_side_by_side(calls, self.owner.decode_step.side_streams(self.logits.device))
         else:
             for call in calls:

@@ -44,6 +44,7 @@ from kvpass.rewrites.attention_sites import (
 )
 from torch.fx import Graph, GraphModule, Node
 
+import kvpass.decode_step  # noqa: F401  (registers torch.ops.kvpass.await_compression)
 from kvpass.policies.base import Attention, Policy, Stat
 
 log = logging.getLogger(__name__)
@@ -294,6 +295,8 @@ def build_decode(gm: GraphModule, sites: list[AttentionSite], policy: Policy,
         want = bool(policy.stats & DECODE_STATS) and site.window is None and policy.compresses
         with graph.inserting_before(target):
             q, k, v = env[site.q], repeat_cached_kv(graph, site, env[site.k]), repeat_cached_kv(graph, site, env[site.v])
+            if policy.compresses and site.window is None:   # this layer's compression, forked at the step's start
+                graph.call_function(torch.ops.kvpass.await_compression.default, (cache[3], cache[0]))
             if site.layer in split:
                 full_cache = [next(inputs) for _ in full_base]
                 attn, res = _split_attend(graph, site, attend, cache, extra, want, split[site.layer], full_cache,
