@@ -516,8 +516,9 @@ class DecodeSession:
         layers, graphs = self.layers, self.owner.graphs
 
         def step(tokens: Tensor, pos: Tensor) -> tuple[Tensor]:
-            self.compress_layers(compress, join=False)
             slots = [self._slot(lay, pos) for lay in layers]
+            # a compressed layer's slot is its length after compression: rewritten on the side stream
+            self.compress_layers(compress, join=False, slots={i: slots[i] for i in compress})
             flat = [x for lay, slot in zip(layers, slots, strict=True) for x in self._decode_inputs(lay, slot)]
             outs = graphs.decode(tokens[:, None], pos, *flat)
             join_pending()
@@ -535,13 +536,18 @@ class DecodeSession:
             restore = [t for t in persistent if id(t) not in big]
         return self.owner.decode_step(step, [tokens, self.pos], persistent, restore, variant=compress)[0]
 
-    def compress_layers(self, indices: Sequence[int], join: bool = True) -> None:
+    def compress_layers(self, indices: Sequence[int], join: bool = True, slots: dict[int, Tensor] | None = None) -> None:
         """Compress the layers ``indices`` in their own buffers (the policy's ``compress_into``, no host
-        sync). On CUDA the layers run side by side on the decode step's side streams: joined before
-        returning (``run_side_by_side``), or with ``join=False`` left for the decode graph to await layer
-        by layer (``fork_side_by_side``; the step joins what is left after the graph)."""
-        calls = [functools.partial(self.policy.compress_into, self.layers[i].cache, self.layers[i].budget)
-                 for i in indices]
+        sync), then set ``slots[i]`` [B, Hkv] (where given) to layer i's new length. On CUDA the layers run
+        side by side on the decode step's side streams: joined before returning (``run_side_by_side``), or
+        with ``join=False`` left for the decode graph to await layer by layer (``fork_side_by_side``; the
+        step joins what is left after the graph)."""
+        def compress(i: int) -> None:
+            self.policy.compress_into(self.layers[i].cache, self.layers[i].budget)
+            if slots is not None and i in slots:
+                slots[i].copy_(self.layers[i].cache.length)
+
+        calls = [functools.partial(compress, i) for i in indices]
         if calls and self.logits.is_cuda and not join:
             streams = self.owner.decode_step.side_streams(self.logits.device)
             fork_side_by_side([(self.layers[i].cache.k, c) for i, c in zip(indices, calls, strict=True)], streams)
