@@ -98,8 +98,8 @@ def test_default_fuses_on_cuda_only():
 
 
 def _graph(weights: dict[str, torch.Tensor], calls: list[tuple[str, str]]) -> GraphModule:
-    """x, y [N, 4] -> the linears ``calls`` = [(input name, weight name)], summed over their outputs' first
-    column."""
+    """x, y [N, 4] -> the outputs of the linears ``calls`` = [(input name, weight name)], in order; each
+    weight a Parameter of the root module."""
     root = torch.nn.Module()
     for name, w in weights.items():
         root.register_parameter(name, torch.nn.Parameter(w))
