@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -140,11 +140,9 @@ class StaticDecodeStep:
         return graph, outs
 
 
-def run_side_by_side(calls: Sequence[Callable[[], object]], streams: Sequence[torch.cuda.Stream]) -> None:
-    """Run independent ``calls`` (each reading and writing only its own tensors, e.g. one layer's
-    compression) forked over ``streams`` (round robin) and joined back to the current stream. Captured
-    in a CUDA graph, the branches replay side by side: a layer's compression is a few short, latency-bound
-    kernels, and one stream would run every layer's one after the other."""
+def _branches(calls: Sequence[Callable[[], object]], streams: Sequence[torch.cuda.Stream]) -> Iterator[torch.cuda.Stream]:
+    """Run ``calls`` round robin over ``streams``, each stream first waiting for the current one; yields
+    the stream of each call once it is launched."""
     main = torch.cuda.current_stream()
     used = list(streams[: len(calls)])
     for s in used:
@@ -152,7 +150,16 @@ def run_side_by_side(calls: Sequence[Callable[[], object]], streams: Sequence[to
     for j, call in enumerate(calls):
         with torch.cuda.stream(used[j % len(used)]):
             call()
-    for s in used:
+        yield used[j % len(used)]
+
+
+def run_side_by_side(calls: Sequence[Callable[[], object]], streams: Sequence[torch.cuda.Stream]) -> None:
+    """Run independent ``calls`` (each reading and writing only its own tensors, e.g. one layer's
+    compression) forked over ``streams`` (round robin) and joined back to the current stream. Captured
+    in a CUDA graph, the branches replay side by side: a layer's compression is a few short, latency-bound
+    kernels, and one stream would run every layer's one after the other."""
+    main = torch.cuda.current_stream()
+    for s in {id(s): s for s in _branches(calls, streams)}.values():
         main.wait_stream(s)
 
 
@@ -168,14 +175,7 @@ def fork_side_by_side(calls: Sequence[tuple[Tensor, Callable[[], object]]],
     (``await_compression``). So the compression of layer l overlaps the step's layers before l. Whatever
     is left pending is joined by ``join_pending`` (the step calls it after the graph)."""
     _PENDING.clear()                          # left by a failed capture, if any: every step joins its own
-    main = torch.cuda.current_stream()
-    used = list(streams[: len(calls)])
-    for s in used:
-        s.wait_stream(main)
-    for j, (k_cache, call) in enumerate(calls):
-        stream = used[j % len(used)]
-        with torch.cuda.stream(stream):
-            call()
+    for (k_cache, _), stream in zip(calls, _branches([c for _, c in calls], streams), strict=True):
         event = torch.cuda.Event()
         event.record(stream)
         _PENDING[k_cache.data_ptr()] = event
@@ -183,9 +183,11 @@ def fork_side_by_side(calls: Sequence[tuple[Tensor, Callable[[], object]]],
 
 def join_pending() -> None:
     """The current stream waits for every compression still pending."""
-    main = torch.cuda.current_stream() if _PENDING else None
-    while _PENDING:
-        main.wait_event(_PENDING.popitem()[1])
+    if _PENDING:
+        main = torch.cuda.current_stream()
+        for event in _PENDING.values():
+            main.wait_event(event)
+        _PENDING.clear()
 
 
 @torch.library.custom_op("kvpass::await_compression", mutates_args=("slot",))
