@@ -516,8 +516,9 @@ class DecodeSession:
         layers, graphs = self.layers, self.owner.graphs
 
         def step(tokens: Tensor, pos: Tensor) -> tuple[Tensor]:
-            slots = [self._slot(lay, pos) for lay in layers]
-            # a compressed layer's slot is its length after compression: rewritten on the side stream
+            # a compressed layer's slot is its length after compression: written by compress_layers
+            slots = [torch.empty_like(lay.cache.length) if i in compress else self._slot(lay, pos)
+                     for i, lay in enumerate(layers)]
             self.compress_layers(compress, join=False, slots={i: slots[i] for i in compress})
             flat = [x for lay, slot in zip(layers, slots, strict=True) for x in self._decode_inputs(lay, slot)]
             outs = graphs.decode(tokens[:, None], pos, *flat)
