@@ -52,6 +52,13 @@ def plain_causal(pad: Tensor, window: int | None, softcap: float | None) -> bool
     return window is None and softcap is None and not bool(pad.any())
 
 
+def in_q_layout(o: Tensor, q: Tensor) -> Tensor:
+    """``o`` with q's strides, the layout the prefill ops declare (their fakes are ``empty_like(q)``):
+    SDPA's kernels return their own (on CUDA in float32, [B, T, H, D] in memory), which torch.compile
+    rejects against the fake."""
+    return o if o.stride() == q.stride() else torch.empty_like(q).copy_(o)
+
+
 def prefill_attention_reference(q: Tensor, k: Tensor, v: Tensor, pad: Tensor, scale: float,
                                 window: int | None = None, softcap: float | None = None) -> Tensor:
     gqa = q.shape[1] != k.shape[1]
@@ -66,7 +73,7 @@ def prefill_attention_reference(q: Tensor, k: Tensor, v: Tensor, pad: Tensor, sc
 @torch.library.custom_op("kvpass::prefill_attention", mutates_args=())
 def prefill_attention(q: Tensor, k: Tensor, v: Tensor, pad: Tensor, scale: float,
                       window: int | None = None, softcap: float | None = None) -> Tensor:
-    return prefill_attention_reference(q, k, v, pad, scale, window, softcap)
+    return in_q_layout(prefill_attention_reference(q, k, v, pad, scale, window, softcap), q)
 
 
 @prefill_attention.register_fake

@@ -26,7 +26,7 @@ import torch
 from kvpass.kernels._triton import HAS_TRITON
 from kvpass.kernels.attention_column_sums import masked_logit_blocks, row_lse_triton
 from kvpass.kernels.decode_attention import LOG2E
-from kvpass.kernels.prefill_attention import plain_causal, prefill_attention_reference
+from kvpass.kernels.prefill_attention import in_q_layout, plain_causal, prefill_attention_reference
 from torch import Tensor
 
 log = logging.getLogger(__name__)
@@ -49,11 +49,6 @@ def prefill_attention_lse_reference(q: Tensor, k: Tensor, v: Tensor, pad: Tensor
             row_lse_reference(q, k, pad, scale, window, softcap))
 
 
-def _in_q_layout(o: Tensor, q: Tensor) -> Tensor:
-    """``o`` with q's strides, the layout the op declares (register_fake): SDPA's kernels return their own."""
-    return o if o.stride() == q.stride() else torch.empty_like(q).copy_(o)
-
-
 def _cudnn_attention_lse(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor] | None:
     """(o, lse2) of causal attention from cuDNN, or None where it is not available for these inputs."""
     op = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
@@ -65,7 +60,7 @@ def _cudnn_attention_lse(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple
         log.debug("cuDNN attention with log-sum-exp unavailable (%s); using SDPA + the row pass", exc)
         return None
     o, lse = res[0], res[1]
-    return _in_q_layout(o, q), (lse.reshape(q.shape[:3]).float() * LOG2E).contiguous()
+    return in_q_layout(o, q), (lse.reshape(q.shape[:3]).float() * LOG2E).contiguous()
 
 
 def prefill_attention_lse_cuda(q: Tensor, k: Tensor, v: Tensor, pad: Tensor, scale: float,
@@ -74,7 +69,7 @@ def prefill_attention_lse_cuda(q: Tensor, k: Tensor, v: Tensor, pad: Tensor, sca
         got = _cudnn_attention_lse(q, k, v, scale)
         if got is not None:
             return got
-    return (_in_q_layout(prefill_attention_reference(q, k, v, pad, scale, window, softcap), q),
+    return (in_q_layout(prefill_attention_reference(q, k, v, pad, scale, window, softcap), q),
             row_lse_triton(q, k, pad, scale, window, softcap))
 
 
@@ -88,7 +83,7 @@ def prefill_attention_lse_cpu(q: Tensor, k: Tensor, v: Tensor, pad: Tensor, scal
     group = q.shape[1] // k.shape[1]
     o, lse = op(q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), 0.0, True, scale=scale)
     lse2 = (lse * LOG2E).to(torch.float64 if q.dtype == torch.float64 else torch.float32)
-    return _in_q_layout(o, q), lse2.contiguous()        # the kernel's lse is [B, T, H] in memory; the fake's is not
+    return in_q_layout(o, q), lse2.contiguous()        # the kernel's lse is [B, T, H] in memory; the fake's is not
 
 
 @torch.library.custom_op("kvpass::prefill_attention_lse", mutates_args=())
