@@ -161,8 +161,9 @@ def d2o_evict_one_reference(k: Tensor, v: Tensor, col_sum: Tensor, position: Ten
 #     xn     = k_e / max(|k_e|, eps)
 #     over j < n of the chunk, j != e:  s_j = xn . k_j / max(|k_j|, eps)
 #     best[row, s], nearest[row, s] = running (max, first argmax); a later block wins only if greater
-# Split s = 0 writes e. Rows are normalised and dotted in ACC (fp32; fp64 for fp64 keys) with IEEE
-# sqrt, as the reference's F.normalize; the dot's summation order is not torch's (last-bit differences).
+# Split s = 0 writes e. In ACC (fp32; fp64 for fp64 keys) with IEEE sqrt and division, as the reference's
+# F.normalize; k_j's norm divides the dot product, not each of its D elements first (the reference's
+# order), and the dot's summation order is not torch's: last-bit differences.
 
 @triton.jit
 def _unit(x, norm_sq, eps, F64: tl.constexpr):
@@ -242,8 +243,8 @@ def _nearest_key_kernel(
         m = offs < hi
         y = tl.load(k_row + offs[:, None] * skc + offs_d[None, :] * skd, mask=m[:, None] & d_mask[None, :],
                     other=0.0).to(ACC)
-        y = _unit(y, tl.sum(y * y, 1)[:, None], eps, F64)
-        s = tl.where(m & (offs != e), tl.sum(x[None, :] * y, 1), float("-inf"))
+        s = _unit(tl.sum(x[None, :] * y, 1), tl.sum(y * y, 1), eps, F64)       # one division a key, not D
+        s = tl.where(m & (offs != e), s, float("-inf"))
         blk_best = tl.max(s, 0)
         blk_j = tl.argmax(s, 0).to(tl.int64) + c0
         nearest = tl.where(blk_best > best, blk_j, nearest)

@@ -523,10 +523,10 @@ class DecodeSession:
             flat = [x for lay, slot in zip(layers, slots, strict=True) for x in self._decode_inputs(lay, slot)]
             outs = graphs.decode(tokens[:, None], pos, *flat)
             join_pending()
-            for layer, scores in zip(graphs.decode_scores, outs[1:], strict=True):
-                layers[layer].cache.slot_meta[Stat.COLUMN_SUM.value] += scores
-            for lay, slot in zip(layers, slots, strict=True):
-                self._advance(lay, slot, pos)
+            if graphs.decode_scores:              # one multi-tensor launch for every layer's accumulation
+                torch._foreach_add_([layers[i].cache.slot_meta[Stat.COLUMN_SUM.value] for i in graphs.decode_scores],
+                                    list(outs[1:]))
+            self._advance(layers, slots, pos)
             return (outs[0][:, -1].float(),)
 
         persistent = [t for lay in layers for c in lay.caches() for t in c.tensors()]
@@ -566,17 +566,24 @@ class DecodeSession:
         return lay.cache.length.clone()
 
     @staticmethod
-    def _advance(lay: _Layer, slot: Tensor, pos: Tensor) -> None:
-        cache = lay.cache
-        cache.position.scatter_(2, slot[:, :, None], pos[:, :, None].expand_as(slot[:, :, None]))
-        if lay.window is not None:
-            cache.length.clamp_(max=lay.window - 1).add_(1)
-        else:
-            cache.length.add_(1)
-        if lay.full is not None:                # every token stays: slot = length
-            full = lay.full
-            full.position.scatter_(2, full.length[:, :, None], pos[:, :, None].expand(*full.length.shape, 1))
-            full.length.add_(1)
+    def _advance(layers: Sequence[_Layer], slots: Sequence[Tensor], pos: Tensor) -> None:
+        """Record the step's position at each layer's slot, then lengths += 1 (a ring's clamped first), the
+        lengths of all layers in one multi-tensor launch (at batch 1 the step is launch-bound)."""
+        grown: list[Tensor] = []
+        rings: dict[int, list[Tensor]] = {}
+        for lay, slot in zip(layers, slots, strict=True):
+            cache = lay.cache
+            cache.position.scatter_(2, slot[:, :, None], pos[:, :, None].expand_as(slot[:, :, None]))
+            if lay.window is not None:
+                rings.setdefault(lay.window, []).append(cache.length)
+            grown.append(cache.length)
+            if lay.full is not None:            # every token stays: slot = length
+                full = lay.full
+                full.position.scatter_(2, full.length[:, :, None], pos[:, :, None].expand(*full.length.shape, 1))
+                grown.append(full.length)
+        for window, lengths in rings.items():
+            torch._foreach_clamp_max_(lengths, window - 1)
+        torch._foreach_add_(grown, 1)
 
     @staticmethod
     def _advance_host(lay: _Layer) -> None:
