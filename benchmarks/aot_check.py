@@ -49,7 +49,7 @@ def main() -> int:
             for direct in (False, True):
                 checks.append((f"decode attention {dt} scores={scores} direct={direct}",
                                da._decode_attention_split_kernel, t,
-                               dict(HEAD_DIM=128, BLOCK_M=16, BLOCK_N=64, BLOCK_D=128, BLOCK_S=32, BLOCK_SC=128,
+                               dict(HEAD_DIM=128, BLOCK_M=16, BLOCK_N=64, BLOCK_D=128, BLOCK_S=16, BLOCK_F=256, BLOCK_R=4, BLOCK_SC=1024,
                                     HAS_SOFTCAP=scores, DOT=0, DIRECT=direct, WANT_SCORES=scores),
                                ("sqd", "skd", "svd", "slc", "sod")))
         checks.append((f"merge_weighted {dt}", mw._merge_weighted_kernel,

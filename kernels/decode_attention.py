@@ -94,31 +94,72 @@ def _logits2(q, k, lw, scale, softcap, HAS_SOFTCAP: tl.constexpr, DOT: tl.conste
 
 
 @triton.jit
-def _combine_splits(OPART, LSE, pid_bg, offs_m, offs_d, m_mask, NUM_SPLITS, BLOCK_M: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """The last program of (b, g): its splits' (lse_s, o_s) -> (o, lse) for rows m, [BLOCK_M, BLOCK_D] and
-    [BLOCK_M]. The log-sum-exps are read BLOCK_S splits at a time for their max, then each split's
-    output is weighed in (independent loads: no chain through the running sums). ``.cg``: the other
-    programs wrote these, read them past L1."""
-    first = pid_bg * NUM_SPLITS
+def _combine_splits(OUT, OPART, LSE, pid_bg, b, g, sob, soh, sot, sod, T, G, NUM_SPLITS,
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                    BLOCK_F: tl.constexpr):
+    """The last program of row (b, g) merges its splits: LSE [splits + 1, BLOCK_M] (split s's lse_s per
+    row m; the last line gets the final lse), OPART [splits, BLOCK_M, BLOCK_D] (o_s) -> o, written to OUT.
+    Every load is a block of BLOCK_S splits (one program reads what splits x G x T programs wrote, so it
+    must not walk them one by one): first the max of the lse's, then the weights w_sm = 2^(lse_sm - max_m)
+    (stored over the lse's), then o[m, d] = sum_s w_sm o_s[m, d] / sum_s w_sm over a flat index f = m D + d
+    of the live rows. ``.cg`` loads: other programs wrote these; read them past L1."""
+    rows = G * T
+    base = pid_bg * (NUM_SPLITS + 1)
+    offs_m = tl.arange(0, BLOCK_M)
     offs_s = tl.arange(0, BLOCK_S)
+    m_mask = offs_m < rows
     mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
     for s0 in range(0, NUM_SPLITS, BLOCK_S):
-        s = s0 + offs_s
-        lse_s = tl.load(LSE + (first + s)[:, None] * BLOCK_M + offs_m[None, :],
-                        mask=(s < NUM_SPLITS)[:, None] & m_mask[None, :], other=float("-inf"), cache_modifier=".cg")
-        mx = tl.maximum(mx, tl.max(lse_s, 0))
+        ptrs = LSE + (base + s0 + offs_s)[:, None] * BLOCK_M + offs_m[None, :]
+        mask = ((s0 + offs_s) < NUM_SPLITS)[:, None] & m_mask[None, :]
+        mx = tl.maximum(mx, tl.max(tl.load(ptrs, mask=mask, other=float("-inf"), cache_modifier=".cg"), 0))
     mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for s in range(0, NUM_SPLITS):
-        row = (first + s) * BLOCK_M + offs_m
-        w = tl.exp2(tl.load(LSE + row, mask=m_mask, other=float("-inf"), cache_modifier=".cg") - mx_safe)
-        o_s = tl.load(OPART + row[:, None] * BLOCK_D + offs_d[None, :], mask=m_mask[:, None], other=0.0,
-                      cache_modifier=".cg")
-        l_i += w                                                        # 0 for an empty split
-        acc += w[:, None] * o_s
-    return acc / l_i[:, None], tl.where(l_i > 0.0, mx + tl.log2(l_i), float("-inf"))
+    for s0 in range(0, NUM_SPLITS, BLOCK_S):
+        ptrs = LSE + (base + s0 + offs_s)[:, None] * BLOCK_M + offs_m[None, :]
+        mask = ((s0 + offs_s) < NUM_SPLITS)[:, None] & m_mask[None, :]
+        w = tl.exp2(tl.load(ptrs, mask=mask, other=float("-inf"), cache_modifier=".cg") - mx_safe[None, :])
+        l_i += tl.sum(w, 0)                                              # an empty split weighs 0
+        tl.store(ptrs, w, mask=mask)
+    lse = tl.where(l_i > 0.0, mx + tl.log2(l_i), float("-inf"))
+    tl.store(LSE + (base + NUM_SPLITS) * BLOCK_M + offs_m, lse, mask=m_mask)
+    tl.debug_barrier()
+    offs_f = tl.arange(0, BLOCK_F)
+    for f0 in range(0, rows * BLOCK_D, BLOCK_F):
+        m = (f0 + offs_f) // BLOCK_D
+        d = (f0 + offs_f) % BLOCK_D
+        f_mask = m < rows
+        acc = tl.zeros([BLOCK_F], tl.float32)
+        w_sum = tl.zeros([BLOCK_F], tl.float32)
+        for s0 in range(0, NUM_SPLITS, BLOCK_S):
+            s = s0 + offs_s
+            mask = (s < NUM_SPLITS)[:, None] & f_mask[None, :]
+            w = tl.load(LSE + (base + s)[:, None] * BLOCK_M + m[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+            o_s = tl.load(OPART + ((pid_bg * NUM_SPLITS + s)[:, None] * BLOCK_M + m[None, :]) * BLOCK_D + d[None, :],
+                          mask=mask, other=0.0, cache_modifier=".cg")
+            acc += tl.sum(w * o_s, 0)
+            w_sum += tl.sum(w, 0)
+        o = acc / w_sum
+        tl.store(OUT + b * sob + (g * G + m // T) * soh + (m % T) * sot + d * sod, o.to(OUT.dtype.element_ty),
+                 mask=f_mask & (d < HEAD_DIM))
+
+
+@triton.jit
+def _scores(LOGITS, LSE, SCORES, pid_bg, C, T, G, BLOCK_R: tl.constexpr, BLOCK_SC: tl.constexpr):
+    """score_j = (1/G) sum_m 2^(s2_mj - lse_m) over the row's logits LOGITS [G T, C] (all splits') and
+    final lse's LSE [G T] (this program's own stores, or written before the caller's barrier)."""
+    rows = G * T
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rows
+    lse = tl.load(LSE + offs_r, mask=r_mask, other=0.0, cache_modifier=".cg")
+    l_base = LOGITS + (pid_bg.to(tl.int64) * rows + offs_r[:, None]) * C
+    for n0 in range(0, C, BLOCK_SC):
+        offs_n = n0 + tl.arange(0, BLOCK_SC)
+        n_mask = offs_n < C
+        s = tl.load(l_base + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=float("-inf"),
+                    cache_modifier=".cg")
+        p = tl.where(r_mask[:, None], tl.exp2(s - lse[:, None]), 0.0)
+        tl.store(SCORES + pid_bg.to(tl.int64) * C + offs_n, tl.sum(p, 0) / G, mask=n_mask)
 
 
 @triton.jit
@@ -127,7 +168,8 @@ def _decode_attention_split_kernel(
     sqb, sqh, sqt, sqd, skb, skh, skc, skd, svb, svh, svc, svd, slb, slh, slc, sob, soh, sot, sod,
     HKV, C, T, G, SPLIT_LEN, NUM_SPLITS, scale, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_SC: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_SC: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, DOT: tl.constexpr,
     DIRECT: tl.constexpr, WANT_SCORES: tl.constexpr,
 ):
     pid_bg = tl.program_id(0)
@@ -151,7 +193,6 @@ def _decode_attention_split_kernel(
     k_base = K + b * skb + g * skh
     v_base = V + b * svb + g * svh
     lw_base = LW + b * slb + g * slh
-    l_base = LOGITS + (pid_bg.to(tl.int64) * G * T + offs_m[:, None]) * C
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
@@ -160,7 +201,8 @@ def _decode_attention_split_kernel(
         lw = tl.load(lw_base + offs_n * slc, mask=n_mask, other=float("-inf"))
         s = _logits2(q, k, lw, scale, softcap, HAS_SOFTCAP, DOT)
         if WANT_SCORES:       # keep the logits (G*T x 4 bytes a slot, vs 4*D bytes of K and V) for the scores
-            tl.store(l_base + offs_n[None, :], s, mask=m_mask[:, None] & n_mask[None, :])
+            l_ptrs = LOGITS + (pid_bg.to(tl.int64) * G * T + offs_m[:, None]) * C + offs_n[None, :]
+            tl.store(l_ptrs, s, mask=m_mask[:, None] & n_mask[None, :])
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
@@ -171,33 +213,28 @@ def _decode_attention_split_kernel(
         m_i = m_new
 
     lse = tl.where(l_i > 0.0, m_i + tl.log2(l_i), float("-inf"))
-    o_ptrs = OUT + b * sob + head[:, None] * soh + tok[:, None] * sot + offs_d[None, :] * sod
-    o_mask = m_mask[:, None] & d_mask[None, :]
-    last = True
-    o = acc / l_i[:, None]
-    if not DIRECT:
+    final_lse = LSE + (pid_bg * (NUM_SPLITS + 1) + NUM_SPLITS) * BLOCK_M      # the row's lse line; splits' before it
+    if DIRECT:
+        o_ptrs = OUT + b * sob + head[:, None] * soh + tok[:, None] * sot + offs_d[None, :] * sod
+        tl.store(o_ptrs, (acc / l_i[:, None]).to(OUT.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+        if WANT_SCORES:
+            tl.store(final_lse + offs_m, lse, mask=m_mask)
+            tl.debug_barrier()                            # this program's logits and lse, seen by all its threads
+            _scores(LOGITS, final_lse, SCORES, pid_bg, C, T, G, BLOCK_R, BLOCK_SC)
+    else:
         part = OPART + ((pid_bg * NUM_SPLITS + pid_s) * BLOCK_M + offs_m[:, None]) * BLOCK_D + offs_d[None, :]
         tl.store(part, acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None], mask=m_mask[:, None])
-        tl.store(LSE + (pid_bg * NUM_SPLITS + pid_s) * BLOCK_M + offs_m, lse, mask=m_mask)
+        tl.store(LSE + (pid_bg * (NUM_SPLITS + 1) + pid_s) * BLOCK_M + offs_m, lse, mask=m_mask)
         # every thread's stores, then one release/acquire count: the program that counts last sees all
-        # splits' partials (and logits) and combines them; it resets the counter for the next launch
+        # splits' partials (and logits), merges them and puts the counter back for the next launch
         tl.debug_barrier()
-        last = tl.atomic_add(DONE + pid_bg, 1, sem="acq_rel") == NUM_SPLITS - 1
-        if last:
-            o, lse = _combine_splits(OPART, LSE, pid_bg, offs_m, offs_d, m_mask, NUM_SPLITS, BLOCK_M, BLOCK_D,
-                                     BLOCK_S)
+        if tl.atomic_add(DONE + pid_bg, 1, sem="acq_rel") == NUM_SPLITS - 1:
+            _combine_splits(OUT, OPART, LSE, pid_bg, b, g, sob, soh, sot, sod, T, G, NUM_SPLITS, HEAD_DIM, BLOCK_M,
+                            BLOCK_D, BLOCK_S, BLOCK_F)
             tl.store(DONE + pid_bg, 0)
-    if last:
-        tl.store(o_ptrs, o.to(OUT.dtype.element_ty), mask=o_mask)
-        if WANT_SCORES:       # score_j = (1/G) sum_m 2^(s2_mj - lse_m), from every split's stored logits
-            tl.debug_barrier()                                  # (DIRECT: this program's own stores)
-            for n0 in range(0, C, BLOCK_SC):
-                offs_n = n0 + tl.arange(0, BLOCK_SC)
-                n_mask = offs_n < C
-                s = tl.load(l_base + offs_n[None, :], mask=m_mask[:, None] & n_mask[None, :], other=float("-inf"),
-                            cache_modifier=".cg")
-                p = tl.where(m_mask[:, None], tl.exp2(s - lse[:, None]), 0.0)
-                tl.store(SCORES + pid_bg.to(tl.int64) * C + offs_n, tl.sum(p, 0) / G, mask=n_mask)
+            if WANT_SCORES:
+                tl.debug_barrier()
+                _scores(LOGITS, final_lse, SCORES, pid_bg, C, T, G, BLOCK_R, BLOCK_SC)
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -294,19 +331,21 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor,
     direct = splits == 1
     o = torch.empty_like(q)
     f32 = dict(device=q.device, dtype=torch.float32)
-    lse = torch.empty(1 if direct else b * hkv * splits * block_m, **f32)
+    lse = torch.empty(b * hkv * (splits + 1) * block_m, **f32)
     part = torch.empty(1 if direct else b * hkv * splits * block_m * block_d, **f32)
     logits = torch.empty(b * hkv * rows * c if want_scores else 1, **f32)
     scores = torch.empty((b, hkv, c) if want_scores else (0,), **f32)
     done = o if direct else split_counters(b * hkv, q.device)
+    block_s = min(16, next_pow2(splits))              # tiles of the tail: 4096 fp32 (32 registers a thread)
     dot = 1 if q.dtype == torch.float32 else (2 if q.device.type != "cuda" else 0)
     cap = float(softcap) if softcap is not None else 1.0
     _decode_attention_split_kernel[(b * hkv, splits)](
         q, k, v, log_weight, o, part, lse, logits, scores, done,
         *q.stride(), *k.stride(), *v.stride(), *log_weight.stride(), *o.stride(),
         hkv, c, t, group, split_len, splits, float(scale), cap,
-        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_S=min(32, next_pow2(splits)),
-        BLOCK_SC=128, HAS_SOFTCAP=softcap is not None, DOT=dot, DIRECT=direct, WANT_SCORES=want_scores,
+        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_S=block_s,
+        BLOCK_F=min(4096 // block_s, next_pow2(rows * block_d)), BLOCK_R=next_pow2(rows),
+        BLOCK_SC=max(128, 4096 // next_pow2(rows)), HAS_SOFTCAP=softcap is not None, DOT=dot, DIRECT=direct, WANT_SCORES=want_scores,
         num_warps=num_warps, num_stages=num_stages)
     return o, scores
 
