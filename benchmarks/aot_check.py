@@ -43,15 +43,14 @@ def main() -> int:
     checks = []
     for dt in ("bf16", "fp16"):
         t = {n: f"*{dt}" for n in ("Q", "K", "V", "OUT")}
-        t.update(LW="*fp32", OPART="*fp32", LSE="*fp32", LOGITS="*fp32", SCORES="*fp32", DONE="*i32", scale="fp32",
-                 softcap="fp32")
+        t.update(LW="*fp32", OPART="*fp32", LSE="*fp32", LOGITS="*fp32", scale="fp32", softcap="fp32")
         for scores in (False, True):
-            for direct in (False, True):
-                checks.append((f"decode attention {dt} scores={scores} direct={direct}",
-                               da._decode_attention_split_kernel, t,
-                               dict(HEAD_DIM=128, BLOCK_M=16, BLOCK_N=64, BLOCK_D=128, BLOCK_S=16, BLOCK_F=256, BLOCK_R=4, BLOCK_SC=1024,
-                                    HAS_SOFTCAP=scores, DOT=0, DIRECT=direct, WANT_SCORES=scores),
-                               ("sqd", "skd", "svd", "slc", "sod")))
+            checks.append((f"decode split {dt} scores={scores}", da._decode_attention_split_kernel, t,
+                           dict(HEAD_DIM=128, BLOCK_M=16, BLOCK_N=64, BLOCK_D=128, HAS_SOFTCAP=scores, DOT=0,
+                                DIRECT=False, WANT_SCORES=scores), ("sqd", "skd", "svd", "slc", "sod")))
+        checks.append((f"decode combine {dt}", da._decode_attention_combine_kernel,
+                       {"OUT": f"*{dt}", "OPART": "*fp32", "LSE": "*fp32", "LSE_OUT": "*fp32"},
+                       dict(HEAD_DIM=128, BLOCK_M=16, BLOCK_D=128), ("sod",)))
         checks.append((f"merge_weighted {dt}", mw._merge_weighted_kernel,
                        {"K": f"*{dt}", "V": f"*{dt}", "W": "*fp32", "TGT": "*i64", "ORDER": "*i64", "LO": "*i64",
                         "HI": "*i64", "KO": f"*{dt}", "VO": f"*{dt}", "LWO": "*fp32"},
@@ -60,6 +59,8 @@ def main() -> int:
                        {"X": f"*{dt}", "Y": f"*{dt}", "VALID": "*i8", "IDX": "*i64", "BEST": "*fp32", "eps": "fp32"},
                        dict(HEAD_DIM=128, BLOCK_S=32, BLOCK_N=64, BLOCK_D=128, HAS_VALID=True, CHUNKED=True,
                             EXACT=False), ("sxd", "syd")))
+    checks.append(("decode scores", da._decode_attention_scores_kernel,
+                   {"LOGITS": "*fp32", "LSE": "*fp32", "S": "*fp32"}, dict(BLOCK_M=16, BLOCK_N=128), ()))
     failed = 0
     for name, fn, types, const, unit in checks:
         try:

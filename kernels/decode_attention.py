@@ -15,14 +15,12 @@ which eviction policies accumulate. Otherwise ``scores`` is an empty tensor.
 Shapes: q: [B, Hq, T, D]; k, v: [B, Hkv, C, D]; log_weight: [B, Hkv, C] fp32. o: [B, Hq, T, D].
 Traffic: reads 2*B*Hkv*C*D cache elements once per step; this is what bounds decode speed.
 
-On CUDA the op runs ``decode_attention_triton``: split-K flash decoding in one launch. Each
-program owns one (batch row b, KV head g, split of the cache) and all G*T query rows of that KV
-head, so each K/V tile is read from memory once for the whole group. The program of a row that
-finishes last (an atomic count per row) merges the splits by their log-sum-exp; with
-``want_scores`` every program also stores its logits (G*T fp32 per slot, a few % of the K/V
-bytes) and the last one turns them into probabilities with the final log-sum-exp, so the cache is
-still read once and there is no second or third launch (at batch 1 and a few thousand slots, the
-launches of a separate combine and scores pass took a quarter of the op's time).
+On CUDA the op runs ``decode_attention_triton``: split-K flash decoding. Each program owns one
+(batch row b, KV head g, split of the cache) and all G*T query rows of that KV head, so each K/V
+tile is read from memory once for the whole group; a combine kernel merges the splits by their
+log-sum-exp; with ``want_scores`` the split kernel also stores its logits (G*T fp32 per slot, a
+few % of the K/V bytes) and a light second pass turns them into probabilities with the final
+log-sum-exp, so the cache is still read once.
 """
 
 from __future__ import annotations
@@ -58,9 +56,8 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, log_weight: Tens
 #     s2_mj = scale2 * q_m . k_j  (softcap c: log2e * c * tanh(scale * q_m . k_j / c))  + log2e * lw_j
 #     online softmax: m_m = max_j s2_mj, l_m = sum_j 2^(s2_mj - m_m), acc_m = sum_j 2^(s2_mj - m_m) v_j
 #     split output o_m = acc_m / l_m, split log-sum-exp lse_m = m_m + log2 l_m  (-inf: no live slot)
-# Combine (the row's last program): lse = log2 sum_s 2^lse_s; o = sum_s 2^(lse_s - lse) o_s.  Scores (the same
-# program, from the logits every split stored): p_mj = 2^(s2_mj - lse_m), score_j = (1/G) sum_m p_mj.
-# Empty slots (lw = -inf) get p = 0.
+# Combine: lse = log2 sum_s 2^lse_s; o = sum_s 2^(lse_s - lse) o_s.  Scores: the split kernel stores
+# s2_mj; p_mj = 2^(s2_mj - lse_m), score_j = (1/G) sum_m p_mj. Empty slots (lw = -inf) get p = 0.
 
 LOG2E = 1.4426950408889634
 
@@ -94,83 +91,12 @@ def _logits2(q, k, lw, scale, softcap, HAS_SOFTCAP: tl.constexpr, DOT: tl.conste
 
 
 @triton.jit
-def _combine_splits(OUT, OPART, LSE, pid_bg, b, g, sob, soh, sot, sod, T, G, NUM_SPLITS,
-                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                    BLOCK_F: tl.constexpr):
-    """The last program of row (b, g) merges its splits: LSE [splits + 1, BLOCK_M] (split s's lse_s per
-    row m; the last line gets the final lse), OPART [splits, BLOCK_M, BLOCK_D] (o_s) -> o, written to OUT.
-    Every load is a block of BLOCK_S splits (one program reads what splits x G x T programs wrote, so it
-    must not walk them one by one): first the max of the lse's, then the weights w_sm = 2^(lse_sm - max_m)
-    (stored over the lse's), then o[m, d] = sum_s w_sm o_s[m, d] / sum_s w_sm over a flat index f = m D + d
-    of the live rows. ``.cg`` loads: other programs wrote these; read them past L1."""
-    rows = G * T
-    base = pid_bg * (NUM_SPLITS + 1)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_s = tl.arange(0, BLOCK_S)
-    m_mask = offs_m < rows
-    mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s0 in range(0, NUM_SPLITS, BLOCK_S):
-        ptrs = LSE + (base + s0 + offs_s)[:, None] * BLOCK_M + offs_m[None, :]
-        mask = ((s0 + offs_s) < NUM_SPLITS)[:, None] & m_mask[None, :]
-        mx = tl.maximum(mx, tl.max(tl.load(ptrs, mask=mask, other=float("-inf"), cache_modifier=".cg"), 0))
-    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    for s0 in range(0, NUM_SPLITS, BLOCK_S):
-        ptrs = LSE + (base + s0 + offs_s)[:, None] * BLOCK_M + offs_m[None, :]
-        mask = ((s0 + offs_s) < NUM_SPLITS)[:, None] & m_mask[None, :]
-        w = tl.exp2(tl.load(ptrs, mask=mask, other=float("-inf"), cache_modifier=".cg") - mx_safe[None, :])
-        l_i += tl.sum(w, 0)                                              # an empty split weighs 0
-        tl.store(ptrs, w, mask=mask)
-    lse = tl.where(l_i > 0.0, mx + tl.log2(l_i), float("-inf"))
-    tl.store(LSE + (base + NUM_SPLITS) * BLOCK_M + offs_m, lse, mask=m_mask)
-    tl.debug_barrier()
-    offs_f = tl.arange(0, BLOCK_F)
-    for f0 in range(0, rows * BLOCK_D, BLOCK_F):
-        m = (f0 + offs_f) // BLOCK_D
-        d = (f0 + offs_f) % BLOCK_D
-        f_mask = m < rows
-        acc = tl.zeros([BLOCK_F], tl.float32)
-        w_sum = tl.zeros([BLOCK_F], tl.float32)
-        for s0 in range(0, NUM_SPLITS, BLOCK_S):
-            s = s0 + offs_s
-            mask = (s < NUM_SPLITS)[:, None] & f_mask[None, :]
-            w = tl.load(LSE + (base + s)[:, None] * BLOCK_M + m[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-            o_s = tl.load(OPART + ((pid_bg * NUM_SPLITS + s)[:, None] * BLOCK_M + m[None, :]) * BLOCK_D + d[None, :],
-                          mask=mask, other=0.0, cache_modifier=".cg")
-            acc += tl.sum(w * o_s, 0)
-            w_sum += tl.sum(w, 0)
-        o = acc / w_sum
-        tl.store(OUT + b * sob + (g * G + m // T) * soh + (m % T) * sot + d * sod, o.to(OUT.dtype.element_ty),
-                 mask=f_mask & (d < HEAD_DIM))
-
-
-@triton.jit
-def _scores(LOGITS, LSE, SCORES, pid_bg, C, T, G, BLOCK_R: tl.constexpr, BLOCK_SC: tl.constexpr):
-    """score_j = (1/G) sum_m 2^(s2_mj - lse_m) over the row's logits LOGITS [G T, C] (all splits') and
-    final lse's LSE [G T] (this program's own stores, or written before the caller's barrier)."""
-    rows = G * T
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rows
-    lse = tl.load(LSE + offs_r, mask=r_mask, other=0.0, cache_modifier=".cg")
-    l_base = LOGITS + (pid_bg.to(tl.int64) * rows + offs_r[:, None]) * C
-    for n0 in range(0, C, BLOCK_SC):
-        offs_n = n0 + tl.arange(0, BLOCK_SC)
-        n_mask = offs_n < C
-        s = tl.load(l_base + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=float("-inf"),
-                    cache_modifier=".cg")
-        p = tl.where(r_mask[:, None], tl.exp2(s - lse[:, None]), 0.0)
-        tl.store(SCORES + pid_bg.to(tl.int64) * C + offs_n, tl.sum(p, 0) / G, mask=n_mask)
-
-
-@triton.jit
 def _decode_attention_split_kernel(
-    Q, K, V, LW, OUT, OPART, LSE, LOGITS, SCORES, DONE,
+    Q, K, V, LW, OUT, OPART, LSE, LOGITS,
     sqb, sqh, sqt, sqd, skb, skh, skc, skd, svb, svh, svc, svd, slb, slh, slc, sob, soh, sot, sod,
     HKV, C, T, G, SPLIT_LEN, NUM_SPLITS, scale, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_SC: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, DOT: tl.constexpr,
-    DIRECT: tl.constexpr, WANT_SCORES: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, DOT: tl.constexpr, DIRECT: tl.constexpr, WANT_SCORES: tl.constexpr,
 ):
     pid_bg = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -200,7 +126,7 @@ def _decode_attention_split_kernel(
         k = tl.load(k_base + offs_n[:, None] * skc + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
         lw = tl.load(lw_base + offs_n * slc, mask=n_mask, other=float("-inf"))
         s = _logits2(q, k, lw, scale, softcap, HAS_SOFTCAP, DOT)
-        if WANT_SCORES:       # keep the logits (G*T x 4 bytes a slot, vs 4*D bytes of K and V) for the scores
+        if WANT_SCORES:       # keep the logits (G*T x 4 bytes a slot, vs 4*D bytes of K and V) for the scores pass
             l_ptrs = LOGITS + (pid_bg.to(tl.int64) * G * T + offs_m[:, None]) * C + offs_n[None, :]
             tl.store(l_ptrs, s, mask=m_mask[:, None] & n_mask[None, :])
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -213,28 +139,71 @@ def _decode_attention_split_kernel(
         m_i = m_new
 
     lse = tl.where(l_i > 0.0, m_i + tl.log2(l_i), float("-inf"))
-    final_lse = LSE + (pid_bg * (NUM_SPLITS + 1) + NUM_SPLITS) * BLOCK_M      # the row's lse line; splits' before it
+    lse_ptrs = LSE + (pid_bg * NUM_SPLITS + pid_s) * BLOCK_M + offs_m
+    tl.store(lse_ptrs, lse, mask=m_mask)
     if DIRECT:
+        o = acc / l_i[:, None]
         o_ptrs = OUT + b * sob + head[:, None] * soh + tok[:, None] * sot + offs_d[None, :] * sod
-        tl.store(o_ptrs, (acc / l_i[:, None]).to(OUT.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
-        if WANT_SCORES:
-            tl.store(final_lse + offs_m, lse, mask=m_mask)
-            tl.debug_barrier()                            # this program's logits and lse, seen by all its threads
-            _scores(LOGITS, final_lse, SCORES, pid_bg, C, T, G, BLOCK_R, BLOCK_SC)
+        tl.store(o_ptrs, o.to(OUT.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
     else:
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         part = OPART + ((pid_bg * NUM_SPLITS + pid_s) * BLOCK_M + offs_m[:, None]) * BLOCK_D + offs_d[None, :]
-        tl.store(part, acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None], mask=m_mask[:, None])
-        tl.store(LSE + (pid_bg * (NUM_SPLITS + 1) + pid_s) * BLOCK_M + offs_m, lse, mask=m_mask)
-        # every thread's stores, then one release/acquire count: the program that counts last sees all
-        # splits' partials (and logits), merges them and puts the counter back for the next launch
-        tl.debug_barrier()
-        if tl.atomic_add(DONE + pid_bg, 1, sem="acq_rel") == NUM_SPLITS - 1:
-            _combine_splits(OUT, OPART, LSE, pid_bg, b, g, sob, soh, sot, sod, T, G, NUM_SPLITS, HEAD_DIM, BLOCK_M,
-                            BLOCK_D, BLOCK_S, BLOCK_F)
-            tl.store(DONE + pid_bg, 0)
-            if WANT_SCORES:
-                tl.debug_barrier()
-                _scores(LOGITS, final_lse, SCORES, pid_bg, C, T, G, BLOCK_R, BLOCK_SC)
+        tl.store(part, o, mask=m_mask[:, None])
+
+
+@triton.jit
+def _decode_attention_combine_kernel(
+    OUT, OPART, LSE, LSE_OUT, sob, soh, sot, sod, HKV, T, G, NUM_SPLITS,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    # One program per (b, g, row m): the splits' log-sum-exps and outputs are read BLOCK_S at a time
+    # (independent loads, not a chain of NUM_SPLITS dependent steps), first for their max, then summed.
+    pid_bg = tl.program_id(0)
+    m = tl.program_id(1)
+    b = (pid_bg // HKV).to(tl.int64)                  # 64-bit offsets: B*Hkv*C*D may pass 2^31
+    g = pid_bg % HKV
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mx = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
+    for s0 in range(0, NUM_SPLITS, BLOCK_S):
+        s = s0 + offs_s
+        lse_s = tl.load(LSE + (pid_bg * NUM_SPLITS + s) * BLOCK_M + m, mask=s < NUM_SPLITS, other=float("-inf"))
+        mx = tl.maximum(mx, tl.max(lse_s, 0))
+    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    l_i = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, NUM_SPLITS, BLOCK_S):
+        s = s0 + offs_s
+        row = (pid_bg * NUM_SPLITS + s) * BLOCK_M + m
+        lse_s = tl.load(LSE + row, mask=s < NUM_SPLITS, other=float("-inf"))
+        w = tl.exp2(lse_s - mx_safe)                                     # 0 for missing / empty splits
+        o_s = tl.load(OPART + row[:, None] * BLOCK_D + offs_d[None, :], mask=(s < NUM_SPLITS)[:, None], other=0.0)
+        l_i += tl.sum(w, 0)
+        acc += tl.sum(w[:, None] * o_s, 0)
+    o = acc / l_i
+    head = g * G + m // T
+    tok = m % T
+    tl.store(OUT + b * sob + head * soh + tok * sot + offs_d * sod, o.to(OUT.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    tl.store(LSE_OUT + pid_bg * BLOCK_M + m, tl.where(l_i > 0.0, mx + tl.log2(l_i), float("-inf")))
+
+
+@triton.jit
+def _decode_attention_scores_kernel(
+    LOGITS, LSE, S, C, T, G,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # score_j = (1/G) sum_m 2^(s2_mj - lse_m), from the logits the split kernel stored
+    pid_bg = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < G * T
+    n_mask = offs_n < C
+    s = tl.load(LOGITS + (pid_bg.to(tl.int64) * G * T + offs_m[:, None]) * C + offs_n[None, :],
+                mask=m_mask[:, None] & n_mask[None, :], other=float("-inf"))
+    lse = tl.load(LSE + pid_bg * BLOCK_M + offs_m, mask=m_mask, other=0.0)
+    p = tl.where(m_mask[:, None], tl.exp2(s - lse[:, None]), 0.0)
+    score = tl.sum(p, 0) / G
+    tl.store(S + pid_bg.to(tl.int64) * C + offs_n, score, mask=n_mask)
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -330,45 +299,32 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor,
     splits = triton.cdiv(c, split_len)
     direct = splits == 1
     o = torch.empty_like(q)
-    f32 = dict(device=q.device, dtype=torch.float32)
-    lse = torch.empty(b * hkv * (splits + 1) * block_m, **f32)
-    part = torch.empty(1 if direct else b * hkv * splits * block_m * block_d, **f32)
-    logits = torch.empty(b * hkv * rows * c if want_scores else 1, **f32)
-    scores = torch.empty((b, hkv, c) if want_scores else (0,), **f32)
-    done = o if direct else split_counters(b * hkv, q.device)
-    block_s = min(16, next_pow2(splits))              # tiles of the tail: 4096 fp32 (32 registers a thread)
+    lse = torch.empty(b * hkv * splits * block_m, device=q.device, dtype=torch.float32)
+    part = o if direct else torch.empty(b * hkv * splits * block_m * block_d, device=q.device, dtype=torch.float32)
     dot = 1 if q.dtype == torch.float32 else (2 if q.device.type != "cuda" else 0)
     cap = float(softcap) if softcap is not None else 1.0
+    logits = torch.empty(b * hkv * rows * c if want_scores else 1, device=q.device, dtype=torch.float32)
     _decode_attention_split_kernel[(b * hkv, splits)](
-        q, k, v, log_weight, o, part, lse, logits, scores, done,
+        q, k, v, log_weight, o, part, lse, logits,
         *q.stride(), *k.stride(), *v.stride(), *log_weight.stride(), *o.stride(),
         hkv, c, t, group, split_len, splits, float(scale), cap,
-        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_S=block_s,
-        BLOCK_F=min(4096 // block_s, next_pow2(rows * block_d)), BLOCK_R=next_pow2(rows),
-        BLOCK_SC=max(128, 4096 // next_pow2(rows)), HAS_SOFTCAP=softcap is not None, DOT=dot, DIRECT=direct, WANT_SCORES=want_scores,
+        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        HAS_SOFTCAP=softcap is not None, DOT=dot, DIRECT=direct, WANT_SCORES=want_scores,
         num_warps=num_warps, num_stages=num_stages)
+    if direct:
+        lse_final = lse
+    else:
+        lse_final = torch.empty(b * hkv * block_m, device=q.device, dtype=torch.float32)
+        _decode_attention_combine_kernel[(b * hkv, rows)](
+            o, part, lse, lse_final, *o.stride(), hkv, t, group, splits,
+            HEAD_DIM=d, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_S=min(32, next_pow2(splits)), num_warps=4)
+    if not want_scores:
+        return o, q.new_empty(0, dtype=torch.float32)
+    scores = torch.empty(b, hkv, c, device=q.device, dtype=torch.float32)
+    sblock = 128
+    _decode_attention_scores_kernel[(b * hkv, triton.cdiv(c, sblock))](
+        logits, lse_final, scores, c, t, group, BLOCK_M=block_m, BLOCK_N=sblock, num_warps=4)
     return o, scores
-
-
-# Split counters: one int32 per (b, g) row of a launch, zero between launches (the last program of a row
-# puts it back). Launches take consecutive slices of one pool per device, wrapping round, so launches in
-# flight at once (other streams, CUDA graphs replayed side by side) use different counters unless more
-# than POOL // rows launches are in flight together. A pool outgrown is kept alive: captured graphs hold
-# its address.
-COUNTER_POOL = 1 << 16
-_COUNTERS: dict[torch.device, list] = {}
-
-
-def split_counters(rows: int, device: torch.device) -> Tensor:
-    """``rows`` zeroed int32 counters for one launch (see above)."""
-    pools = _COUNTERS.setdefault(device, [])
-    if not pools or pools[-1][0].numel() < rows:
-        pools.append([torch.zeros(max(COUNTER_POOL, rows), dtype=torch.int32, device=device), 0])
-    pool = pools[-1]
-    if pool[1] + rows > pool[0].numel():
-        pool[1] = 0
-    start, pool[1] = pool[1], pool[1] + rows
-    return pool[0][start:start + rows]
 
 
 @torch.library.custom_op("kvpass::decode_attention", mutates_args=())
