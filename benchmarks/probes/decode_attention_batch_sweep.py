@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--points", default="1024x16,1024x32,4096x32,32768x32,65536x16")
     ap.add_argument("--splits-only", action="store_true",
-                    help="only the split count (0.25x-2x) at the default block, warps and stages")
+                    help="only the split count (0.125x-2x) at the default block, warps and stages")
     a = ap.parse_args()
     dev, hq, hkv, d = torch.device("cuda"), 32, 8, 128
     out = {"gpu": torch.cuda.get_device_name(), "points": []}
@@ -38,7 +38,7 @@ def main() -> None:
         sdpa = time_fn(functools.partial(F.scaled_dot_product_attention, qg, k, v, scale=d ** -0.5), dev) * 1e6
         default = time_fn(functools.partial(decode_attention_triton, q, k, v, lw, d ** -0.5), dev) * 1e6
         rows = []
-        grid = (itertools.product((64,), (4,), (2 if b * hkv >= 128 else 3,), (0.25, 0.5, 1, 2)) if a.splits_only
+        grid = (itertools.product((64,), (4,), (2 if b * hkv >= 128 else 3,), (0.125, 0.25, 0.5, 1, 2)) if a.splits_only
                 else itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (0.5, 1, 2)))
         for bn, nw, ns, mult in grid:
             splits = max(1, int(decode_splits(b, hkv, c, bn, dev) * mult))
