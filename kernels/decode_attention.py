@@ -218,27 +218,24 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-# Rows b * hkv from which the launch takes half the splits (rounded down) and two pipeline stages: the best
-# of a sweep on an H200 at B = 16-32, Hkv 8, C 1k-64k (benchmarks/probes/decode_attention_batch_sweep.py:
-# 0.91-1.00 of SDPA's time where the one-size launch gave 0.87-0.98; rounding up instead gave 3 splits at
-# B = 32, a second, mostly idle wave: 0.82); smaller batches keep 8 waves and 3 stages.
+# Rows b * hkv from which the launch uses two pipeline stages, not three (the best of a sweep on an H200 at
+# B = 16-32, Hkv 8, C 1k-64k: benchmarks/probes/decode_attention_batch_sweep.py).
 MANY_ROWS = 128
-# Fewest slots per split. 256 rather than 128: on an H100 at B = 1 (C = 6.5k, 13k) and at 1k x 8, half the
-# splits of the 128-slot choice ran 8-10% faster (decode-attention-batch-sweep-nvidia-h100-80gb-hbm3.json),
-# and it gives the same splits as the H200 sweep's best at B = 16-32.
+# Fewest slots per split (rounded to BLOCK_N); 128-slot splits were 8-10% slower on an H100 at B = 1 (C = 6.5k,
+# 13k) and at 1k x 8 (decode-attention-batch-sweep-nvidia-h100-80gb-hbm3.json).
 MIN_SPLIT = 256
 
 
-def decode_splits(b: int, hkv: int, c: int, block_n: int, device: torch.device, min_split: int = MIN_SPLIT,
-                  waves: int | None = None) -> int:
-    """How many splits of the cache: about ``waves`` programs per multiprocessor (default 8, halved, rounding
-    down, from ``MANY_ROWS`` rows; several are resident at once, so many small programs also shrink the tail
-    of the last wave), each split at least ``min_split`` slots (rounded to BLOCK_N). The combine step reads
-    splits x G x D fp32 per (b, g), small next to the C x D cache. The benchmark sweeps 0.5x and 2x of
-    this choice."""
-    want = max(1, -(-(waves or 8) * _sm_count(device) // (b * hkv)))
-    if waves is None and b * hkv >= MANY_ROWS:
-        want = max(1, want // 2)
+def decode_splits(b: int, hkv: int, c: int, block_n: int, device: torch.device, min_split: int = MIN_SPLIT) -> int:
+    """How many splits of the cache: about one program per multiprocessor (at least 2 splits), each of at
+    least ``min_split`` slots. From an H100 sweep of the split count alone
+    (decode-attention-split-sweep-nvidia-h100-80gb-hbm3.json, C 1k-64k, B 1-16, old launch = 8 programs an SM):
+    this choice was the fastest measured, or between two measured counts, at every point but 1k x 1 (where
+    128-slot splits, ruled out by ``min_split``, were 7% faster); the old launch was 8-11% slower at B = 1
+    from 16k slots and 5-7% slower at B = 8 (0.90x of SDPA at 1k x 8 and 2k x 8; 0.94x and 0.97x now).
+    The combine step reads splits x G x D fp32 per (b, g), small next to the C x D cache. The benchmark
+    sweeps 0.5x and 2x of this choice."""
+    want = max(2, _sm_count(device) // (b * hkv))
     return max(1, min(want, -(-c // max(min_split, block_n))))
 
 
