@@ -48,9 +48,9 @@ def main() -> int:
             checks.append((f"decode split {dt} scores={scores}", da._decode_attention_split_kernel, t,
                            dict(HEAD_DIM=128, BLOCK_M=16, BLOCK_N=64, BLOCK_D=128, HAS_SOFTCAP=scores, DOT=0,
                                 DIRECT=False, WANT_SCORES=scores), ("sqd", "skd", "svd", "slc", "sod")))
-        checks.append((f"decode combine {dt}", da._decode_attention_combine_kernel,
-                       {"OUT": f"*{dt}", "OPART": "*fp32", "LSE": "*fp32", "LSE_OUT": "*fp32"},
-                       dict(HEAD_DIM=128, BLOCK_M=16, BLOCK_D=128), ("sod",)))
+        checks.append((f"decode merge {dt}", da._decode_attention_merge_kernel,
+                       {"OUT": f"*{dt}", "OPART": "*fp32", "LSE": "*fp32", "LOGITS": "*fp32", "S": "*fp32"},
+                       dict(HEAD_DIM=128, BLOCK_M=16, BLOCK_D=128, BLOCK_S=16, BLOCK_N=128), ("sod",)))
         checks.append((f"merge_weighted {dt}", mw._merge_weighted_kernel,
                        {"K": f"*{dt}", "V": f"*{dt}", "W": "*fp32", "TGT": "*i64", "ORDER": "*i64", "LO": "*i64",
                         "HI": "*i64", "KO": f"*{dt}", "VO": f"*{dt}", "LWO": "*fp32"},
@@ -59,8 +59,6 @@ def main() -> int:
                        {"X": f"*{dt}", "Y": f"*{dt}", "VALID": "*i8", "IDX": "*i64", "BEST": "*fp32", "eps": "fp32"},
                        dict(HEAD_DIM=128, BLOCK_S=32, BLOCK_N=64, BLOCK_D=128, HAS_VALID=True, CHUNKED=True,
                             EXACT=False), ("sxd", "syd")))
-    checks.append(("decode scores", da._decode_attention_scores_kernel,
-                   {"LOGITS": "*fp32", "LSE": "*fp32", "S": "*fp32"}, dict(BLOCK_M=16, BLOCK_N=128), ()))
     failed = 0
     for name, fn, types, const, unit in checks:
         try:

@@ -17,10 +17,11 @@ Traffic: reads 2*B*Hkv*C*D cache elements once per step; this is what bounds dec
 
 On CUDA the op runs ``decode_attention_triton``: split-K flash decoding. Each program owns one
 (batch row b, KV head g, split of the cache) and all G*T query rows of that KV head, so each K/V
-tile is read from memory once for the whole group; a combine kernel merges the splits by their
-log-sum-exp; with ``want_scores`` the split kernel also stores its logits (G*T fp32 per slot, a
-few % of the K/V bytes) and a light second pass turns them into probabilities with the final
-log-sum-exp, so the cache is still read once.
+tile is read from memory once for the whole group. One more launch finishes the step: programs that
+merge the splits by their log-sum-exp (one per query row) and, with ``want_scores``, programs that turn
+the logits the split kernel stored (G*T fp32 per slot, a few % of the K/V bytes) into probabilities, a
+block of slots each, with the final log-sum-exp they rebuild from the splits' (a few floats), so the
+cache is still read once and the scores do not wait for the merge.
 """
 
 from __future__ import annotations
@@ -152,16 +153,10 @@ def _decode_attention_split_kernel(
 
 
 @triton.jit
-def _decode_attention_combine_kernel(
-    OUT, OPART, LSE, LSE_OUT, sob, soh, sot, sod, HKV, T, G, NUM_SPLITS,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    # One program per (b, g, row m): the splits' log-sum-exps and outputs are read BLOCK_S at a time
-    # (independent loads, not a chain of NUM_SPLITS dependent steps), first for their max, then summed.
-    pid_bg = tl.program_id(0)
-    m = tl.program_id(1)
-    b = (pid_bg // HKV).to(tl.int64)                  # 64-bit offsets: B*Hkv*C*D may pass 2^31
-    g = pid_bg % HKV
+def _combine_row(OUT, OPART, LSE, pid_bg, m, b, g, sob, soh, sot, sod, T, G, NUM_SPLITS,
+                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Row m of (b, g): o = sum_s 2^(lse_s - lse) o_s, the splits read BLOCK_S at a time (independent loads,
+    not a chain of NUM_SPLITS dependent steps), first for their max, then summed."""
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     mx = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
@@ -181,29 +176,59 @@ def _decode_attention_combine_kernel(
         l_i += tl.sum(w, 0)
         acc += tl.sum(w[:, None] * o_s, 0)
     o = acc / l_i
-    head = g * G + m // T
-    tok = m % T
-    tl.store(OUT + b * sob + head * soh + tok * sot + offs_d * sod, o.to(OUT.dtype.element_ty), mask=offs_d < HEAD_DIM)
-    tl.store(LSE_OUT + pid_bg * BLOCK_M + m, tl.where(l_i > 0.0, mx + tl.log2(l_i), float("-inf")))
+    tl.store(OUT + b * sob + (g * G + m // T) * soh + (m % T) * sot + offs_d * sod, o.to(OUT.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
 
 
 @triton.jit
-def _decode_attention_scores_kernel(
-    LOGITS, LSE, S, C, T, G,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    # score_j = (1/G) sum_m 2^(s2_mj - lse_m), from the logits the split kernel stored
-    pid_bg = tl.program_id(0)
+def _scores_block(LOGITS, LSE, S, pid_bg, n0, C, T, G, NUM_SPLITS,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):
+    """score_j = (1/G) sum_m 2^(s2_mj - lse_m) for slots [n0, n0 + BLOCK_N), from the stored logits; the
+    rows' final lse_m from the splits' (G*T x splits floats: cheaper than waiting for the combine)."""
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_s = tl.arange(0, BLOCK_S)
     m_mask = offs_m < G * T
+    mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for s0 in range(0, NUM_SPLITS, BLOCK_S):
+        s = s0 + offs_s
+        lse_s = tl.load(LSE + (pid_bg * NUM_SPLITS + s)[:, None] * BLOCK_M + offs_m[None, :],
+                        mask=(s < NUM_SPLITS)[:, None] & m_mask[None, :], other=float("-inf"))
+        mx = tl.maximum(mx, tl.max(lse_s, 0))
+    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    for s0 in range(0, NUM_SPLITS, BLOCK_S):
+        s = s0 + offs_s
+        lse_s = tl.load(LSE + (pid_bg * NUM_SPLITS + s)[:, None] * BLOCK_M + offs_m[None, :],
+                        mask=(s < NUM_SPLITS)[:, None] & m_mask[None, :], other=float("-inf"))
+        l_i += tl.sum(tl.exp2(lse_s - mx_safe[None, :]), 0)
+    lse = mx + tl.log2(l_i)                                              # as the combine's (-inf: no live slot)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < C
-    s = tl.load(LOGITS + (pid_bg.to(tl.int64) * G * T + offs_m[:, None]) * C + offs_n[None, :],
-                mask=m_mask[:, None] & n_mask[None, :], other=float("-inf"))
-    lse = tl.load(LSE + pid_bg * BLOCK_M + offs_m, mask=m_mask, other=0.0)
-    p = tl.where(m_mask[:, None], tl.exp2(s - lse[:, None]), 0.0)
-    score = tl.sum(p, 0) / G
-    tl.store(S + pid_bg.to(tl.int64) * C + offs_n, score, mask=n_mask)
+    s2 = tl.load(LOGITS + (pid_bg.to(tl.int64) * G * T + offs_m[:, None]) * C + offs_n[None, :],
+                 mask=m_mask[:, None] & n_mask[None, :], other=float("-inf"))
+    p = tl.where(m_mask[:, None], tl.exp2(s2 - lse[:, None]), 0.0)
+    tl.store(S + pid_bg.to(tl.int64) * C + offs_n, tl.sum(p, 0) / G, mask=n_mask)
+
+
+@triton.jit
+def _decode_attention_merge_kernel(
+    OUT, OPART, LSE, LOGITS, S, sob, soh, sot, sod, HKV, C, T, G, NUM_SPLITS, COMBINE_ROWS,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # Program (b, g, i): i < COMBINE_ROWS merges the splits of row m = i (COMBINE_ROWS = G*T, 0 when the split
+    # kernel wrote o itself); a later i computes the scores of slot block i - COMBINE_ROWS. One launch for both:
+    # at batch 1 the step is launch-bound, and the scores need only the splits' lse's, not the combine.
+    pid_bg = tl.program_id(0)
+    i = tl.program_id(1)
+    b = (pid_bg // HKV).to(tl.int64)                  # 64-bit offsets: B*Hkv*C*D may pass 2^31
+    g = pid_bg % HKV
+    if i < COMBINE_ROWS:
+        _combine_row(OUT, OPART, LSE, pid_bg, i, b, g, sob, soh, sot, sod, T, G, NUM_SPLITS, HEAD_DIM, BLOCK_M,
+                     BLOCK_D, BLOCK_S)
+    else:
+        _scores_block(LOGITS, LSE, S, pid_bg, (i - COMBINE_ROWS) * BLOCK_N, C, T, G, NUM_SPLITS, BLOCK_M, BLOCK_N,
+                      BLOCK_S)
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -308,20 +333,18 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_SOFTCAP=softcap is not None, DOT=dot, DIRECT=direct, WANT_SCORES=want_scores,
         num_warps=num_warps, num_stages=num_stages)
-    if direct:
-        lse_final = lse
-    else:
-        lse_final = torch.empty(b * hkv * block_m, device=q.device, dtype=torch.float32)
-        _decode_attention_combine_kernel[(b * hkv, rows)](
-            o, part, lse, lse_final, *o.stride(), hkv, t, group, splits,
-            HEAD_DIM=d, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_S=min(32, next_pow2(splits)), num_warps=4)
-    if not want_scores:
-        return o, q.new_empty(0, dtype=torch.float32)
-    scores = torch.empty(b, hkv, c, device=q.device, dtype=torch.float32)
-    sblock = 128
-    _decode_attention_scores_kernel[(b * hkv, triton.cdiv(c, sblock))](
-        logits, lse_final, scores, c, t, group, BLOCK_M=block_m, BLOCK_N=sblock, num_warps=4)
+    scores = torch.empty((b, hkv, c) if want_scores else (0,), device=q.device, dtype=torch.float32)
+    combine_rows = 0 if direct else rows
+    score_blocks = triton.cdiv(c, SCORE_BLOCK) if want_scores else 0
+    if combine_rows + score_blocks:
+        _decode_attention_merge_kernel[(b * hkv, combine_rows + score_blocks)](
+            o, part, lse, logits, scores, *o.stride(), hkv, c, t, group, splits, combine_rows,
+            HEAD_DIM=d, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_S=min(32, next_pow2(splits)), BLOCK_N=SCORE_BLOCK,
+            num_warps=4)
     return o, scores
+
+
+SCORE_BLOCK = 128        # slots per scores program
 
 
 @torch.library.custom_op("kvpass::decode_attention", mutates_args=())
