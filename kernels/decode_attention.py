@@ -257,7 +257,7 @@ def decode_splits(b: int, hkv: int, c: int, block_n: int, device: torch.device, 
     (decode-attention-split-sweep-nvidia-h100-80gb-hbm3.json, C 1k-64k, B 1-16, old launch = 8 programs an SM):
     this choice was the fastest measured, or between two measured counts, at every point but 1k x 1 (where
     128-slot splits, ruled out by ``min_split``, were 7% faster); the old launch was 8-11% slower at B = 1
-    from 16k slots and 5-7% slower at B = 8 (0.90x of SDPA at 1k x 8 and 2k x 8; 0.94x and 0.97x now).
+    from 16k slots and 5-7% slower at B = 8 (0.90x of SDPA at 1k x 8 and 2k x 8; 0.94x and 0.96x now).
     The combine step reads splits x G x D fp32 per (b, g), small next to the C x D cache. The benchmark
     sweeps 0.5x and 2x of this choice."""
     want = max(2, _sm_count(device) // (b * hkv))
