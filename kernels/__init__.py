@@ -23,6 +23,7 @@ from kvpass.kernels.cosine_match import cosine_match, cosine_match_reference
 from kvpass.kernels.d2o_evict_one import d2o_evict_one, d2o_evict_one_reference
 from kvpass.kernels.decode_attention import decode_attention, decode_attention_reference
 from kvpass.kernels.ems_expansion_attention import ems_expansion_attention, ems_expansion_attention_reference
+from kvpass.kernels.gemv import gemv, gemv_reference
 from kvpass.kernels.merge_entries import merge_entries, merge_entries_reference
 from kvpass.kernels.merge_weighted import merge_weighted, merge_weighted_reference
 from kvpass.kernels.page_recall_attention import page_recall_attention, page_recall_attention_reference
@@ -43,6 +44,7 @@ __all__ = [
     "d2o_evict_one", "d2o_evict_one_reference",
     "decode_attention", "decode_attention_reference",
     "ems_expansion_attention", "ems_expansion_attention_reference",
+    "gemv", "gemv_reference",
     "merge_entries", "merge_entries_reference",
     "merge_weighted", "merge_weighted_reference",
     "page_recall_attention", "page_recall_attention_reference",

@@ -37,6 +37,7 @@ from kvpass.decode_step import StaticDecodeStep, fork_side_by_side, join_pending
 from kvpass.policies.base import Policy, Stat
 from kvpass.rewrites import CapturedModel, RewrittenGraphs
 from kvpass.rewrites.fuse_sibling_linears import fuse_sibling_linears
+from kvpass.rewrites.linears_to_gemv import linears_to_gemv
 from kvpass.sampling import next_token
 
 
@@ -153,17 +154,21 @@ class KVPassModel(nn.Module):
     """A causal LM whose attention runs over a compressed KV cache. Built by ``kvpass.apply``; shares
     the original model's weights and leaves its modules and values unchanged. With ``fuse_linears``
     (default: on CUDA) sibling projections run as one GEMM (rewrites/fuse_sibling_linears.py): their
-    parameters then share the storage of one concatenated tensor."""
+    parameters then share the storage of one concatenated tensor. On CUDA the decode graph's linears call
+    the one-row GEMV op (rewrites/linears_to_gemv.py)."""
 
     def __init__(self, model: nn.Module, policy: Policy, budget: float | int,
                  captured: CapturedModel, graphs: RewrittenGraphs, fuse_linears: bool | None = None) -> None:
         super().__init__()
         check_budget(budget)
+        on_cuda = next(model.parameters()).device.type == "cuda"
         if fuse_linears is None:                   # on CUDA only: CPU keeps transformers' exact GEMMs
-            fuse_linears = next(model.parameters()).device.type == "cuda"
+            fuse_linears = on_cuda
         if fuse_linears:
             for gm in (graphs.prefill, graphs.decode):
                 fuse_sibling_linears(gm)
+        if on_cuda:
+            linears_to_gemv(graphs.decode)
         self.fused_linears = bool(fuse_linears)
         self.policy, self.budget = policy.bind_model(model), budget
         self.captured, self.graphs = captured, graphs

@@ -6,6 +6,7 @@
     insert_compressed_cache  -> prefill and decode graphs over explicit cache tensors
                                 (first expand_kv_heads when the policy asks for a per-query-head cache)
     fuse_sibling_linears     q/k/v and gate/up -> one linear each (run by KVPassModel, on CUDA by default)
+    linears_to_gemv          the decode graph's linears -> the one-row GEMV op (run by KVPassModel on CUDA)
 """
 
 from __future__ import annotations
