@@ -53,12 +53,12 @@ def _gemv_kernel(X, W, B, Y, N, K, swn, ACC: tl.constexpr, HAS_BIAS: tl.constexp
 
 # (BLOCK_N, BLOCK_K, num_warps) from an H100 sweep of the Llama-3.1-8B shapes, each call timed back to back
 # in a CUDA graph over weights larger than L2 (benchmarks/probes/gemv_sweep.py,
-# gemv-sweep-nvidia-h100-80gb-hbm3.json): 32 fp32 products per thread and tile (8 x 1024 over 8 warps, 4 x 16 B
-# loads in flight) were within 1% of each shape's best, 16-row blocks up to N = 4096 and 8 above; num_stages
-# made no difference (the loop has no dot to pipeline). Small K: one tile of the next power of two.
+# gemv-sweep-nvidia-h100-80gb-hbm3.json): 4 x 2048 tiles over 4 warps (64 fp32 products per thread and tile,
+# 8 x 16 B loads in flight) were the fastest of 24 configs for q/k/v, o, gate/up and down and within 0.5% of
+# the best for lm_head. Small K: one tile of the next power of two.
 def gemv_config(n: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for a [N, K] weight."""
-    return (16 if n <= 4096 else 8), min(1024, max(64, next_pow2(k))), 8
+    return 4, min(2048, max(64, next_pow2(k))), 4
 
 
 def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, block_n: int | None = None,

@@ -508,10 +508,11 @@ class DecodeSession:
     def _decode_inputs(self, lay: _Layer, slot: Tensor) -> list[Tensor]:
         cache = lay.cache
         if lay.sliding:                           # sliding-window layers always use the dense op
-            return [cache.k, cache.v, cache.log_weight, slot]
+            return [cache.k, cache.v, cache.log_weight, slot, cache.position]
         extra = [cache.slot_meta[n] if n in cache.slot_meta else cache.state[n] for n in self.policy.decode_inputs]
-        full = [] if lay.full is None else [lay.full.k, lay.full.v, lay.full.log_weight, lay.full.length.clone()]
-        return [cache.k, cache.v, cache.log_weight, slot, *extra, *full]
+        full = ([] if lay.full is None else
+                [lay.full.k, lay.full.v, lay.full.log_weight, lay.full.length.clone(), lay.full.position])
+        return [cache.k, cache.v, cache.log_weight, slot, cache.position, *extra, *full]
 
     def _device_step(self, tokens: Tensor, compress: tuple[int, ...] = ()) -> Tensor:
         """The device work of one step: compression of the layers ``compress`` names, slots, the decode
@@ -531,7 +532,7 @@ class DecodeSession:
             if graphs.decode_scores:              # one multi-tensor launch for every layer's accumulation
                 torch._foreach_add_([layers[i].cache.slot_meta[Stat.COLUMN_SUM.value] for i in graphs.decode_scores],
                                     list(outs[1:]))
-            self._advance(layers, slots, pos)
+            self._advance(layers)
             return (outs[0][:, -1].float(),)
 
         persistent = [t for lay in layers for c in lay.caches() for t in c.tensors()]
@@ -571,21 +572,17 @@ class DecodeSession:
         return lay.cache.length.clone()
 
     @staticmethod
-    def _advance(layers: Sequence[_Layer], slots: Sequence[Tensor], pos: Tensor) -> None:
-        """Record the step's position at each layer's slot, then lengths += 1 (a ring's clamped first), the
-        lengths of all layers in one multi-tensor launch (at batch 1 the step is launch-bound)."""
+    def _advance(layers: Sequence[_Layer]) -> None:
+        """lengths += 1 (a ring's clamped first) after the decode graph wrote the step's entries (and their
+        positions, ``write_kv``): all layers in one multi-tensor launch (at batch 1 the step is launch-bound)."""
         grown: list[Tensor] = []
         rings: dict[int, list[Tensor]] = {}
-        for lay, slot in zip(layers, slots, strict=True):
-            cache = lay.cache
-            cache.position.scatter_(2, slot[:, :, None], pos[:, :, None].expand_as(slot[:, :, None]))
+        for lay in layers:
             if lay.window is not None:
-                rings.setdefault(lay.window, []).append(cache.length)
-            grown.append(cache.length)
-            if lay.full is not None:            # every token stays: slot = length
-                full = lay.full
-                full.position.scatter_(2, full.length[:, :, None], pos[:, :, None].expand(*full.length.shape, 1))
-                grown.append(full.length)
+                rings.setdefault(lay.window, []).append(lay.cache.length)
+            grown.append(lay.cache.length)
+            if lay.full is not None:            # every token stays
+                grown.append(lay.full.length)
         for window, lengths in rings.items():
             torch._foreach_clamp_max_(lengths, window - 1)
         torch._foreach_add_(grown, 1)

@@ -9,15 +9,15 @@ prefill(input_ids [B, T], position_ids [B, T], pad [B])
     stats: for each compressible layer, each statistic the policy asks for, [B, Hkv, T] fp32 (per slot)
     or [B, H] fp32 (per head, e.g. Stat.HEAD_VARIANCE).
 decode(input_ids [B, 1], position_ids [B, 1], then per layer: k_cache_l, v_cache_l, log_weight_l, slot_l,
-       and, for full-attention layers, the policy's ``decode_inputs`` of that layer)
+       position_l, and, for full-attention layers, the policy's ``decode_inputs`` of that layer)
     -> (logits [B, 1, V], *scores)
-    writes the step's K, V into slot_l of the cache buffers in place, then attends over the cache with
+    writes the step's K, V (and its position) into slot_l of the cache buffers in place, then attends over the cache with
     the policy's decode op (sliding-window layers always with the dense op: a ring is never recalled);
     scores: [B, Hkv, C_l] fp32 per compressible layer when the policy accumulates attention.
     A layer some of whose KV heads keep every token (``Policy.full_kv_heads``, Chelsea's outlier heads)
-    is split into two dense sub-groups (policies.md §0.6 b): k_cache_l, v_cache_l, log_weight_l, slot_l
-    (and the scores) cover its other heads, in order, [B, Hkv - F, C_l, ...], and the inputs
-    k_full_l, v_full_l, log_weight_full_l, slot_full_l that follow the policy's inputs hold the F full
+    is split into two dense sub-groups (policies.md §0.6 b): k_cache_l, v_cache_l, log_weight_l, slot_l,
+    position_l (and the scores) cover its other heads, in order, [B, Hkv - F, C_l, ...], and the inputs
+    k_full_l, v_full_l, log_weight_full_l, slot_full_l, position_full_l that follow the policy's inputs hold the F full
     heads [B, F, C_full, ...]; each group attends with its own query heads and the outputs are put back
     into head order. A layer all of whose heads are full is not split (one dense cache, never compressed).
 
@@ -237,17 +237,18 @@ def _take(graph: Graph, pieces: list[tuple[Node, int, int]]) -> Node:
     return parts[0] if len(parts) == 1 else graph.call_function(aten.cat.default, (parts, 1))
 
 
-def _write_and_attend(graph: Graph, site: AttentionSite, attend, q: Node, k: Node, v: Node,
+def _write_and_attend(graph: Graph, site: AttentionSite, attend, q: Node, k: Node, v: Node, pos: Node,
                       cache: list[Node], extra: list[Node], want: bool) -> Node:
-    """write_kv of the step's k, v [B, H, 1, D] into ``cache`` = (k_cache, v_cache, log_weight, slot),
-    then the decode op over it; returns the op's (output, scores) node."""
-    graph.call_function(ops.write_kv.default, (*cache, k, v))
+    """write_kv of the step's k, v [B, H, 1, D] and position ``pos`` [B, 1] into ``cache`` = (k_cache, v_cache,
+    log_weight, slot, position), then the decode op over it; returns the op's (output, scores) node."""
+    graph.call_function(ops.write_kv.default, (*cache, pos, k, v))
     return graph.call_function(attend, (q, *cache[:3], *extra),
                                {"scale": site.scale, "softcap": site.softcap, "want_scores": want})
 
 
 def _split_attend(graph: Graph, site: AttentionSite, attend, cache: list[Node], extra: list[Node], want: bool,
-                  full: tuple[int, ...], full_cache: list[Node], q: Node, k: Node, v: Node) -> tuple[Node, Node]:
+                  full: tuple[int, ...], full_cache: list[Node], q: Node, k: Node, v: Node, pos: Node
+                  ) -> tuple[Node, Node]:
     """The split-group decode attention of one layer (§0.6 b): the new K, V [B, Hkv, 1, D] go to
     their group's buffers, each group attends with its query heads (KV head g owns query heads
     g*G..g*G+G-1) and the outputs [B, G * heads of the group, 1, D] are put back into query-head order
@@ -260,7 +261,7 @@ def _split_attend(graph: Graph, site: AttentionSite, attend, cache: list[Node], 
         q_g = _take(graph, [(q, h * g_size, (h + 1) * g_size) for h in heads])
         k_g, v_g = (_take(graph, [(x, h, h + 1) for h in heads]) for x in (k, v))
         op, args = (attend, extra) if name == "compressed" else (DECODE_ATTENTION_OPS[Attention.DENSE], [])
-        results[name] = _write_and_attend(graph, site, op, q_g, k_g, v_g, cache if name == "compressed" else full_cache,
+        results[name] = _write_and_attend(graph, site, op, q_g, k_g, v_g, pos, cache if name == "compressed" else full_cache,
                                           args, want and name == "compressed")
     outs = {name: graph.call_function(operator.getitem, (res, 0)) for name, res in results.items()}
     order = []
@@ -281,8 +282,9 @@ def build_decode(gm: GraphModule, sites: list[AttentionSite], policy: Policy,
                                   f"{policy.attention.value}")
     dense = DECODE_ATTENTION_OPS[Attention.DENSE]
     graph, env, out = copy_graph(gm)
-    base, policy_inputs = ("k_cache", "v_cache", "log_weight", "slot"), tuple(policy.decode_inputs)
-    full_base = ("k_full", "v_full", "log_weight_full", "slot_full")
+    base, policy_inputs = ("k_cache", "v_cache", "log_weight", "slot", "position"), tuple(policy.decode_inputs)
+    full_base = ("k_full", "v_full", "log_weight_full", "slot_full", "position_full")
+    pos = [n for n in graph.nodes if n.op == "placeholder"][1]            # position_ids [B, 1]
     names = [f"{what}_{s.layer}" for s in sites
              for what in base + (policy_inputs if s.window is None else ()) + (full_base if s.layer in split else ())]
     inputs = iter(_add_inputs(graph, names))
@@ -300,9 +302,9 @@ def build_decode(gm: GraphModule, sites: list[AttentionSite], policy: Policy,
             if site.layer in split:
                 full_cache = [next(inputs) for _ in full_base]
                 attn, res = _split_attend(graph, site, attend, cache, extra, want, split[site.layer], full_cache,
-                                          q, k, v)
+                                          q, k, v, pos)
             else:
-                res = _write_and_attend(graph, site, attend, q, k, v, cache, extra, want)
+                res = _write_and_attend(graph, site, attend, q, k, v, pos, cache, extra, want)
                 attn = graph.call_function(operator.getitem, (res, 0))
             if want:
                 scores.append(graph.call_function(operator.getitem, (res, 1)))

@@ -3,8 +3,8 @@ statistics) spends its GPU time: Llama-3.1-8B-shaped random bf16 model, one prom
 
     PYTHONUNBUFFERED=1 python3 benchmarks/probes/prefill_compress_profile.py --out $OUT --policies d2o
 
-Per policy: ``kv.prefill`` once, then ``kv.start_from`` (the compression) timed and profiled with
-torch.profiler (CUDA kernels, summed per kernel name). Writes prefill-compress-profile.json under --out.
+Per policy: ``kv.prefill`` and ``kv.start_from`` (the compression) timed (synchronised, after a warm-up
+run), then ``start_from`` again profiled with torch.profiler (CUDA kernels, summed per kernel name). Writes prefill-compress-profile.json under --out.
 """
 
 from __future__ import annotations
@@ -35,6 +35,15 @@ def main() -> None:
         pre = kv.prefill(ids, max_new_tokens=8)
         kv.start_from(pre)                                                 # warm the compression at this size
         del pre
+        sync(dev)
+        t0 = time.perf_counter()
+        pre = kv.prefill(ids, max_new_tokens=8)
+        sync(dev)
+        prefill_s = time.perf_counter() - t0
+        kv.start_from(pre)
+        sync(dev)
+        start_s = time.perf_counter() - t0 - prefill_s                    # unprofiled
+        del pre
         pre = kv.prefill(ids, max_new_tokens=8)
         sync(dev)
         t0 = time.perf_counter()
@@ -48,8 +57,8 @@ def main() -> None:
                 kernels.setdefault(ev.name[:140], []).append(ev.device_time)
         rows = sorted(({"kernel": k, "ms": sum(v) / 1e3, "calls": len(v)} for k, v in kernels.items()),
                       key=lambda r: -r["ms"])
-        out["policies"][name] = {"wall_s_profiled": wall, "kernel_ms": sum(r["ms"] for r in rows), "top": rows[:25]}
-        print(f"{name}: {wall:.3f} s profiled, kernels {sum(r['ms'] for r in rows):.1f} ms", flush=True)
+        out["policies"][name] = {"prefill_s": prefill_s, "start_from_s": start_s, "wall_s_profiled": wall, "kernel_ms": sum(r["ms"] for r in rows), "top": rows[:25]}
+        print(f"{name}: prefill {prefill_s:.3f} s, start_from {start_s:.3f} s, {wall:.3f} s profiled, kernels {sum(r['ms'] for r in rows):.1f} ms", flush=True)
         for r in rows[:15]:
             print(f"  {r['ms']:8.2f} ms {r['calls']:5d}  {r['kernel']}", flush=True)
         del pre, kv

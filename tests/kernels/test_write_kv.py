@@ -1,5 +1,5 @@
 """write_kv: the Triton kernel writes what the reference writes (every row at its own slot, strided new
-K, V as the graph passes them) and nothing else; the CUDA op uses it."""
+K, V as the graph passes them, the step's position per batch row) and nothing else; the CUDA op uses it."""
 
 from __future__ import annotations
 
@@ -14,10 +14,15 @@ def _inputs(b: int, h: int, c: int, d: int, cache_dtype: torch.dtype, seed: int)
     v_cache = torch.randn(b, h, c, d, generator=gen).to(cache_dtype)
     log_weight = torch.where(torch.rand(b, h, c, generator=gen) < 0.5, float("-inf"), -torch.rand(b, h, c, generator=gen))
     slot = torch.randint(0, c, (b, h), generator=gen)
+    position = torch.randint(-1, 1000, (b, h, c), generator=gen)
+    pos = torch.randint(1000, 2000, (b, 1), generator=gen)
     # the graph's new K, V: [B, T=1, Hkv, D] projections (the cache's dtype) transposed to [B, Hkv, 1, D]
     k_new = torch.randn(b, 1, h, d, generator=gen).to(cache_dtype).transpose(1, 2)
     v_new = torch.randn(b, 1, h, d, generator=gen).to(cache_dtype).transpose(1, 2)
-    return k_cache, v_cache, log_weight, slot, k_new, v_new
+    return k_cache, v_cache, log_weight, slot, position, pos, k_new, v_new
+
+
+MUTATED = ("k_cache", "v_cache", "log_weight", None, "position")
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
@@ -28,16 +33,21 @@ def test_triton_writes_what_the_reference_writes(b, h, c, d, cache_dtype, triton
     write_kv_reference(*want)
     got = [t.to(triton_device, copy=True) for t in args]
     write_kv_triton(*got)
-    for name, g, w, before in zip(("k_cache", "v_cache", "log_weight"), got, want, args, strict=False):
+    for name, g, w, before in zip(MUTATED, got, want, args, strict=False):
         assert torch.equal(g.cpu(), w), name
-        assert not torch.equal(w, before), name                     # the step changed something
+        if name is not None:
+            assert not torch.equal(w, before), name                 # the step changed something
+    rows = torch.arange(b)[:, None].expand(b, h)
+    assert torch.equal(want[4][rows, torch.arange(h)[None, :].expand(b, h), args[3]], args[5].expand(b, h))
 
 
 def test_triton_checks_shapes(triton_device):
-    k_cache, v_cache, log_weight, slot, k_new, v_new = (t.to(triton_device) for t in _inputs(2, 2, 6, 16,
-                                                                                             torch.float32, 0))
+    k_cache, v_cache, log_weight, slot, position, pos, k_new, v_new = (
+        t.to(triton_device) for t in _inputs(2, 2, 6, 16, torch.float32, 0))
     with pytest.raises(ValueError, match="slot"):
-        write_kv_triton(k_cache, v_cache, log_weight, slot[:, :1], k_new, v_new)
+        write_kv_triton(k_cache, v_cache, log_weight, slot[:, :1], position, pos, k_new, v_new)
+    with pytest.raises(ValueError, match="position"):
+        write_kv_triton(k_cache, v_cache, log_weight, slot, position.int(), pos, k_new, v_new)
 
 
 @pytest.mark.gpu
@@ -54,5 +64,5 @@ def test_cuda_op_takes_the_kernel_and_matches_at_real_shapes(monkeypatch):
     write_kv_reference(*want)
     torch.ops.kvpass.write_kv(*args)
     assert calls == [1]
-    for g, w in zip(args[:3], want[:3], strict=True):
+    for g, w in zip(args[:5], want[:5], strict=True):
         assert torch.equal(g, w)

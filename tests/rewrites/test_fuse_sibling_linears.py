@@ -150,7 +150,8 @@ def test_on_cuda_fusing_is_the_default_and_adds_no_memory():
     before = torch.cuda.memory_allocated()
     kv = kvpass.apply(model, "full")
     torch.cuda.synchronize()
-    assert kv.fused_linears and _linears(kv.graphs.decode) == 9
+    gemv = sum(n.op == "call_function" and n.target is torch.ops.kvpass.gemv.default for n in kv.graphs.decode.graph.nodes)
+    assert kv.fused_linears and _linears(kv.graphs.prefill) == 9 and gemv == 9      # decode: linears_to_gemv
     assert torch.cuda.memory_allocated() <= before
     want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False)
     assert torch.equal(kv.generate(ids, max_new_tokens=10), want)
