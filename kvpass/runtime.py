@@ -271,11 +271,9 @@ class KVPassModel(nn.Module):
             budgets = layer_budgets or self.policy.layer_budgets(budget, [lay.cache for lay in compressed])
             for lay, b in zip(compressed, budgets, strict=True):
                 lay.budget = int(b)
-                if lay.host_len > lay.budget:
-                    lay.cache = self.policy.compress(lay.cache, lay.budget)
-                    lay.host_len = int(lay.cache.length.max())
-                    compressions += 1
-                    self._check_within_budget(lay)
+            due = [lay for lay in compressed if lay.host_len > lay.budget]
+            self._compress_prompt(due)
+            compressions += len(due)
         for lay in layers:
             if lay.window is None:
                 interval = getattr(self.policy, "interval", 1) if lay.compressible else 0
@@ -291,6 +289,30 @@ class KVPassModel(nn.Module):
             for name in self.policy.host_resident if on_host else ():
                 setattr(lay.cache, name, getattr(lay.cache, name).to("cpu").pin_memory())
         return layers, compressions
+
+    def _compress_prompt(self, layers: list[_Layer]) -> None:
+        """Compress each layer's prompt cache to its budget (``Policy.compress``). On CUDA the layers run side
+        by side on the decode step's side streams (a layer's compression is many small kernels), and one
+        sync reads every layer's new length back, not one sync a layer."""
+        def compress(lay: _Layer) -> None:
+            lay.cache = self.policy.compress(lay.cache, lay.budget)
+
+        calls = [functools.partial(compress, lay) for lay in layers]
+        inputs = [lay.cache for lay in layers]    # alive until the side streams are joined
+        if len(calls) > 1 and self.device.type == "cuda":
+            run_side_by_side(calls, self.decode_step.side_streams(self.device))
+            main = torch.cuda.current_stream(self.device)
+            for lay in layers:                    # made on a side stream, used on this one from now on
+                for t in lay.cache.tensors():
+                    t.record_stream(main)
+        else:
+            for call in calls:
+                call()
+        del inputs
+        if layers:
+            for lay, n in zip(layers, torch.stack([lay.cache.length.max() for lay in layers]).tolist(), strict=True):
+                lay.host_len = int(n)
+                self._check_within_budget(lay)
 
     def _check_within_budget(self, lay: _Layer) -> None:
         if lay.host_len > lay.budget:
