@@ -17,7 +17,7 @@ time-boxed (items that would start after the section's deadline are recorded as 
 4. ``e2e``: a Llama-3.1-8B-shaped model with random bf16 weights (``transformers.LlamaConfig``, no
    hub), batch 1, prompts of 16k and 32k (64k with time left): plain transformers ``generate``
    with its full cache, kvpass ``full``, ``streamingllm`` at budget 0.2, and every other registered
-   policy (``d2o``, ``chelsea``, ...). TTFT = a ``generate`` of one token; time per output token =
+   policy (``d2o``, ``chelsea``, ...). TTFT = a ``generate`` of one token (median of 3); time per output token =
    (time of N2 tokens - time of N1 tokens) / (N2 - N1), which cancels prefill and CUDA-graph capture;
    peak memory; cache bytes; the bandwidth floor (weight bytes read per step + KV bytes) / copy rate.
 
@@ -550,12 +550,13 @@ def _timed(device: torch.device, fn: Callable[[], object]) -> float:
 
 
 def _measure(device, gen: Callable[[int], object], n1: int, n2: int, warm: Callable[[], object]) -> dict:
-    """TTFT (generate 1 token), time per output token (difference of n2 and n1 tokens), peak memory.
-    ``warm`` runs first on a short prompt (Triton compilation, cuBLAS handles, allocator)."""
+    """TTFT (generate 1 token: the median of 3, so the first call at the prompt's length, which builds
+    plans and grows the allocator, does not decide it), time per output token (difference of n2 and n1
+    tokens), peak memory. ``warm`` runs first on a short prompt (Triton compilation, cuBLAS handles)."""
     warm()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    ttft = _timed(device, lambda: gen(1))
+    ttft = statistics.median(_timed(device, lambda: gen(1)) for _ in range(3))
     t1 = _timed(device, lambda: gen(n1))
     t2 = _timed(device, lambda: gen(n2))
     tpot = max(t2 - t1, 1e-9) / (n2 - n1)
