@@ -86,7 +86,7 @@ def _cosine_kmeans_assign_kernel(
         ok = c_mask
         if HAS_USABLE:
             ok = ok & (tl.load(USABLE + row * K + offs_c, mask=c_mask, other=0) != 0)
-        best, label = cosine_tile_argmax(x, mu, ok[None, :], best, label, c0, eps, EXACT, False)
+        best, label = cosine_tile_argmax(x, mu, ok[None, :], best, label, c0, eps, EXACT)
     label = tl.where(valid, label, -1)
     tl.store(LABEL + row * N + offs_i, label, mask=i_mask)
 

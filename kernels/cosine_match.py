@@ -62,13 +62,13 @@ def unit_rows(x, eps):
 
 
 @triton.jit
-def cosine_tile_argmax(xn, y, ok, best, index, first, eps, EXACT: tl.constexpr, Y_UNIT: tl.constexpr):
+def cosine_tile_argmax(xn, y, ok, best, index, first, eps, EXACT: tl.constexpr):
     """One tile of a running cosine argmax: xn [R, BLOCK_D] unit rows (fp32), y [T, BLOCK_D] candidate
-    rows (fp32; normalised here unless Y_UNIT: already unit rows), ok [R or 1, T] candidates allowed, best [R] / index [R] int64 so far,
+    rows (fp32, normalised here), ok [R or 1, T] candidates allowed, best [R] / index [R] int64 so far,
     first = the index of y's first row. s = xn . yn (ieee fp32 if EXACT, else tensor cores), -inf where
     not ok; a tile's (max, first argmax) replaces (best, index) only where strictly greater, so ties go
     to the lowest index. Returns the new (best, index). Shared by cosine_match and cosine_kmeans_assign."""
-    yn = y if Y_UNIT else unit_rows(y, eps)
+    yn = unit_rows(y, eps)
     if EXACT:
         s = tl.dot(xn, tl.trans(yn), input_precision="ieee")
     else:
@@ -86,7 +86,7 @@ def _cosine_match_kernel(
     sxb, sxh, sxs, sxd, syb, syh, syn, syd,
     HKV, S, N, SRC_CHUNK, DST_CHUNK, eps,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_VALID: tl.constexpr, CHUNKED: tl.constexpr, EXACT: tl.constexpr, Y_UNIT: tl.constexpr,
+    HAS_VALID: tl.constexpr, CHUNKED: tl.constexpr, EXACT: tl.constexpr,
 ):
     pid_bg = tl.program_id(0)
     b = (pid_bg // HKV).to(tl.int64)
@@ -120,7 +120,7 @@ def _cosine_match_kernel(
         ok2 = ok[None, :]
         if CHUNKED:
             ok2 = ok2 & (chunk_i[:, None] == (offs_n // DST_CHUNK)[None, :])
-        best, index = cosine_tile_argmax(x, y, ok2, best, index, n0, eps, EXACT, Y_UNIT)
+        best, index = cosine_tile_argmax(x, y, ok2, best, index, n0, eps, EXACT)
     out = pid_bg.to(tl.int64) * S + offs_i
     tl.store(IDX + out, index, mask=i_mask)
     tl.store(BEST + out, best, mask=i_mask)
@@ -147,23 +147,17 @@ def check_cosine_match_inputs(src: Tensor, dst: Tensor, dst_valid: Tensor | None
 
 def cosine_match_triton(src: Tensor, dst: Tensor, dst_valid: Tensor | None = None, src_chunk: int = 0,
                         dst_chunk: int = 0, *, block_s: int | None = None, block_n: int = 64, num_warps: int = 4,
-                        num_stages: int | None = None, unit_dst: bool | None = None) -> tuple[Tensor, Tensor]:
+                        num_stages: int | None = None) -> tuple[Tensor, Tensor]:
     """The Triton matcher (same contract as ``cosine_match_reference``); the keywords set the launch.
     Unchunked on CUDA (D2O's evicted-to-kept matching) 128 sources a program and 2 stages: 2.4 ms at D2O's
     32k prefill shape on an H200, from 7.8 ms with 32 (benchmarks/probes/cosine_match_sweep.py); chunked
-    (Chelsea), 32 sources, so a program's candidates span few chunks. ``unit_dst`` (default: unchunked on
-    CUDA) normalises dst once, into an fp32 copy [B, Hkv, N, D], instead of in every program that reads it:
-    each of the S / block_s programs of a (b, g) reads all N candidates."""
+    (Chelsea), 32 sources, so a program's candidates span few chunks."""
     require_triton()
     check_cosine_match_inputs(src, dst, dst_valid, src_chunk, dst_chunk)
     wide = src_chunk == 0 and src.device.type == "cuda"
     block_s = block_s or (128 if wide else 32)
     if num_stages is None and wide:
         num_stages = 2
-    unit_dst = wide if unit_dst is None else unit_dst
-    if unit_dst:
-        dst = torch.nn.functional.normalize(dst.to(torch.float64 if dst.dtype == torch.float64 else torch.float32),
-                                            dim=-1, eps=_EPS)
     b, hkv, s, d = src.shape
     n = dst.shape[2]
     index = torch.empty(b, hkv, s, device=src.device, dtype=torch.int64)
@@ -175,7 +169,7 @@ def cosine_match_triton(src: Tensor, dst: Tensor, dst_valid: Tensor | None = Non
         src, dst, valid, index, best, *src.stride(), *dst.stride(),
         hkv, s, n, max(src_chunk, 1), max(dst_chunk, 1), _EPS,
         HEAD_DIM=d, BLOCK_S=block_s, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
-        HAS_VALID=dst_valid is not None, CHUNKED=src_chunk > 0, Y_UNIT=unit_dst,
+        HAS_VALID=dst_valid is not None, CHUNKED=src_chunk > 0,
         EXACT=src.dtype == torch.float32 or src.device.type != "cuda", num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}))
     return index, best

@@ -34,24 +34,22 @@ def _check(got, want, src, dst, tol):
 
 @pytest.mark.parametrize("s, n, chunks", [(7, 13, (0, 0)), (40, 37, (0, 0)), (33, 30, (5, 4)), (16, 16, (4, 4))])
 @pytest.mark.parametrize("with_valid", [False, True])
-@pytest.mark.parametrize("unit_dst", [False, True])
-def test_cosine_match_matches_reference(s, n, chunks, with_valid, unit_dst, triton_device):
+def test_cosine_match_matches_reference(s, n, chunks, with_valid, triton_device):
     src, dst, valid = _case(2, 2, s, n, 24, seed=s * 31 + n)
     valid = valid if with_valid else None
     want = cosine_match_reference(src.double(), dst.double(), valid, *chunks)
     dev = torch.device(triton_device)
     got = cosine_match_triton(src.to(dev), dst.to(dev), None if valid is None else valid.to(dev), *chunks,
-                              block_s=16, block_n=16, unit_dst=unit_dst)
+                              block_s=16, block_n=16)
     _check(got, want, src, dst, 1e-5)
 
 
-@pytest.mark.parametrize("unit_dst", [False, True])
-def test_cosine_match_bf16_and_no_candidates(unit_dst, triton_device):
+def test_cosine_match_bf16_and_no_candidates(triton_device):
     src, dst, valid = _case(1, 2, 20, 9, 16, seed=3, dtype=torch.bfloat16)
     valid[0, 1] = False                                                  # a head with no valid candidate
     want = cosine_match_reference(src.double(), dst.double(), valid)
     dev = torch.device(triton_device)
-    got = cosine_match_triton(src.to(dev), dst.to(dev), valid.to(dev), block_s=16, block_n=16, unit_dst=unit_dst)
+    got = cosine_match_triton(src.to(dev), dst.to(dev), valid.to(dev), block_s=16, block_n=16)
     assert (got[0].cpu()[0, 1] == -1).all() and (got[1].cpu()[0, 1] == float("-inf")).all()
     _check(got, want, src, dst, 5e-3)
 
