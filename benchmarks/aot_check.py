@@ -24,6 +24,8 @@ from triton.compiler import ASTSource
 da = sys.modules["kvpass.kernels.decode_attention"]
 mw = sys.modules["kvpass.kernels.merge_weighted"]
 cm = sys.modules["kvpass.kernels.cosine_match"]
+gv = sys.modules["kvpass.kernels.gemv"]
+wk = sys.modules["kvpass.kernels.write_kv"]
 PATTERN = re.compile(r"(ld\.global[.\w]*|st\.global[.\w]*|cp\.async\.cg[.\w]*|\.local)")
 
 
@@ -59,6 +61,16 @@ def main() -> int:
                        {"X": f"*{dt}", "Y": f"*{dt}", "VALID": "*i8", "IDX": "*i64", "BEST": "*fp32", "eps": "fp32"},
                        dict(HEAD_DIM=128, BLOCK_S=32, BLOCK_N=64, BLOCK_D=128, HAS_VALID=True, CHUNKED=True,
                             EXACT=False), ("sxd", "syd")))
+        for gate in (False, True):
+            for even in (True, False):
+                checks.append((f"gemv {dt} silu_gate={gate} even={even}", gv._gemv_kernel,
+                               {"X": f"*{dt}", "W": f"*{dt}", "B": f"*{dt}", "Y": f"*{dt}"},
+                               dict(ACC=triton.language.float32, HAS_BIAS=False, EVEN=even, SILU_GATE=gate, BLOCK_N=4, BLOCK_K=2048),
+                               ()))
+        checks.append((f"write_kv {dt}", wk._write_kv_kernel,
+                       {"KC": f"*{dt}", "VC": f"*{dt}", "LW": "*fp32", "SLOT": "*i64", "POSITION": "*i64",
+                        "POS": "*i64", "KN": f"*{dt}", "VN": f"*{dt}"},
+                       dict(HEAD_DIM=128, BLOCK_D=128), ("skcd", "svcd", "sknd", "svnd")))
     failed = 0
     for name, fn, types, const, unit in checks:
         try:

@@ -34,6 +34,23 @@ def test_triton_matches_the_float64_definition(n, k, bias, dtype, triton_device)
     torch.testing.assert_close(got.cpu().double(), want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("n, k, bias", [(40, 96, True), (16, 2048, False)])
+def test_triton_silu_gate_matches_the_definition(n, k, bias, dtype, triton_device):
+    """y = W (silu(x[:K]) * x[K:]): the activation as eager computes it, the linear in float64. (bf16 only on
+    CUDA, below: the interpreter truncates fp32 -> bf16 where the GPU rounds to nearest.)"""
+    gen = torch.Generator().manual_seed(n + k)
+    x = (2 * torch.randn(1, 1, 2 * k, generator=gen, dtype=torch.float64)).to(dtype)
+    _, w, b = _inputs(n, k, dtype, bias, seed=k)
+    act = torch.nn.functional.silu(x[..., :k]) * x[..., k:]
+    want = gemv_reference(act.double(), w.double(), None if b is None else b.double())
+    dev = [t.to(triton_device) if t is not None else None for t in (x, w, b)]
+    got = gemv_triton(*dev, silu_gate=True)
+    assert got.shape == (1, 1, n)
+    torch.testing.assert_close(got.cpu().double(), want, **TOL[dtype])
+    torch.testing.assert_close(gemv_reference(x, w, b, silu_gate=True).double(), want, **TOL[dtype])
+
+
 def test_triton_blocks_smaller_than_the_problem_cover_it(triton_device):
     """Several row blocks and several K tiles, neither dividing the shape."""
     x, w, b = _inputs(37, 200, torch.float32, True, seed=3, lead=(1,))
@@ -48,6 +65,8 @@ def test_triton_refuses_more_rows_and_strided_weights(triton_device):
         gemv_triton(x.to(triton_device), w.to(triton_device))
     with pytest.raises(ValueError, match="contiguous along K"):
         gemv_triton(x[:1].to(triton_device), w.to(triton_device).t().contiguous().t())
+    with pytest.raises(ValueError, match="one row of 64"):                  # silu_gate: x holds 2K
+        gemv_triton(x[:1].to(triton_device), w.to(triton_device), silu_gate=True)
     with pytest.raises(ValueError, match="bias"):
         gemv_triton(x[:1].to(triton_device), w.to(triton_device), torch.zeros(3, device=triton_device))
 
@@ -72,3 +91,8 @@ def test_cuda_op_takes_the_kernel_for_one_row_at_real_shapes(n, k, monkeypatch):
     rows = torch.cat([x, x], dim=1)                                  # two rows: cuBLAS, not the kernel
     torch.testing.assert_close(torch.ops.kvpass.gemv(rows, w), torch.nn.functional.linear(rows, w))
     assert calls == [1]
+    gu = torch.randn(1, 1, 2 * k, device="cuda", dtype=torch.bfloat16)  # the SiLU-gated form (down_proj)
+    act = torch.nn.functional.silu(gu[..., :k]) * gu[..., k:]
+    torch.testing.assert_close(torch.ops.kvpass.gemv(gu, w, None, True).double(),
+                               gemv_reference(act.double(), w.double()), **TOL[torch.bfloat16])
+    assert calls == [1, 1]
