@@ -249,6 +249,7 @@ MANY_ROWS = 128
 # Fewest slots per split (rounded to BLOCK_N); 128-slot splits were 8-10% slower on an H100 at B = 1 (C = 6.5k,
 # 13k) and at 1k x 8 (decode-attention-batch-sweep-nvidia-h100-80gb-hbm3.json).
 MIN_SPLIT = 256
+SCORE_BLOCK = 128        # slots per scores program of the merge launch
 
 
 def decode_splits(b: int, hkv: int, c: int, block_n: int, device: torch.device, min_split: int = MIN_SPLIT) -> int:
@@ -342,9 +343,6 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor,
             HEAD_DIM=d, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_S=min(32, next_pow2(splits)), BLOCK_N=SCORE_BLOCK,
             num_warps=4)
     return o, scores
-
-
-SCORE_BLOCK = 128        # slots per scores program
 
 
 @torch.library.custom_op("kvpass::decode_attention", mutates_args=())

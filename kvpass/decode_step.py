@@ -77,6 +77,15 @@ class StaticDecodeStep:
             self._side[device] = [torch.cuda.Stream(device) for _ in range(self.branches)]
         return self._side[device]
 
+    def run_all(self, calls: Sequence[Callable[[], object]], device: torch.device) -> None:
+        """Run independent ``calls``: side by side on this step's side streams (``run_side_by_side``) on CUDA
+        when there are several, else one after the other on the current stream."""
+        if len(calls) > 1 and device.type == "cuda":
+            run_side_by_side(calls, self.side_streams(device))
+        else:
+            for call in calls:
+                call()
+
     def reset(self) -> None:
         """Drop every captured graph (and its memory pool)."""
         self._state_key, self._graphs = None, {}

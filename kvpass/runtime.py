@@ -33,7 +33,7 @@ from kvpass.cache import (
     select_heads,
     with_capacity,
 )
-from kvpass.decode_step import StaticDecodeStep, fork_side_by_side, join_pending, run_side_by_side
+from kvpass.decode_step import StaticDecodeStep, fork_side_by_side, join_pending
 from kvpass.policies.base import Policy, Stat
 from kvpass.rewrites import CapturedModel, RewrittenGraphs
 from kvpass.rewrites.fuse_sibling_linears import fuse_sibling_linears
@@ -297,18 +297,14 @@ class KVPassModel(nn.Module):
         def compress(lay: _Layer) -> None:
             lay.cache = self.policy.compress(lay.cache, lay.budget)
 
-        calls = [functools.partial(compress, lay) for lay in layers]
         inputs = [lay.cache for lay in layers]    # alive until the side streams are joined
-        if len(calls) > 1 and self.device.type == "cuda":
-            run_side_by_side(calls, self.decode_step.side_streams(self.device))
+        self.decode_step.run_all([functools.partial(compress, lay) for lay in layers], self.device)
+        del inputs
+        if self.device.type == "cuda":
             main = torch.cuda.current_stream(self.device)
             for lay in layers:                    # made on a side stream, used on this one from now on
                 for t in lay.cache.tensors():
                     t.record_stream(main)
-        else:
-            for call in calls:
-                call()
-        del inputs
         if layers:
             for lay, n in zip(layers, torch.stack([lay.cache.length.max() for lay in layers]).tolist(), strict=True):
                 lay.host_len = int(n)
@@ -580,11 +576,8 @@ class DecodeSession:
         if calls and self.logits.is_cuda and not join:
             streams = self.owner.decode_step.side_streams(self.logits.device)
             fork_side_by_side([(self.layers[i].cache.k, c) for i, c in zip(indices, calls, strict=True)], streams)
-        elif len(calls) > 1 and self.logits.is_cuda:
-            run_side_by_side(calls, self.owner.decode_step.side_streams(self.logits.device))
         else:
-            for call in calls:
-                call()
+            self.owner.decode_step.run_all(calls, self.logits.device)
 
     @staticmethod
     def _slot(lay: _Layer, pos: Tensor) -> Tensor:

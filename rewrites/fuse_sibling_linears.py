@@ -37,7 +37,8 @@ class SiblingLinears:
     biases: tuple[str, ...] | None
 
 
-def _attr(gm: GraphModule, target: str) -> Tensor:
+def attr_value(gm: GraphModule, target: str) -> Tensor:
+    """The tensor a get_attr ``target`` ("a.b.c") names in ``gm``."""
     obj = gm
     for part in target.split("."):
         obj = getattr(obj, part)
@@ -75,7 +76,7 @@ def find_sibling_linears(gm: GraphModule) -> list[SiblingLinears]:
         ops = _operands(node)
         if ops is None or not isinstance(node.args[0], Node) or any(readers[t] > 1 for t in ops if t is not None):
             continue
-        weight, bias = _attr(gm, ops[0]), None if ops[1] is None else _attr(gm, ops[1])
+        weight, bias = attr_value(gm, ops[0]), None if ops[1] is None else attr_value(gm, ops[1])
         if not _plain(weight) or weight.dim() != 2 or (bias is not None and not _plain(bias)):
             continue
         key = (node.args[0], weight.dtype, weight.device, weight.shape[1], bias is not None)
@@ -171,8 +172,8 @@ def fuse_group(gm: GraphModule, group: SiblingLinears) -> None:
     """Replace the group's linears in ``gm`` by one linear and one slice per original output (a copy of
     it where the graph returns it)."""
     graph = gm.graph
-    weight = concat_in_place([_attr(gm, t) for t in group.weights])
-    bias = None if group.biases is None else concat_in_place([_attr(gm, t) for t in group.biases])
+    weight = concat_in_place([attr_value(gm, t) for t in group.weights])
+    bias = None if group.biases is None else concat_in_place([attr_value(gm, t) for t in group.biases])
     w_name = _buffer_name(gm, group.weights)
     gm.register_buffer(w_name, weight, persistent=False)
     b_name = None
@@ -188,7 +189,7 @@ def fuse_group(gm: GraphModule, group: SiblingLinears) -> None:
         fused.meta["val"] = _fake_cat([n.meta.get("val") for n in group.nodes], -1)
         start = 0
         for node, target in zip(group.nodes, group.weights, strict=True):
-            rows = _attr(gm, target).shape[0]
+            rows = attr_value(gm, target).shape[0]
             piece = graph.call_function(torch.ops.aten.slice.Tensor, (fused, -1, start, start + rows))
             piece.meta = {k: v for k, v in node.meta.items() if k != "val"}
             if _escapes(piece, node):         # a view returned by the graph would keep all of `fused` alive

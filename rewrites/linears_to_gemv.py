@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
 import torch
+from kvpass.rewrites.fuse_sibling_linears import attr_value
 from torch.fx import GraphModule, Node
 
 LINEAR, GEMV = torch.ops.aten.linear.default, torch.ops.kvpass.gemv.default
@@ -38,10 +39,7 @@ def _weight_shape(gm: GraphModule, linear: Node) -> torch.Size | None:
     weight = linear.args[1]
     if not (isinstance(weight, Node) and weight.op == "get_attr"):
         return None
-    obj = gm
-    for part in weight.target.split("."):
-        obj = getattr(obj, part)
-    return obj.shape
+    return attr_value(gm, weight.target).shape
 
 
 def _half(node: object, which: int, k: int) -> Node | None:
