@@ -69,8 +69,9 @@ def write_kv_triton(k_cache: Tensor, v_cache: Tensor, log_weight: Tensor, slot: 
                          f"k_new, v_new [B, Hkv, 1, D]; got {tuple(log_weight.shape)}, {tuple(slot.shape)}, "
                          f"{tuple(position.shape)} {position.dtype}, {tuple(pos.shape)}, {tuple(k_new.shape)}, "
                          f"{tuple(v_new.shape)}")
+    pos = pos.to(torch.int64)                      # a copy if it was not: its stride is the copy's
     _write_kv_kernel[(b * h,)](
-        k_cache, v_cache, log_weight, slot.to(torch.int64).contiguous(), position, pos.to(torch.int64), k_new,
+        k_cache, v_cache, log_weight, slot.to(torch.int64).contiguous(), position, pos, k_new,
         v_new, h, c, pos.stride(0),
         *k_cache.stride(), *v_cache.stride(), k_new.stride(0), k_new.stride(1), k_new.stride(3),
         v_new.stride(0), v_new.stride(1), v_new.stride(3), HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), num_warps=1)

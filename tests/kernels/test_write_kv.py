@@ -41,6 +41,18 @@ def test_triton_writes_what_the_reference_writes(b, h, c, d, cache_dtype, triton
     assert torch.equal(want[4][rows, torch.arange(h)[None, :].expand(b, h), args[3]], args[5].expand(b, h))
 
 
+def test_triton_takes_a_strided_int32_position(triton_device):
+    """pos as a column of a wider int32 tensor: converted to int64 (a copy), read with the copy's stride."""
+    args = list(_inputs(3, 2, 7, 16, torch.float32, seed=4))
+    args[5] = torch.cat([args[5], torch.zeros_like(args[5])], dim=1).int()[:, :1]     # [B, 1], stride (2, 1)
+    want = [t.clone() for t in args]
+    write_kv_reference(*want)
+    got = [t.to(triton_device, copy=True) for t in args]
+    got[5] = torch.cat([args[5], torch.zeros_like(args[5])], dim=1).to(triton_device)[:, :1]
+    write_kv_triton(*got)
+    assert torch.equal(got[4].cpu(), want[4])
+
+
 def test_triton_checks_shapes(triton_device):
     k_cache, v_cache, log_weight, slot, position, pos, k_new, v_new = (
         t.to(triton_device) for t in _inputs(2, 2, 6, 16, torch.float32, 0))
