@@ -17,14 +17,15 @@ None (all valid). Returns index [B, Hkv, S] int64 and best [B, Hkv, S] float32.
 Cost: S*N*D multiply-adds per (b, g) without chunking, S*dst_chunk*D with it; reads each row once.
 
 Triton path: one program per (b, g, block of BLOCK_S sources) loops over the candidate tiles of
-its chunks; rows are normalised in fp32 and multiplied on tensor cores (tf32 for 16-bit inputs,
-so |best - exact| is ~1e-3; exact fp32 for fp32 inputs).
+its chunks. It multiplies the stored rows (16-bit on the tensor cores: exact products, fp32 sums;
+fp32 exactly) and divides by the norms afterwards, so |best - exact| is at fp32 rounding (~1e-6).
 """
 
 from __future__ import annotations
 
 import torch
 from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
+from kvpass.kernels.decode_attention import _dot
 from torch import Tensor
 
 _EPS = 1e-12
@@ -50,10 +51,13 @@ def cosine_match_reference(src: Tensor, dst: Tensor, dst_valid: Tensor | None = 
 
 
 # --------------------------------------------------------------------------------------- Triton
-# Program (b, g, sources i in [i0, i0 + BLOCK_S)): xn_i = x_i / max(|x_i|, eps) (fp32).
-# Candidate range: [first chunk of the block * dst_chunk, (last chunk + 1) * dst_chunk) or [0, N).
-# For each tile of BLOCK_N candidates: s_ij = xn_i . yn_j, -inf unless valid and same chunk;
-# best_i, index_i = running (max, first argmax); a later tile wins only if strictly greater.
+# Program (b, g, sources i in [i0, i0 + BLOCK_S)), the candidates' norms |y_j| given (one pass before):
+# candidate range: [first chunk of the block * dst_chunk, (last chunk + 1) * dst_chunk) or [0, N).
+# For each tile of BLOCK_N candidates: t_ij = (x_i . y_j) / max(|y_j|, eps), -inf unless valid and same
+# chunk; (m_i, index_i) = running (max, first argmax), a later tile wins only if strictly greater.
+# At the end best_i = m_i / max(|x_i|, eps) (|x_i| > 0 does not move the argmax).
+# x . y multiplies the stored values: for 16-bit keys the products are exact and the sums fp32 (tensor
+# cores), so nothing is normalised or widened per tile.
 
 @triton.jit
 def unit_rows(x, eps):
@@ -62,17 +66,10 @@ def unit_rows(x, eps):
 
 
 @triton.jit
-def cosine_tile_argmax(xn, y, ok, best, index, first, eps, EXACT: tl.constexpr):
-    """One tile of a running cosine argmax: xn [R, BLOCK_D] unit rows (fp32), y [T, BLOCK_D] candidate
-    rows (fp32, normalised here), ok [R or 1, T] candidates allowed, best [R] / index [R] int64 so far,
-    first = the index of y's first row. s = xn . yn (ieee fp32 if EXACT, else tensor cores), -inf where
-    not ok; a tile's (max, first argmax) replaces (best, index) only where strictly greater, so ties go
-    to the lowest index. Returns the new (best, index). Shared by cosine_match and cosine_kmeans_assign."""
-    yn = unit_rows(y, eps)
-    if EXACT:
-        s = tl.dot(xn, tl.trans(yn), input_precision="ieee")
-    else:
-        s = tl.dot(xn, tl.trans(yn))
+def tile_argmax(s, ok, best, index, first):
+    """Fold one tile of scores s [R, T] (-inf where not ok [R or 1, T]) into a running (best [R], index
+    [R] int64), the tile's first column being index ``first``: a tile's (max, first argmax) replaces
+    (best, index) only where strictly greater, so ties go to the lowest index."""
     s = tl.where(ok, s, float("-inf"))
     tile_best = tl.max(s, 1)
     tile_index = tl.argmax(s, 1).to(tl.int64) + first
@@ -81,12 +78,26 @@ def cosine_tile_argmax(xn, y, ok, best, index, first, eps, EXACT: tl.constexpr):
 
 
 @triton.jit
+def cosine_tile_argmax(xn, y, ok, best, index, first, eps, EXACT: tl.constexpr):
+    """One tile of a running cosine argmax: xn [R, BLOCK_D] unit rows (fp32), y [T, BLOCK_D] candidate
+    rows (fp32, normalised here), ok [R or 1, T] candidates allowed, best [R] / index [R] int64 so far,
+    first = the index of y's first row. s = xn . yn (ieee fp32 if EXACT, else tensor cores). Returns the
+    new (best, index) (``tile_argmax``). Used by cosine_kmeans_assign (fp32 centroids)."""
+    yn = unit_rows(y, eps)
+    if EXACT:
+        s = tl.dot(xn, tl.trans(yn), input_precision="ieee")
+    else:
+        s = tl.dot(xn, tl.trans(yn))
+    return tile_argmax(s, ok, best, index, first)
+
+
+@triton.jit
 def _cosine_match_kernel(
-    X, Y, VALID, IDX, BEST,
+    X, Y, YNORM, VALID, IDX, BEST,
     sxb, sxh, sxs, sxd, syb, syh, syn, syd,
     HKV, S, N, SRC_CHUNK, DST_CHUNK, eps,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_VALID: tl.constexpr, CHUNKED: tl.constexpr, EXACT: tl.constexpr,
+    HAS_VALID: tl.constexpr, CHUNKED: tl.constexpr, DOT: tl.constexpr,
 ):
     pid_bg = tl.program_id(0)
     b = (pid_bg // HKV).to(tl.int64)
@@ -97,8 +108,11 @@ def _cosine_match_kernel(
     i_mask = offs_i < S
     d_mask = offs_d < HEAD_DIM
     x = tl.load(X + b * sxb + g * sxh + offs_i[:, None] * sxs + offs_d[None, :] * sxd,
-                mask=i_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-    x = unit_rows(x, eps)
+                mask=i_mask[:, None] & d_mask[None, :], other=0.0)
+    if DOT == 1:                                   # fp32 / fp64 inputs: exact fp32
+        x = x.to(tl.float32)
+    xf = x.to(tl.float32)
+    x_inv = 1.0 / tl.maximum(tl.sqrt(tl.sum(xf * xf, 1)), eps)
     if CHUNKED:
         i_last = tl.minimum(i0 + BLOCK_S, S) - 1
         lo = (i0 // SRC_CHUNK) * DST_CHUNK
@@ -113,17 +127,21 @@ def _cosine_match_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
         y = tl.load(Y + b * syb + g * syh + offs_n[:, None] * syn + offs_d[None, :] * syd,
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        if DOT == 1:
+            y = y.to(tl.float32)
+        y_inv = 1.0 / tl.maximum(tl.load(YNORM + pid_bg.to(tl.int64) * N + offs_n, mask=n_mask, other=1.0), eps)
         ok = n_mask
         if HAS_VALID:
             ok = ok & (tl.load(VALID + pid_bg.to(tl.int64) * N + offs_n, mask=n_mask, other=0) != 0)
         ok2 = ok[None, :]
         if CHUNKED:
             ok2 = ok2 & (chunk_i[:, None] == (offs_n // DST_CHUNK)[None, :])
-        best, index = cosine_tile_argmax(x, y, ok2, best, index, n0, eps, EXACT)
+        s = _dot(x, tl.trans(y), DOT) * y_inv[None, :]
+        best, index = tile_argmax(s, ok2, best, index, n0)
     out = pid_bg.to(tl.int64) * S + offs_i
     tl.store(IDX + out, index, mask=i_mask)
-    tl.store(BEST + out, best, mask=i_mask)
+    tl.store(BEST + out, best * x_inv, mask=i_mask)
 
 
 def check_cosine_match_inputs(src: Tensor, dst: Tensor, dst_valid: Tensor | None, src_chunk: int,
@@ -165,12 +183,16 @@ def cosine_match_triton(src: Tensor, dst: Tensor, dst_valid: Tensor | None = Non
     if s == 0:
         return index, best
     valid = dst_valid.contiguous().to(torch.int8) if dst_valid is not None else index
+    dst_norm = torch.linalg.vector_norm(dst, dim=-1, dtype=torch.float32).contiguous()     # [B, Hkv, N]
+    if src.dtype == torch.float32 or src.dtype == torch.float64:
+        dot = 1
+    else:
+        dot = 0 if src.device.type == "cuda" else 2
     _cosine_match_kernel[(b * hkv, triton.cdiv(s, block_s))](
-        src, dst, valid, index, best, *src.stride(), *dst.stride(),
+        src, dst, dst_norm, valid, index, best, *src.stride(), *dst.stride(),
         hkv, s, n, max(src_chunk, 1), max(dst_chunk, 1), _EPS,
         HEAD_DIM=d, BLOCK_S=block_s, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
-        HAS_VALID=dst_valid is not None, CHUNKED=src_chunk > 0,
-        EXACT=src.dtype == torch.float32 or src.device.type != "cuda", num_warps=num_warps,
+        HAS_VALID=dst_valid is not None, CHUNKED=src_chunk > 0, DOT=dot, num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}))
     return index, best
 

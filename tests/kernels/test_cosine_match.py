@@ -51,7 +51,21 @@ def test_cosine_match_bf16_and_no_candidates(triton_device):
     dev = torch.device(triton_device)
     got = cosine_match_triton(src.to(dev), dst.to(dev), valid.to(dev), block_s=16, block_n=16)
     assert (got[0].cpu()[0, 1] == -1).all() and (got[1].cpu()[0, 1] == float("-inf")).all()
-    _check(got, want, src, dst, 5e-3)
+    _check(got, want, src, dst, 1e-5)          # the stored bf16 values multiplied exactly, summed in fp32
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("chunks", [(0, 0), (16, 16)])
+def test_cuda_matches_float64_at_real_shapes(chunks):
+    """The tensor-core path (bf16 products, fp32 sums, norms applied after) against float64 at D2O's shape
+    for a 4k prompt (evicted 3277 x kept 819, Hkv 8, D 128) and with Chelsea's chunks."""
+    src, dst, valid = _case(1, 8, 3277, 819, 128, seed=11, dtype=torch.bfloat16, valid_frac=0.99)
+    if chunks[0]:
+        src, dst, valid = src[:, :, :3264], dst[:, :, :3264], None
+    want = cosine_match_reference(src.double(), dst.double(), valid, *chunks)
+    got = torch.ops.kvpass.cosine_match(src.cuda(), dst.cuda(), None if valid is None else valid.cuda(), *chunks)
+    _check(got, want, src, dst, 1e-5)
 
 
 def test_reference_hand_case_and_op():
