@@ -20,7 +20,12 @@ from pathlib import Path
 
 import torch
 from kvpass.kernels._triton import tl, triton
-from kvpass.kernels.attention_column_sums import _column_tile, exp2_fast, head_column_sums_rows, head_column_sums_triton
+from kvpass.kernels.attention_column_sums import (
+    _column_tile,
+    exp2_fast,
+    head_column_sums_rows,
+    head_column_sums_triton,
+)
 from kvpass.kernels.decode_attention import _dot
 
 from kvpass.bench import time_fn
