@@ -22,6 +22,7 @@ import torch
 from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
 from kvpass.kernels.decode_attention import _dot, _tanh
 from kvpass.kernels.prefill_attention import prefill_mask
+from kvpass.kernels.statistics_stream import on_statistics_stream
 from torch import Tensor
 
 
@@ -173,32 +174,9 @@ def _row_lse_kernel(Q, K, PAD, LSE, sqb, sqh, sqt, sqd, skb, skh, skt, skd, HQ, 
 
 
 @triton.jit
-def exp2_fast(x, EXP: tl.constexpr):
-    """2^x, fp32 in and out. EXP 0: tl.exp2 (and the interpreter); 1: one ex2.approx.ftz.f32 (no subnormal
-    fix-up instructions around it; results below 2^-126 are 0); 2: ex2.approx.f16x2 on pairs, each x
-    rounded to fp16 first (2^x to ~1e-3 relative: the exponent rounding is |x| 2^-11)."""
-    if EXP == 1:
-        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
-                                         is_pure=True, pack=1)
-    elif EXP == 2:
-        return tl.inline_asm_elementwise(
-            """{
-            .reg .b32 t;
-            .reg .b16 lo, hi;
-            cvt.rn.f16x2.f32 t, $3, $2;
-            ex2.approx.f16x2 t, t;
-            mov.b32 {lo, hi}, t;
-            cvt.f32.f16 $0, lo;
-            cvt.f32.f16 $1, hi;
-            }""", "=r,=r,r,r", [x], dtype=tl.float32, is_pure=True, pack=2)
-    else:
-        return tl.exp2(x)
-
-
-@triton.jit
 def _column_tile(q_base, lse_base, k, i0, j0, pad, T, sqt, sqd, scale, softcap, HEAD_DIM: tl.constexpr,
                  WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 HAS_SOFTCAP: tl.constexpr, DOT: tl.constexpr, MASK: tl.constexpr, EXP: tl.constexpr):
+                 HAS_SOFTCAP: tl.constexpr, DOT: tl.constexpr, MASK: tl.constexpr):
     """2^(s2_ij - lse2_i) of rows [i0, i0 + BLOCK_M) x the tile's keys: [BLOCK_M, BLOCK_N] fp32. The caller
     adds the tiles up elementwise and sums the rows once at the end (no cross-warp reduction per tile).
     Without a softcap s2_ij - lse2_i is one multiply-add of the dot product (scale and log2 e folded)."""
@@ -212,13 +190,13 @@ def _column_tile(q_base, lse_base, k, i0, j0, pad, T, sqt, sqd, scale, softcap, 
         x = _dot(q, tl.trans(k), DOT) * (scale * 1.4426950408889634) - lse[:, None]
         if MASK:
             x = _masked(x, i0, j0, pad, T, WINDOW, BLOCK_M, BLOCK_N)
-    return exp2_fast(x, EXP)
+    return tl.exp2(x)
 
 
 @triton.jit
 def _column_sum_kernel(Q, K, PAD, LSE, COL, sqb, sqh, sqt, sqd, skb, skh, skt, skd, HQ, G, T, scale, softcap,
                        HEAD_DIM: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_D: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT: tl.constexpr, EXP: tl.constexpr):
+                       BLOCK_D: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT: tl.constexpr):
     bh = tl.program_id(1)
     b, h = bh // HQ, bh % HQ
     g = h // G
@@ -242,13 +220,13 @@ def _column_sum_kernel(Q, K, PAD, LSE, COL, sqb, sqh, sqt, sqd, skb, skh, skt, s
     col = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for i0 in range(lo, a, BLOCK_M):
         col += _column_tile(q_base, lse_base, k, i0, j0, pad, T, sqt, sqd, scale, softcap, HEAD_DIM, WINDOW,
-                            BLOCK_M, BLOCK_N, BLOCK_D, HAS_SOFTCAP, DOT, True, EXP)
+                            BLOCK_M, BLOCK_N, BLOCK_D, HAS_SOFTCAP, DOT, True)
     for i0 in range(a, bnd, BLOCK_M):
         col += _column_tile(q_base, lse_base, k, i0, j0, pad, T, sqt, sqd, scale, softcap, HEAD_DIM, WINDOW,
-                            BLOCK_M, BLOCK_N, BLOCK_D, HAS_SOFTCAP, DOT, False, EXP)
+                            BLOCK_M, BLOCK_N, BLOCK_D, HAS_SOFTCAP, DOT, False)
     for i0 in range(bnd, hi, BLOCK_M):
         col += _column_tile(q_base, lse_base, k, i0, j0, pad, T, sqt, sqd, scale, softcap, HEAD_DIM, WINDOW,
-                            BLOCK_M, BLOCK_N, BLOCK_D, HAS_SOFTCAP, DOT, True, EXP)
+                            BLOCK_M, BLOCK_N, BLOCK_D, HAS_SOFTCAP, DOT, True)
     j = j0 + tl.arange(0, BLOCK_N)
     tl.store(COL + bh * T + j, tl.sum(col, axis=0), mask=j < T)
 
@@ -257,9 +235,11 @@ def _column_sum_kernel(Q, K, PAD, LSE, COL, sqb, sqh, sqt, sqd, skb, skh, skt, s
 # Hq 32, Hkv 8, D 128, bf16 (benchmarks/probes/decode_fusion_and_prefill_stats.py: pass 1 10.6 ms, from 16.3
 # before the band tiles skipped the mask; pass 2 9.1 ms, from 18.8 before that and 14.0 before its 2D
 # accumulator, 10.7 with it at pass 1's blocks). The interpreter: 16s. Pass 1 runs only without an lse given.
+# Pass 2 re-swept on an H100 (benchmarks/probes/column_pass_sweep.py, with scale, log2 e and lse in one
+# multiply-add): 2 stages 8.1 ms, 3 stages 8.8; neither ex2.approx.ftz.f32 (8.3), ex2.approx.f16x2 (9.5-10.1)
+# nor issuing the next tile's dot before this tile's exponentials (8.4-9.1) was faster.
 _ROW_LSE_CONFIG = (128, 64, 8, 3)
-_COLUMN_SUM_CONFIG = (64, 128, 4, 3)
-_COLUMN_EXP = 0
+_COLUMN_SUM_CONFIG = (64, 128, 4, 2)
 
 
 def _launch_args(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None, softcap: float | None):
@@ -295,7 +275,7 @@ def row_lse_triton(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int 
 
 def head_column_sums_triton(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
                             softcap: float | None = None, *, lse: Tensor | None = None, block_m: int | None = None,
-                            block_n: int | None = None, exp: int | None = None, num_warps: int | None = None,
+                            block_n: int | None = None, num_warps: int | None = None,
                             num_stages: int | None = None) -> Tensor:
     """``head_column_sums`` by the Triton passes: [B, Hq, T] fp32. ``lse``: the rows' base-2 log-sum-exps
     [B, Hq, T] (+inf on pad rows) where the prefill attention already gave them
@@ -308,15 +288,10 @@ def head_column_sums_triton(q: Tensor, k: Tensor, pad: Tensor, scale: float, win
     if tuple(lse.shape) != (b, hq, t) or lse.dtype != torch.float32:
         raise ValueError(f"lse must be [B, Hq, T] = {(b, hq, t)} float32, got {tuple(lse.shape)} {lse.dtype}")
     check_device("lse", lse, q.device)
-    on_gpu = q.device.type == "cuda"
-    cfg = _config(_COLUMN_SUM_CONFIG, on_gpu, block_m, block_n)
+    cfg = _config(_COLUMN_SUM_CONFIG, q.device.type == "cuda", block_m, block_n)
     cfg.update({n: v for n, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None})
-    exp = (_COLUMN_EXP if on_gpu else 0) if exp is None else exp
-    if exp and not on_gpu:
-        raise ValueError(f"exp={exp} is PTX (CUDA only); the interpreter takes exp=0")
     col = torch.empty(b, hq, t, device=q.device, dtype=torch.float32)
-    _column_sum_kernel[(triton.cdiv(t, cfg["BLOCK_N"]), b * hq)](q, k, pad, lse.contiguous(), col, *args, **meta,
-                                                                 EXP=exp, **cfg)
+    _column_sum_kernel[(triton.cdiv(t, cfg["BLOCK_N"]), b * hq)](q, k, pad, lse.contiguous(), col, *args, **meta, **cfg)
     return col
 
 
@@ -337,3 +312,8 @@ def attention_column_sums(q: Tensor, k: Tensor, pad: Tensor, scale: float, windo
 @attention_column_sums.register_fake
 def _(q, k, pad, scale, window=None, softcap=None, lse=None):
     return q.new_empty(k.shape[0], k.shape[1], k.shape[2], dtype=torch.float32)
+
+
+@attention_column_sums.register_kernel("cuda")
+def _(q, k, pad, scale, window=None, softcap=None, lse=None):
+    return on_statistics_stream(lambda: attention_column_sums_reference(q, k, pad, scale, window, softcap, lse=lse), (q, k, pad, lse))

@@ -164,16 +164,18 @@ def check_cosine_match_inputs(src: Tensor, dst: Tensor, dst_valid: Tensor | None
 
 
 def cosine_match_triton(src: Tensor, dst: Tensor, dst_valid: Tensor | None = None, src_chunk: int = 0,
-                        dst_chunk: int = 0, *, block_s: int | None = None, block_n: int = 64, num_warps: int = 4,
+                        dst_chunk: int = 0, *, block_s: int | None = None, block_n: int | None = None, num_warps: int = 4,
                         num_stages: int | None = None) -> tuple[Tensor, Tensor]:
     """The Triton matcher (same contract as ``cosine_match_reference``); the keywords set the launch.
-    Unchunked on CUDA (D2O's evicted-to-kept matching) 128 sources a program and 2 stages: 2.4 ms at D2O's
-    32k prefill shape on an H200, from 7.8 ms with 32 (benchmarks/probes/cosine_match_sweep.py); chunked
-    (Chelsea), 32 sources, so a program's candidates span few chunks."""
+    Unchunked on CUDA (D2O's evicted-to-kept matching) 128 sources a program, 128 candidates a tile and
+    2 stages: 1.13 ms at D2O's 32k prefill shape on an H100 (benchmarks/probes/cosine_match_sweep.py; 1.46
+    with 64-candidate tiles; 2.4 before the tiles were multiplied unnormalised in bf16); chunked (Chelsea),
+    32 sources and 64 candidates, so a program's candidates span few chunks."""
     require_triton()
     check_cosine_match_inputs(src, dst, dst_valid, src_chunk, dst_chunk)
     wide = src_chunk == 0 and src.device.type == "cuda"
     block_s = block_s or (128 if wide else 32)
+    block_n = block_n or (128 if wide else 64)
     if num_stages is None and wide:
         num_stages = 2
     b, hkv, s, d = src.shape

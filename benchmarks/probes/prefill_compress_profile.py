@@ -4,20 +4,78 @@ statistics) spends its GPU time: Llama-3.1-8B-shaped random bf16 model, one prom
     PYTHONUNBUFFERED=1 python3 benchmarks/probes/prefill_compress_profile.py --out $OUT --policies d2o
 
 Per policy: ``kv.prefill`` and ``kv.start_from`` (the compression) timed (synchronised, after a warm-up
-run), then ``start_from`` again profiled with torch.profiler (CUDA kernels, summed per kernel name). Writes prefill-compress-profile.json under --out.
+run), then ``start_from`` again profiled with torch.profiler (CUDA kernels, summed per kernel name).
+Then ``start_from``'s phases (each call synchronised before and after, so the sum exceeds the whole),
+and the prefill with the statistics on the current stream instead of their side stream
+(``statistics_side_stream``), both medians of 3. Writes prefill-compress-profile.json under --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
+import statistics
 import time
 from pathlib import Path
 
 import torch
 
 import kvpass
+import kvpass.runtime as runtime
 from kvpass.bench import llama_8b_with_prompt, sync
+
+
+def phase_seconds(kv, pre, dev) -> dict[str, float]:
+    """start_from with its phases wrapped in synchronised timers: {phase: seconds} (and 'whole')."""
+    spent: dict[str, float] = {}
+
+    def timed(name, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            sync(dev)
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            sync(dev)
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+            return out
+        return wrapper
+
+    patches = [(runtime, "entries_from_prompt"), (runtime, "with_capacity"), (runtime.KVPassModel, "_compress_prompt"),
+               (type(kv.policy), "layer_budgets"), (type(kv.policy), "prepare")]
+    saved = [(obj, name, getattr(obj, name)) for obj, name in patches]
+    for obj, name, fn in saved:
+        setattr(obj, name, timed(name, fn))
+    try:
+        sync(dev)
+        t0 = time.perf_counter()
+        kv.start_from(pre)
+        sync(dev)
+        spent["whole"] = time.perf_counter() - t0
+    finally:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+    return spent
+
+
+def prefill_seconds(kv, ids, dev, side_stream: bool) -> float:
+    """Median of 3 synchronised ``kv.prefill`` runs, the statistics on their side stream or not."""
+    saved = runtime.statistics_side_stream
+    if not side_stream:
+        runtime.statistics_side_stream = lambda device: contextlib.nullcontext()
+    try:
+        times = []
+        for _ in range(3):
+            sync(dev)
+            t0 = time.perf_counter()
+            pre = kv.prefill(ids, max_new_tokens=8)
+            sync(dev)
+            times.append(time.perf_counter() - t0)
+            del pre
+        return statistics.median(times)
+    finally:
+        runtime.statistics_side_stream = saved
 
 
 def main() -> None:
@@ -57,11 +115,19 @@ def main() -> None:
                 kernels.setdefault(ev.name[:140], []).append(ev.device_time)
         rows = sorted(({"kernel": k, "ms": sum(v) / 1e3, "calls": len(v)} for k, v in kernels.items()),
                       key=lambda r: -r["ms"])
-        out["policies"][name] = {"prefill_s": prefill_s, "start_from_s": start_s, "wall_s_profiled": wall, "kernel_ms": sum(r["ms"] for r in rows), "top": rows[:25]}
+        pre = kv.prefill(ids, max_new_tokens=8)
+        phases = phase_seconds(kv, pre, dev)
+        del pre
+        prefill_median = {"side_stream": prefill_seconds(kv, ids, dev, True),
+                          "current_stream": prefill_seconds(kv, ids, dev, False)}
+        print(f"{name}: start_from phases {phases}; prefill median {prefill_median}", flush=True)
+        out["policies"][name] = {"prefill_s": prefill_s, "start_from_s": start_s, "wall_s_profiled": wall,
+                                 "kernel_ms": sum(r["ms"] for r in rows), "start_from_phases_s": phases,
+                                 "prefill_median_s": prefill_median, "top": rows[:25]}
         print(f"{name}: prefill {prefill_s:.3f} s, start_from {start_s:.3f} s, {wall:.3f} s profiled, kernels {sum(r['ms'] for r in rows):.1f} ms", flush=True)
         for r in rows[:15]:
             print(f"  {r['ms']:8.2f} ms {r['calls']:5d}  {r['kernel']}", flush=True)
-        del pre, kv
+        del kv
         torch.cuda.empty_cache()
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "prefill-compress-profile.json").write_text(json.dumps(out, indent=1))
