@@ -22,7 +22,6 @@ import torch
 from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
 from kvpass.kernels.decode_attention import _dot, _tanh
 from kvpass.kernels.prefill_attention import prefill_mask
-from kvpass.kernels.statistics_stream import on_statistics_stream
 from torch import Tensor
 
 
@@ -312,8 +311,3 @@ def attention_column_sums(q: Tensor, k: Tensor, pad: Tensor, scale: float, windo
 @attention_column_sums.register_fake
 def _(q, k, pad, scale, window=None, softcap=None, lse=None):
     return q.new_empty(k.shape[0], k.shape[1], k.shape[2], dtype=torch.float32)
-
-
-@attention_column_sums.register_kernel("cuda")
-def _(q, k, pad, scale, window=None, softcap=None, lse=None):
-    return on_statistics_stream(lambda: attention_column_sums_reference(q, k, pad, scale, window, softcap, lse=lse), (q, k, pad, lse))

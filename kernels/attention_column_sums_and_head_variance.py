@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 from kvpass.kernels.attention_column_sums import head_column_sums
 from kvpass.kernels.attention_head_variance import head_variance_of_sums
-from kvpass.kernels.statistics_stream import on_statistics_stream
 from torch import Tensor
 
 
@@ -36,8 +35,3 @@ def attention_column_sums_and_head_variance(q: Tensor, k: Tensor, pad: Tensor, s
 def _(q, k, pad, scale, window=None, softcap=None, lse=None):
     return (q.new_empty(k.shape[0], k.shape[1], k.shape[2], dtype=torch.float32),
             q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32))
-
-
-@attention_column_sums_and_head_variance.register_kernel("cuda")
-def _(q, k, pad, scale, window=None, softcap=None, lse=None):
-    return on_statistics_stream(lambda: attention_column_sums_and_head_variance_reference(q, k, pad, scale, window, softcap, lse=lse), (q, k, pad, lse))

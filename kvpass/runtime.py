@@ -34,7 +34,6 @@ from kvpass.cache import (
     with_capacity,
 )
 from kvpass.decode_step import StaticDecodeStep, fork_side_by_side, join_pending
-from kvpass.kernels.statistics_stream import statistics_side_stream
 from kvpass.policies.base import Policy, Stat
 from kvpass.rewrites import CapturedModel, RewrittenGraphs
 from kvpass.rewrites.fuse_sibling_linears import fuse_sibling_linears
@@ -337,8 +336,7 @@ class KVPassModel(nn.Module):
                              f"layer, {self.policy.name}'s cache {[s.n_kv_heads for s in self.graphs.sites]} "
                              "(expand_kv_heads differs); prefill with graphs of the same layout")
         start = time.perf_counter()
-        with statistics_side_stream(self.device):     # the statistics overlap the later layers
-            outs = graphs.prefill(ids, pos, pad)
+        outs = graphs.prefill(ids, pos, pad)
         n_sites = len(graphs.sites)
         stats: dict[int, dict[str, Tensor]] = {}
         for (layer, stat), value in zip(graphs.prefill_stats, outs[1 + 2 * n_sites:], strict=True):
