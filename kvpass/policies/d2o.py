@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
-from kvpass.cache import EMPTY, LayerCache, keep_slots
+from kvpass.cache import EMPTY, LayerCache, gather_slots, keep_slots
 from kvpass.kernels.cosine_match import cosine_match_reference
 from kvpass.kernels.d2o_evict_one import (
     OneEviction,
@@ -162,9 +162,7 @@ class D2O(Policy):
         evicted = cache.live & ~kept
         e_idx = ordered_slots(evicted, n_evicted)                              # [B, Hkv, E]
         valid = torch.gather(evicted, 2, e_idx)                                # [B, Hkv, E]
-        d = cache.k.shape[-1]
-        k_e = torch.gather(cache.k, 2, e_idx[..., None].expand(-1, -1, -1, d))
-        v_e = torch.gather(cache.v, 2, e_idx[..., None].expand(-1, -1, -1, d))
+        k_e, v_e = gather_slots(cache.k, e_idx), gather_slots(cache.v, e_idx)
         # nearest live kept key per evicted entry, never the [E, K] similarity matrix on CUDA
         match = torch.ops.kvpass.cosine_match if k_e.is_cuda else cosine_match_reference   # CPU/export: plain torch
         nearest, u_star = match(k_e, out.k, out.live)                          # [B, Hkv, E]
