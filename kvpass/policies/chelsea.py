@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
-from kvpass.cache import EMPTY, LayerCache, keep_slots, with_capacity
+from kvpass.cache import EMPTY, LayerCache, keep_slots, load_into, with_capacity
 from kvpass.policies.base import Policy, require
 from kvpass.policies.calibration import Calibration, load_calibration
 
@@ -158,3 +158,28 @@ class Chelsea(Policy):
             step = step + stepped.long()
         cache.state = {**cache.state, STEP: step}
         return with_capacity(cache, max(keep, int(cache.length.max())))
+
+    def one_step_suffices(self, capacity: int, keep: int) -> bool:
+        """Whether one CSM step brings every row of a ``capacity``-slot cache down to ``keep`` entries (a
+        static fact, so the decode step can run it without asking the device). A row of s > keep entries
+        removes n_rm = min(max(floor(r mid), 1), s - keep, n_avail) with mid = s - sinks - recent, r >= r_min
+        and n_avail >= floor(mid / 2) (the middle's A-set entries that have a B-set partner); s - keep grows
+        faster with s than the other two, so s = capacity is the worst row (one spare for float rounding)."""
+        mid = capacity - self.sinks - self.recent
+        need = capacity - keep
+        return need <= 0 or (self.r_min * mid >= need + 1 and mid // 2 >= need)
+
+    def compress_into(self, cache: LayerCache, keep: int) -> None:
+        """The decode step's compression (capacity = keep + interval): one CSM step, with no host sync so
+        a CUDA graph can hold it, where ``one_step_suffices`` (the loop of ``compress`` would stop after
+        that step too: same entries in the same slots); otherwise ``compress`` and a copy back."""
+        if not self.one_step_suffices(cache.capacity, keep):
+            super().compress_into(cache, keep)
+            return
+        b, hkv = cache.length.shape
+        if STEP not in cache.state:
+            cache.state[STEP] = torch.zeros(b, hkv, dtype=torch.long, device=cache.k.device)
+        step = cache.state[STEP]
+        out, stepped = self.step(cache, keep, step)
+        out.state = {**cache.state, STEP: step + stepped.long()}
+        load_into(cache, out)

@@ -10,7 +10,7 @@ import torch
 from kvpass.kernels import decode_attention_reference, merge_entries_reference
 
 import kvpass
-from kvpass.cache import EMPTY, LayerCache
+from kvpass.cache import EMPTY, LayerCache, with_capacity
 from kvpass.policies.chelsea import Chelsea
 from tests.policies.merging_support import ARCHS, full_output, prompt, tiny_model
 
@@ -175,3 +175,32 @@ def test_budget_changes_output_and_large_budget_is_exact():
     small = kvpass.apply(model, policy="chelsea", budget=24, **SMALL).generate(ids, max_new_tokens=16, eos_token_id=[])
     assert torch.equal(big, full)
     assert not torch.equal(small, full)
+
+
+@pytest.mark.parametrize("capacity, keep, one_step", [(20, 16, True), (12, 8, False)])
+def test_compress_into_one_step_equals_compress(capacity, keep, one_step, monkeypatch):
+    """The decode step's in-place form: where one CSM step provably suffices it runs just that step (no
+    host sync, so it can sit in a CUDA graph) and leaves exactly what ``compress`` leaves, padded back
+    to the capacity; otherwise it is ``compress`` and a copy back."""
+    pol = Chelsea(sinks=2, recent=3, chunk=6, r_init=0.5, r_min=0.5, alpha=0.0, interval=4)
+    assert pol.one_step_suffices(capacity, keep) == one_step
+    lengths = [[capacity, keep + 1], [keep, keep - 3]]
+    cache = random_cache(2, 2, capacity, 8, lengths, seed=capacity)
+    cache.state["chelsea_step"] = torch.tensor([[0, 2], [1, 5]])
+    want = with_capacity(pol.compress(cache, keep), capacity)
+    got = LayerCache(k=cache.k.clone(), v=cache.v.clone(), log_weight=cache.log_weight.clone(),
+                     length=cache.length.clone(), position=cache.position.clone(),
+                     slot_meta={n: t.clone() for n, t in cache.slot_meta.items()},
+                     state={n: t.clone() for n, t in cache.state.items()})
+    if one_step:
+        monkeypatch.setattr(Chelsea, "compress", lambda *a: pytest.fail("the one-step path called compress"))
+    addresses = (got.k.data_ptr(), got.state["chelsea_step"].data_ptr())
+    pol.compress_into(got, keep)
+    assert (got.k.data_ptr(), got.state["chelsea_step"].data_ptr()) == addresses
+    assert got.length.tolist() == [[keep, keep], [keep, keep - 3]]
+    for name in ("log_weight", "length", "position"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    live = got.live[..., None]                                   # empty slots' K/V are never read
+    for name in ("k", "v"):
+        assert torch.equal(getattr(got, name) * live, getattr(want, name) * live), name
+    assert torch.equal(got.state["chelsea_step"], want.state["chelsea_step"])
