@@ -240,7 +240,7 @@ def section_correctness(device: torch.device, smoke: bool, deadline: Deadline) -
         y = torch.randn(b, hkv, n, d, device=device, generator=gen).to(dtype)
         want_i, want_b = cosine_match_reference(x.float(), y.float(), None, chunk, chunk)
         got_i, got_b = cosine_match_triton(x, y, None, chunk, chunk)
-        # a near tie may pick another index (tf32 products): judge the exact similarity of the pick
+        # a near tie may pick another index (fp32 sums in another order): judge the exact similarity of the pick
         xn = torch.nn.functional.normalize(x.float(), dim=-1)
         yn = torch.nn.functional.normalize(y.float(), dim=-1)
         picked = (xn * torch.gather(yn, 2, got_i.clamp(min=0)[..., None].expand(-1, -1, -1, d))).sum(-1)
