@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import torch
 from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
-from kvpass.kernels.decode_attention import _dot, _tanh
+from kvpass.kernels.decode_attention import _dot, _tanh, dot_mode
 from kvpass.kernels.prefill_attention import prefill_mask
 from torch import Tensor
 
@@ -249,9 +249,8 @@ def _launch_args(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | 
     for name, x in (("q", q), ("k", k), ("pad", pad)):
         check_device(name, x, q.device)
     args = (*q.stride(), *k.stride(), hq, hq // hkv, t, float(scale), float(softcap) if softcap is not None else 1.0)
-    dot = 1 if q.dtype == torch.float32 else (2 if q.device.type != "cuda" else 0)
     meta = dict(HEAD_DIM=d, WINDOW=int(window or 0), BLOCK_D=max(16, next_pow2(d)), HAS_SOFTCAP=softcap is not None,
-                DOT=dot)
+                DOT=dot_mode(q))
     return pad.to(torch.int64).contiguous(), args, meta
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
-from kvpass.kernels.decode_attention import _dot
+from kvpass.kernels.decode_attention import _dot, dot_mode
 from torch import Tensor
 
 _EPS = 1e-12
@@ -186,10 +186,7 @@ def cosine_match_triton(src: Tensor, dst: Tensor, dst_valid: Tensor | None = Non
         return index, best
     valid = dst_valid.contiguous().to(torch.int8) if dst_valid is not None else index
     dst_norm = torch.linalg.vector_norm(dst, dim=-1, dtype=torch.float32).contiguous()     # [B, Hkv, N]
-    if src.dtype == torch.float32 or src.dtype == torch.float64:
-        dot = 1
-    else:
-        dot = 0 if src.device.type == "cuda" else 2
+    dot = 1 if src.dtype == torch.float64 else dot_mode(src)      # float64 rows are multiplied in fp32 (DOT 1)
     _cosine_match_kernel[(b * hkv, triton.cdiv(s, block_s))](
         src, dst, dst_norm, valid, index, best, *src.stride(), *dst.stride(),
         hkv, s, n, max(src_chunk, 1), max(dst_chunk, 1), _EPS,

@@ -69,6 +69,12 @@ def _tanh(x):
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
 
+def dot_mode(x: Tensor) -> int:
+    """The ``DOT`` of ``_dot`` for operands like ``x``: 1 for fp32, else 0 on CUDA (tensor cores) and 2
+    elsewhere (the interpreter)."""
+    return 1 if x.dtype == torch.float32 else (2 if x.device.type != "cuda" else 0)
+
+
 @triton.jit
 def _dot(a, b, DOT: tl.constexpr):
     """a @ b with fp32 accumulation. DOT 0: native (tensor cores for 16-bit inputs); 1: exact fp32
@@ -324,7 +330,7 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor,
     o = torch.empty_like(q)
     lse = torch.empty(b * hkv * splits * block_m, device=q.device, dtype=torch.float32)
     part = o if direct else torch.empty(b * hkv * splits * block_m * block_d, device=q.device, dtype=torch.float32)
-    dot = 1 if q.dtype == torch.float32 else (2 if q.device.type != "cuda" else 0)
+    dot = dot_mode(q)
     cap = float(softcap) if softcap is not None else 1.0
     logits = torch.empty(b * hkv * rows * c if want_scores else 1, device=q.device, dtype=torch.float32)
     _decode_attention_split_kernel[(b * hkv, splits)](

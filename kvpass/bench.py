@@ -567,6 +567,19 @@ def _measure(device, gen: Callable[[int], object], n1: int, n2: int, warm: Calla
     return out
 
 
+def _greedy_step_seconds(step: Callable[[torch.Tensor], torch.Tensor], tok: torch.Tensor, device: torch.device,
+                         warm: int, steps: int) -> float:
+    """Mean seconds of ``tok = step(tok)`` over ``steps`` synchronised steps, after ``warm`` untimed ones."""
+    for _ in range(warm):
+        tok = step(tok)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        tok = step(tok)
+    sync(device)
+    return (time.perf_counter() - t0) / steps
+
+
 def _stepped_tpot(kv, ids: torch.Tensor, device: torch.device, warm: int = 8, steps: int = 48) -> dict:
     """kvpass's time per output token without prefill noise: after ``start``, ``warm`` steps (CUDA
     graph captures, the first compressions), then the mean of ``steps`` timed steps (greedy tokens).
@@ -581,15 +594,8 @@ def _stepped_tpot(kv, ids: torch.Tensor, device: torch.device, warm: int = 8, st
     if interval > 1:
         warm, steps = warm + interval, max(steps, 2 * interval)
     session = kv.start(ids, max_new_tokens=warm + steps)
-    tok = session.logits.argmax(-1)
-    for _ in range(warm):
-        tok = session.step(tok).argmax(-1)
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        tok = session.step(tok).argmax(-1)
-    sync(device)
-    tpot = (time.perf_counter() - t0) / steps
+    tpot = _greedy_step_seconds(lambda tok: session.step(tok).argmax(-1), session.logits.argmax(-1), device,
+                                warm, steps)
     out = {"tpot_ms": tpot * 1e3, "decode_tokens_per_s": ids.shape[0] / tpot, "tpot_method": f"{steps} stepped tokens",
            "interval": interval}
     due = [i for i, lay in enumerate(session.layers) if lay.compressible]
@@ -624,14 +630,7 @@ def _transformers_stepped_tpot(model, ids: torch.Tensor, device: torch.device, w
         def step(tok: torch.Tensor) -> torch.Tensor:
             return model(tok, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
 
-        for _ in range(warm):
-            tok = step(tok)
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            tok = step(tok)
-        sync(device)
-    return (time.perf_counter() - t0) / steps * 1e3
+        return _greedy_step_seconds(step, tok, device, warm, steps) * 1e3
 
 
 def section_throughput(device: torch.device, smoke: bool, deadline: Deadline, prompt: int, budget: float,
