@@ -184,10 +184,15 @@ def _row_scan_bounds(LENGTH, row, split, CHUNK, KEEP):
     return evict, n, lo, tl.minimum(lo + CHUNK, n)
 
 
-@triton.jit
+# The row lengths, budget and splits are plain integers, not specialised on (Triton would compile again for
+# each new divisibility by 16, and these change with every budget: a new max_new_tokens, a new layer budget).
+_LENGTHS = ("C", "CHUNK", "KEEP", "SPLITS")
+
+
+@triton.jit(do_not_specialize=(*_LENGTHS, "SINKS", "RECENT"))
 def _candidate_kernel(
-    COL, POS, LENGTH, LOW, ARG, C, CHUNK, KEEP, SINKS, RECENT,
-    BLOCK_SCAN: tl.constexpr, SPLITS: tl.constexpr,
+    COL, POS, LENGTH, LOW, ARG, C, CHUNK, KEEP, SINKS, RECENT, SPLITS,
+    BLOCK_SCAN: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -211,12 +216,12 @@ def _candidate_kernel(
     tl.store(ARG + out, e)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_LENGTHS)
 def _nearest_key_kernel(
     K, LENGTH, LOW, ARG, E, BEST, NEAREST,
     skb, skh, skc, skd,
-    HKV, C, CHUNK, KEEP,
-    HEAD_DIM: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
+    HKV, C, CHUNK, KEEP, SPLITS,
+    HEAD_DIM: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr, ACC: tl.constexpr, F64: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -287,12 +292,12 @@ def _merge_and_move(X, batch_off, head_off, sc, sd, e, nearest, evict, merged, t
         tl.store(head + e[:, None] * sc, tl.where(take_new[:, None], new, last), mask=m_ev)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("C", "KEEP", "SPLITS"))
 def _merge_move_kernel(
     K, V, COL, POS, LW, LENGTH, TAU, TAU_SET, E, BEST, NEAREST,
     skb, skh, skc, skd, svb, svh, svc, svd,
-    HKV, C, KEEP, beta, one_minus_beta, w_self,
-    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
+    HKV, C, KEEP, SPLITS, beta, one_minus_beta, w_self,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr, ACC: tl.constexpr, PAPER: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -417,17 +422,17 @@ def d2o_evict_one_triton(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor
     block_d = max(16, next_pow2(d))
     tl_acc = tl.float64 if acc == torch.float64 else tl.float32
     _candidate_kernel[(b * h, splits)](
-        col_sum, position, length, low, arg, c, chunk, keep, sinks, recent,
-        BLOCK_SCAN=min(block_scan, next_pow2(chunk)), SPLITS=splits, num_warps=4)
+        col_sum, position, length, low, arg, c, chunk, keep, sinks, recent, splits,
+        BLOCK_SCAN=min(block_scan, next_pow2(chunk)), num_warps=4)
     _nearest_key_kernel[(b * h, splits)](
-        k, length, low, arg, e, best, nearest, *k.stride(), h, c, chunk, keep,
-        HEAD_DIM=d, BLOCK_C=block_c, BLOCK_D=block_d, SPLITS=splits, BLOCK_SPLITS=next_pow2(splits),
+        k, length, low, arg, e, best, nearest, *k.stride(), h, c, chunk, keep, splits,
+        HEAD_DIM=d, BLOCK_C=block_c, BLOCK_D=block_d, BLOCK_SPLITS=next_pow2(splits),
         ACC=tl_acc, F64=acc == torch.float64, num_warps=num_warps)
     _merge_move_kernel[(b,)](
         k, v, col_sum, position, log_weight, length, tau, tau_set.view(torch.uint8), e, best, nearest,
-        *k.stride(), *v.stride(), h, c, keep, float(beta), 1.0 - float(beta),
+        *k.stride(), *v.stride(), h, c, keep, splits, float(beta), 1.0 - float(beta),
         math.e if variant == "paper" else 1.0,
-        HEAD_DIM=d, BLOCK_H=next_pow2(h), BLOCK_D=min(block_d, 128), SPLITS=splits,
+        HEAD_DIM=d, BLOCK_H=next_pow2(h), BLOCK_D=min(block_d, 128),
         BLOCK_SPLITS=next_pow2(splits), ACC=tl_acc, PAPER=variant == "paper", num_warps=4, enable_fp_fusion=False)
     if others:                                       # a row that evicts nothing has e = C - 1: no move
         flat_e = e + torch.arange(b * h, device=k.device) * c

@@ -137,6 +137,39 @@ def _ws_kernel(Q, K, LSE, COL, sqb, sqh, sqt, skb, skh, skt, HQ, G, T, scale, D:
     tl.store(COL + bh * T + j, tl.sum(col, axis=0), mask=j < T)
 
 
+@triton.jit
+def _transposed_kernel(Q, K, LSE, COL, sqb, sqh, sqt, skb, skh, skt, HQ, G, T, scale, D: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, DOT: tl.constexpr):
+    """The key block as the MMA's M side: s^T = k . q^T [BLOCK_N keys, BLOCK_M rows]; each tile's rows
+    (keys) are summed at once (within a thread and its quad), so no [BLOCK_M, BLOCK_N] accumulator:
+    more keys fit per program, and every q tile streamed from L2 serves BLOCK_N keys."""
+    bh = tl.program_id(1)
+    b, h = bh // HQ, bh % HQ
+    g = h // G
+    j0 = tl.program_id(0) * BLOCK_N
+    k = _load(K + b * skb + g * skh, j0, T, skt, BLOCK_N, D)
+    q_base = Q + b * sqb + h * sqh
+    lse_base = LSE + bh * T
+    lo = (j0 // BLOCK_M) * BLOCK_M
+    a = tl.minimum(tl.cdiv(j0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M, T)
+    c2 = scale * 1.4426950408889634
+    j = j0 + tl.arange(0, BLOCK_N)
+    col = tl.zeros([BLOCK_N], tl.float32)
+    for i0 in range(lo, a, BLOCK_M):                 # tiles on the diagonal: masked
+        q = _load(q_base, i0, T, sqt, BLOCK_M, D)
+        r = i0 + tl.arange(0, BLOCK_M)
+        lse = tl.load(lse_base + r, mask=r < T, other=float("inf"))
+        x = _dot(k, tl.trans(q), DOT) * c2 - lse[None, :]
+        x = tl.where((j[:, None] <= r[None, :]) & (r[None, :] < T), x, float("-inf"))
+        col += tl.sum(tl.exp2(x), axis=1)
+    for i0 in range(a, T, BLOCK_M):                  # the band
+        q = _load(q_base, i0, T, sqt, BLOCK_M, D)
+        r = i0 + tl.arange(0, BLOCK_M)
+        lse = tl.load(lse_base + r, mask=r < T, other=float("inf"))
+        col += tl.sum(tl.exp2(_dot(k, tl.trans(q), DOT) * c2 - lse[None, :]), axis=1)
+    tl.store(COL + bh * T + j, col, mask=j < T)
+
+
 def _args(q, k, lse, scale):
     b, hq, t, d = q.shape
     col = torch.empty(b, hq, t, device=q.device, dtype=torch.float32)
@@ -159,6 +192,13 @@ def warp_specialized(q, k, lse, scale, bm, bn, warps, stages):
     return col
 
 
+def transposed(q, k, lse, scale, bn, bm, warps, stages):
+    col, args = _args(q, k, lse, scale)
+    _transposed_kernel[(triton.cdiv(q.shape[2], bn), q.shape[0] * q.shape[1])](
+        *args, D=q.shape[3], BLOCK_N=bn, BLOCK_M=bm, DOT=dot_mode(q), num_warps=warps, num_stages=stages)
+    return col
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -172,11 +212,14 @@ def main() -> None:
     q, k, pad, lse = inputs(a.prompt, 0)
     flops = 2 * 128 * 32 * a.prompt * (a.prompt + 1) / 2
     variants = {"kernel": lambda q, k, lse: head_column_sums_triton(q, k, torch.zeros_like(pad), scale, lse=lse)}
-    for bn_a, bn_p, ea, ep in ((64, 64, 0, 0), (64, 64, 3, 3), (64, 64, 4, 4), (64, 64, 0, 3), (64, 64, 0, 4),
-                               (128, 32, 0, 4), (128, 64, 0, 4), (64, 32, 0, 4), (128, 32, 0, 5), (64, 64, 5, 5)):
+    for bn_a, bn_p, ea, ep in ((64, 64, 0, 0), (64, 64, 3, 3), (64, 64, 4, 4), (128, 32, 0, 4)):
         variants[f"split_{bn_a}_{bn_p}_e{ea}{ep}"] = (
             lambda q, k, lse, bn_a=bn_a, bn_p=bn_p, ea=ea, ep=ep: split(q, k, lse, scale, 64, bn_a, bn_p, ea, ep))
-    for bm, bn, w, st in ((64, 128, 4, 2), (128, 128, 8, 2), (128, 128, 4, 2), (64, 128, 4, 3)):
+    for bn, bm, w, st in ((128, 64, 4, 2), (128, 64, 4, 3), (256, 64, 8, 2), (256, 64, 8, 3), (256, 64, 4, 2),
+                          (128, 128, 4, 2), (256, 128, 8, 2), (128, 128, 8, 2), (256, 32, 8, 3), (512, 64, 8, 2)):
+        variants[f"transposed_bn{bn}_bm{bm}_w{w}_s{st}"] = (
+            lambda q, k, lse, bn=bn, bm=bm, w=w, st=st: transposed(q, k, lse, scale, bn, bm, w, st))
+    for bm, bn, w, st in ((128, 128, 8, 2),):
         variants[f"ws_bm{bm}_bn{bn}_w{w}_s{st}"] = (
             lambda q, k, lse, bm=bm, bn=bn, w=w, st=st: warp_specialized(q, k, lse, scale, bm, bn, w, st))
     rows = []

@@ -1,6 +1,7 @@
 """Why a ``generate`` call costs more than its TTFT plus its tokens: each call of ``kv.generate`` timed
 (synchronised) at one prompt, for a few ``max_new_tokens`` in turn (a length seen before and one not),
-and the slowest call's host time profiled by cProfile (top functions by cumulative time).
+with the Triton kernels each call compiled (new entries in Triton's disk cache), and a call at a new
+length profiled by cProfile (top functions by cumulative time).
 
     PYTHONUNBUFFERED=1 python3 benchmarks/probes/generate_calls.py --out $OUT --policies full,d2o
 
@@ -13,6 +14,7 @@ import argparse
 import cProfile
 import io
 import json
+import os
 import pstats
 import time
 from pathlib import Path
@@ -21,6 +23,12 @@ import torch
 
 import kvpass
 from kvpass.bench import llama_8b_with_prompt, sync
+
+
+def triton_cache_entries() -> int:
+    """Kernels in Triton's on-disk cache (one directory each): new ones between two calls were compiled."""
+    root = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+    return sum(1 for _ in root.iterdir()) if root.is_dir() else 0
 
 
 def main() -> None:
@@ -39,11 +47,12 @@ def main() -> None:
         calls = []
         for n in (int(x) for x in a.news.split(",")):
             sync(dev)
+            cached = triton_cache_entries()
             t0 = time.perf_counter()
             kv.generate(ids, max_new_tokens=n, do_sample=False)
             sync(dev)
             calls.append({"max_new_tokens": n, "s": time.perf_counter() - t0,
-                          "captures": kv.decode_step.captures})
+                          "captures": kv.decode_step.captures, "triton_compiled": triton_cache_entries() - cached})
             print(name, calls[-1], flush=True)
         prof = cProfile.Profile()
         n = 7                                                             # a length not seen yet
