@@ -236,7 +236,11 @@ def _column_sum_kernel(Q, K, PAD, LSE, COL, sqb, sqh, sqt, sqd, skb, skh, skt, s
 # accumulator, 10.7 with it at pass 1's blocks). The interpreter: 16s. Pass 1 runs only without an lse given.
 # Pass 2 re-swept on an H100 (benchmarks/probes/column_pass_sweep.py, with scale, log2 e and lse in one
 # multiply-add): 2 stages 8.1 ms, 3 stages 8.8; neither ex2.approx.ftz.f32 (8.3), ex2.approx.f16x2 (9.5-10.1)
-# nor issuing the next tile's dot before this tile's exponentials (8.4-9.1) was faster.
+# nor issuing the next tile's dot before this tile's exponentials (8.4-9.1) was faster. The exponentials are
+# not what bounds it (benchmarks/probes/column_pass_exp_split.py): the same loop with none at all takes 7.95 ms
+# (9.46 with them, in 64 + 64-key tiles); moving some of them onto the FMA units as a polynomial is slower
+# (9.7-13.4), and so are the key block as the MMA's M side with per-tile row sums (8.6-14.4) and Triton's
+# warp specialisation (12.6, or no compile).
 _ROW_LSE_CONFIG = (128, 64, 8, 3)
 _COLUMN_SUM_CONFIG = (64, 128, 4, 2)
 
