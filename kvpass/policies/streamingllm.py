@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from kvpass.cache import LayerCache, keep_slots
+from kvpass.cache import EMPTY, LayerCache, gather_slots, keep_slots
 from kvpass.policies.base import Policy, require
 
 
@@ -45,3 +45,46 @@ class StreamingLLM(Policy):
         recent = length - keep + j                                            # shifts the tail to the end
         idx = torch.where((j < self.sinks) | (length <= keep), j, recent)
         return keep_slots(cache, idx)
+
+    def compress_into(self, cache: LayerCache, keep: int) -> None:
+        """The runtime's call, in place and O(C - keep) moves: each row over ``keep`` evicts its
+        n = length - keep oldest non-sink entries (by position: the slots need not be in sequence order),
+        the live entries of slots [keep, C) that stay move into the evicted slots below ``keep``, and
+        slots [keep, C) are emptied. Same entries as ``compress`` (tested as sets); no copy of the window,
+        no host sync. cache: [B, Hkv, C, ...]."""
+        c = cache.capacity
+        extra = c - keep
+        if extra <= 0:
+            return
+        if not all(t.is_contiguous() for t in cache.tensors()):
+            super().compress_into(cache, keep)
+            return
+        b, h = cache.length.shape
+        device = cache.k.device
+        big = torch.iinfo(torch.long).max
+        n = (cache.length - keep).clamp(min=0)                               # [B, Hkv] entries to evict
+        age = torch.where(cache.live, cache.position, big)
+        oldest = age.topk(min(self.sinks + extra, c), dim=-1, largest=False).indices[..., self.sinks:]
+        rank = torch.arange(oldest.shape[-1], device=device)
+        evicted = rank < n[..., None]                                        # [B, Hkv, extra] the n oldest
+        gone = torch.zeros(b, h, c, dtype=torch.bool, device=device).scatter_(2, oldest, evicted)
+        # holes: evicted slots below keep; movers: live slots from keep on that stay. As many of each.
+        holes = torch.where(evicted & (oldest < keep), oldest, big).sort(-1).values
+        tail = torch.arange(keep, c, device=device)
+        stays = cache.live[..., keep:] & ~gone[..., keep:]
+        movers = torch.where(stays, tail, big).sort(-1).values              # [B, Hkv, extra]
+        pairs = min(holes.shape[-1], extra)
+        holes, movers = holes[..., :pairs], movers[..., :pairs]
+        real = movers < big                                                  # a real (hole, mover) pair
+        dst = torch.where(real, holes, tail[:pairs])                         # else a tail slot onto itself
+        src = torch.where(real, movers, tail[:pairs])
+        row0 = (torch.arange(b * h, device=device) * c).view(b, h, 1)
+        flat_dst = (dst + row0).reshape(-1)
+        for t in (cache.k, cache.v, cache.log_weight, cache.position, *cache.slot_meta.values()):
+            rows = t.view(b * h * c, *t.shape[3:])
+            rows.index_copy_(0, flat_dst, gather_slots(t, src).reshape(-1, *t.shape[3:]))
+        cache.log_weight[..., keep:] = EMPTY
+        cache.position[..., keep:] = -1
+        for t in cache.slot_meta.values():
+            t[:, :, keep:] = 0
+        cache.length.clamp_(max=keep)

@@ -67,3 +67,15 @@ def random_cache(lengths: list[list[int]], c: int, d: int = 8, seed: int = 0, dt
 
 def live_positions(cache: LayerCache, b: int, g: int) -> list[int]:
     return cache.position[b, g, : int(cache.length[b, g])].tolist()
+
+
+def by_position(cache: LayerCache) -> dict[str, torch.Tensor]:
+    """Every slot tensor of ``cache`` with each row's slots sorted by position (empty slots last)."""
+    order = torch.where(cache.position < 0, torch.iinfo(torch.long).max, cache.position).argsort(-1)
+    take = lambda t: torch.take_along_dim(t, order.reshape(*order.shape, *([1] * (t.dim() - 3))), dim=2)  # noqa: E731
+    out = {name: take(getattr(cache, name)) for name in ("k", "v", "log_weight", "position")}
+    out.update({name: take(t) for name, t in cache.slot_meta.items()})
+    live = out["position"] >= 0
+    for name in ("k", "v"):                                   # an empty slot's K, V are never read
+        out[name] = out[name] * live[..., None]
+    return out

@@ -11,7 +11,7 @@ from kvpass.cache import LayerCache, keep_slots, load_into
 from kvpass.policies import get_policy
 from kvpass.policies.d2o import D2O, TAU
 from kvpass.policies.selection import kept_slots, select_kept
-from tests.policies.policy_helpers import live_positions, random_cache
+from tests.policies.policy_helpers import by_position, live_positions, random_cache
 
 
 def reference_d2o(cache: LayerCache, keep: int, policy: D2O, tau_prev: list[float | None]):
@@ -250,18 +250,6 @@ def test_export_form_of_the_merge_equals_the_scatter_form(variant, monkeypatch):
                                                                             17, *policy.split(17)[::2]), 17)).k)
 
 
-def _by_position(cache: LayerCache) -> dict[str, torch.Tensor]:
-    """Every slot tensor of ``cache`` with each row's slots sorted by position (empty slots last)."""
-    order = torch.where(cache.position < 0, torch.iinfo(torch.long).max, cache.position).argsort(-1)
-    take = lambda t: torch.take_along_dim(t, order.reshape(*order.shape, *([1] * (t.dim() - 3))), dim=2)  # noqa: E731
-    out = {name: take(getattr(cache, name)) for name in ("k", "v", "log_weight", "position")}
-    out.update({name: take(t) for name, t in cache.slot_meta.items()})
-    live = out["position"] >= 0
-    for name in ("k", "v"):                                   # an empty slot's K, V are never read
-        out[name] = out[name] * live[..., None]
-    return out
-
-
 @pytest.mark.parametrize("variant", ["paper", "code"])
 @pytest.mark.parametrize("seed", range(3))
 def test_in_place_decode_compression_keeps_the_same_entries(variant: str, seed: int) -> None:
@@ -297,7 +285,7 @@ def test_in_place_decode_compression_keeps_the_same_entries(variant: str, seed: 
         policy.compress_into(fast, keep)
         assert [t.data_ptr() for t in fast.tensors()[: len(addresses)]] == addresses
         torch.testing.assert_close(fast.length, pure.length, rtol=0, atol=0)
-        want, got = _by_position(pure), _by_position(fast)
+        want, got = by_position(pure), by_position(fast)
         for name in want:
             torch.testing.assert_close(got[name], want[name], msg=f"step {step}: {name}", rtol=0, atol=0)
         for name in pure.state:

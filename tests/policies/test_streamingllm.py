@@ -3,13 +3,15 @@ holds over a long decode; sliding layers keep their window."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
 import kvpass
-from kvpass.cache import LayerCache
+from kvpass.cache import LayerCache, load_into
 from kvpass.policies.streamingllm import StreamingLLM
+from tests.policies.policy_helpers import by_position, random_cache
 
 
 def _cache(lengths: list[list[int]], c: int, d: int = 4) -> LayerCache:
@@ -79,3 +81,44 @@ def test_budget_holds_over_a_2000_step_decode_and_windows_stay_full():
     assert ring_pos == list(range(2049 - 7, 2050))                # exactly the last 8 positions
     # first compression when the 50-token prompt has grown to 64 + 16, then every 16 steps
     assert session.compressions == len(range(31, 2001, 16))
+
+
+@pytest.mark.parametrize("interval", [1, 4])
+@pytest.mark.parametrize("seed", range(3))
+def test_in_place_decode_compression_keeps_the_same_entries(interval: int, seed: int) -> None:
+    """``compress_into`` (in place: the kept tail entries fill the evicted slots) over 30 simulated decode
+    steps holds the same entries (K, V, positions, log-weights, slot scores) as the pure ``compress``
+    chain, whose slots stay in sequence order, in the same buffers; ragged rows, one that never fills."""
+    policy = StreamingLLM(sinks=3, interval=interval)
+    keep = 10
+    c = keep + interval
+    gen = torch.Generator().manual_seed(200 + seed)
+    pure = random_cache([[keep, 4, keep - 2], [keep, keep, 7]], c=c, seed=seed, extra_meta=("col_sum",))
+    fast = LayerCache(**{f: getattr(pure, f).clone() for f in ("k", "v", "log_weight", "length", "position")},
+                      slot_meta={n: t.clone() for n, t in pure.slot_meta.items()})
+    addresses = [t.data_ptr() for t in fast.tensors()]
+    for step in range(30):
+        k_new, v_new = torch.randn(2, 2, 3, 8, generator=gen, dtype=torch.float64).unbind(0)
+        grows = torch.tensor([[True, step % 7 == 0, True], [True, True, step % 2 == 0]])  # ragged growth
+        for cache in (pure, fast):                                            # the decode step's write at slot length
+            slot = cache.length.clamp(max=c - 1)[..., None]
+            pos = cache.position.amax(-1, keepdim=True) + 1
+            write = grows[..., None]
+            for name, new in (("k", k_new), ("v", v_new)):
+                t = getattr(cache, name)
+                old = t.gather(2, slot[..., None].expand(-1, -1, 1, 8))
+                t.scatter_(2, slot[..., None].expand(-1, -1, 1, 8), torch.where(write[..., None], new[:, :, None], old))
+            cache.log_weight.scatter_(2, slot, torch.where(write, 0.0, cache.log_weight.gather(2, slot)))
+            cache.position.scatter_(2, slot, torch.where(write, pos, cache.position.gather(2, slot)))
+            cache.slot_meta["col_sum"].scatter_(2, slot, torch.where(write, float(step), cache.slot_meta["col_sum"].gather(2, slot)))
+            cache.length.add_(grows.long())
+        if int(pure.length.max()) == c:                                       # the runtime's length check
+            load_into(pure, policy.compress(pure, keep))
+            policy.compress_into(fast, keep)
+        assert [t.data_ptr() for t in fast.tensors()] == addresses
+        torch.testing.assert_close(fast.length, pure.length, rtol=0, atol=0)
+        want, got = by_position(pure), by_position(fast)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], msg=f"step {step}: {name}", rtol=0, atol=0)
+    assert int(fast.length[0, 1]) < keep                                      # a row that never filled
+    assert not torch.equal(fast.position, pure.position)                      # the layouts did diverge
