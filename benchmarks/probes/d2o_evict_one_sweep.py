@@ -1,7 +1,7 @@
 """Launch parameters of D2O's one-in-one-out op on a GPU, one layer at Llama-3.1-8B's shapes (Hkv 8, D 128,
 bf16, C = 6555 = a 0.2 budget of 32k + 1), every row evicting in every timed call.
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/probes/d2o_evict_one_sweep.py --out $OUT
+    PYTHONUNBUFFERED=1 python3 benchmarks/probes/d2o_evict_one_sweep.py --out $OUT [--c 13108 --splits none,26,52]
 
 Each call evicts: before it, the rows' lengths are set back to C (``fill_``), which re-arms the same work
 (a scan of C scores and positions, a key scan, a merge, a move); the fill alone is timed and subtracted.
@@ -37,6 +37,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--c", type=int, default=6555)
+    ap.add_argument("--splits", default="none,13,52", help="split counts to try (none: the default heuristic)")
     a = ap.parse_args()
     rows = []
     for b in (1, 4):
@@ -49,7 +50,8 @@ def main() -> None:
                                  st["tau"], st["tau_set"], [], keep, 4, keep // 4, 0.7, "paper", **kw)
 
         arm = time_fn(lambda st=st: st["length"].fill_(a.c), torch.device("cuda")) * 1e6
-        grid = itertools.product((None, 13, 52), (32, 64, 128), (256, 1024), (4, 8))
+        counts = [None if x == "none" else int(x) for x in a.splits.split(",")]
+        grid = itertools.product(counts, (32, 64, 128), (256, 1024), (4, 8))
         for splits, block_c, block_scan, warps in grid:
             kw = dict(splits=splits, block_c=block_c, block_scan=block_scan, num_warps=warps)
             try:
