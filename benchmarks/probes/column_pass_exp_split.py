@@ -23,16 +23,15 @@ column-pass-exp-split.json under --out.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
 import torch
-from column_pass_sweep import accuracy, inputs
+from column_pass_sweep import inputs, measure
 from kvpass.kernels._triton import tl, triton
 from kvpass.kernels.attention_column_sums import _column_tile, head_column_sums_rows, head_column_sums_triton
 from kvpass.kernels.decode_attention import _dot, dot_mode
-
-from kvpass.bench import time_fn
 
 
 @triton.jit
@@ -75,6 +74,17 @@ def _load(X, r0, T, st, N: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def _key_program(Q, K, LSE, sqb, sqh, skb, skh, skt, HQ, G, T, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's query head bh = b * HQ + h and key block [j0, j0 + BLOCK_N): (bh, j0, the keys
+    [BLOCK_N, D], the base of head h's q rows, the base of its lse)."""
+    bh = tl.program_id(1)
+    b, h = bh // HQ, bh % HQ
+    j0 = tl.program_id(0) * BLOCK_N
+    k = _load(K + b * skb + (h // G) * skh, j0, T, skt, BLOCK_N, D)
+    return bh, j0, k, Q + b * sqb + h * sqh, LSE + bh * T
+
+
+@triton.jit
 def _split_kernel(Q, K, LSE, COL, sqb, sqh, sqt, skb, skh, skt, HQ, G, T, scale, D: tl.constexpr,
                   BLOCK_M: tl.constexpr, BN_A: tl.constexpr, BN_P: tl.constexpr, EA: tl.constexpr,
                   EP: tl.constexpr, DOT: tl.constexpr):
@@ -113,14 +123,8 @@ def _split_kernel(Q, K, LSE, COL, sqb, sqh, sqt, skb, skh, skt, HQ, G, T, scale,
 @triton.jit
 def _ws_kernel(Q, K, LSE, COL, sqb, sqh, sqt, skb, skh, skt, HQ, G, T, scale, D: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, DOT: tl.constexpr):
-    bh = tl.program_id(1)
-    b, h = bh // HQ, bh % HQ
-    g = h // G
-    j0 = tl.program_id(0) * BLOCK_N
-    k = _load(K + b * skb + g * skh, j0, T, skt, BLOCK_N, D)
-    q_base = Q + b * sqb + h * sqh
+    bh, j0, k, q_base, lse_base = _key_program(Q, K, LSE, sqb, sqh, skb, skh, skt, HQ, G, T, D, BLOCK_N)
     q_desc = tl.make_tensor_descriptor(q_base, shape=[T, D], strides=[sqt, 1], block_shape=[BLOCK_M, D])
-    lse_base = LSE + bh * T
     lo = (j0 // BLOCK_M) * BLOCK_M
     a = tl.minimum(tl.cdiv(j0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M, T)
     col = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -143,13 +147,7 @@ def _transposed_kernel(Q, K, LSE, COL, sqb, sqh, sqt, skb, skh, skt, HQ, G, T, s
     """The key block as the MMA's M side: s^T = k . q^T [BLOCK_N keys, BLOCK_M rows]; each tile's rows
     (keys) are summed at once (within a thread and its quad), so no [BLOCK_M, BLOCK_N] accumulator:
     more keys fit per program, and every q tile streamed from L2 serves BLOCK_N keys."""
-    bh = tl.program_id(1)
-    b, h = bh // HQ, bh % HQ
-    g = h // G
-    j0 = tl.program_id(0) * BLOCK_N
-    k = _load(K + b * skb + g * skh, j0, T, skt, BLOCK_N, D)
-    q_base = Q + b * sqb + h * sqh
-    lse_base = LSE + bh * T
+    bh, j0, k, q_base, lse_base = _key_program(Q, K, LSE, sqb, sqh, skb, skh, skt, HQ, G, T, D, BLOCK_N)
     lo = (j0 // BLOCK_M) * BLOCK_M
     a = tl.minimum(tl.cdiv(j0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M, T)
     c2 = scale * 1.4426950408889634
@@ -222,17 +220,8 @@ def main() -> None:
     for bm, bn, w, st in ((128, 128, 8, 2),):
         variants[f"ws_bm{bm}_bn{bn}_w{w}_s{st}"] = (
             lambda q, k, lse, bm=bm, bn=bn, w=w, st=st: warp_specialized(q, k, lse, scale, bm, bn, w, st))
-    rows = []
-    for name, fn in variants.items():
-        row = {"variant": name}
-        try:
-            row.update(accuracy(fn(qs, ks, lses), want))
-            ms = time_fn(lambda fn=fn: fn(q, k, lse), dev) * 1e3
-            row.update(ms=ms, tflops=flops / ms / 1e9)
-        except Exception as exc:  # noqa: BLE001  (a config may not fit; warp specialisation may not compile)
-            row["error"] = repr(exc)[:400]
-        print(row, flush=True)
-        rows.append(row)
+    rows = [measure(name, functools.partial(fn, qs, ks, lses), functools.partial(fn, q, k, lse), want, dev, flops)
+            for name, fn in variants.items()]
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "column-pass-exp-split.json").write_text(json.dumps(
         {"gpu": torch.cuda.get_device_name(), "prompt": a.prompt, "rows": rows}, indent=1))

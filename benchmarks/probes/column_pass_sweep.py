@@ -126,6 +126,20 @@ def accuracy(col: torch.Tensor, want: torch.Tensor) -> dict:
             "max_rel": float(rel.max()), "top20_overlap": overlap}
 
 
+def measure(name: str, small, full, want: torch.Tensor, dev: torch.device, flops: float) -> dict:
+    """One variant's row: ``small()`` (T = 2048) against ``want`` (``accuracy``) and the median time of
+    ``full()``; the error instead where the variant does not fit or compile."""
+    row = {"variant": name}
+    try:
+        row.update(accuracy(small(), want))
+        ms = time_fn(full, dev) * 1e3
+        row.update(ms=ms, tflops=flops / ms / 1e9)
+    except Exception as exc:  # noqa: BLE001  (a config may not fit, an asm form may not assemble)
+        row["error"] = repr(exc)[:400]
+    print(row, flush=True)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -149,21 +163,8 @@ def main() -> None:
                 pipelined(q, k, lse, scale, bm, bn, w, st, exp))
     rows = []
     for name, fn in variants.items():
-        row = {"variant": name}
-        try:
-            if name.startswith("kernel"):
-                call = functools.partial(fn, q, k, pad, scale, lse=lse)
-                small = fn(qs, ks, pads, scale, lse=lses)
-            else:
-                call = functools.partial(fn, q, k, pad, scale, lse)
-                small = fn(qs, ks, pads, scale, lses)
-            row.update(accuracy(small, want))
-            ms = time_fn(call, dev) * 1e3
-            row.update(ms=ms, tflops=flops / ms / 1e9)
-        except Exception as exc:  # noqa: BLE001  (a config may not fit, an asm form may not assemble)
-            row["error"] = repr(exc)[:300]
-        print(row, flush=True)
-        rows.append(row)
+        rows.append(measure(name, functools.partial(fn, qs, ks, pads, scale, lse=lses),
+                            functools.partial(fn, q, k, pad, scale, lse=lse), want, dev, flops))
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "column-pass-sweep.json").write_text(json.dumps(
         {"gpu": torch.cuda.get_device_name(), "prompt": a.prompt, "rows": rows}, indent=1))
