@@ -56,8 +56,8 @@ class StreamingLLM(Policy):
         extra = c - keep
         if extra <= 0:
             return
-        if not all(t.is_contiguous() for t in cache.tensors()):
-            super().compress_into(cache, keep)
+        if type(self).compress is not StreamingLLM.compress or not all(t.is_contiguous() for t in cache.tensors()):
+            super().compress_into(cache, keep)              # a subclass's own compress, or views: the generic path
             return
         b, h = cache.length.shape
         device = cache.k.device
