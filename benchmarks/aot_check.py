@@ -58,9 +58,10 @@ def main() -> int:
                         "HI": "*i64", "KO": f"*{dt}", "VO": f"*{dt}", "LWO": "*fp32"},
                        dict(HEAD_DIM=128, BLOCK_J=32, BLOCK_D=128), ("skd", "svd", "sod")))
         checks.append((f"cosine_match {dt}", cm._cosine_match_kernel,
-                       {"X": f"*{dt}", "Y": f"*{dt}", "VALID": "*i8", "IDX": "*i64", "BEST": "*fp32", "eps": "fp32"},
+                       {"X": f"*{dt}", "Y": f"*{dt}", "YNORM": "*fp32", "VALID": "*i8", "IDX": "*i64", "BEST": "*fp32",
+                        "eps": "fp32"},
                        dict(HEAD_DIM=128, BLOCK_S=32, BLOCK_N=64, BLOCK_D=128, HAS_VALID=True, CHUNKED=True,
-                            EXACT=False), ("sxd", "syd")))
+                            DOT=0), ("sxd", "syd")))
         for gate in (False, True):
             for even in (True, False):
                 checks.append((f"gemv {dt} silu_gate={gate} even={even}", gv._gemv_kernel,

@@ -105,7 +105,7 @@ def part_a(t: int) -> dict:
     configs = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3),
                (128, 128, 8, 2), (128, 128, 8, 3), (128, 32, 4, 3), (64, 32, 4, 3)]
     for bm, bn, w, s in configs:
-        meta = dict(HEAD_DIM=128, WINDOW=0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=128, HAS_SOFTCAP=False, DOT=0, EXP=0,
+        meta = dict(HEAD_DIM=128, WINDOW=0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=128, HAS_SOFTCAP=False, DOT=0,
                     num_warps=w, num_stages=s)
         key = f"bm{bm}_bn{bn}_w{w}_s{s}"
         try:
@@ -116,7 +116,7 @@ def part_a(t: int) -> dict:
         except Exception as e:  # noqa: BLE001
             out[f"{key}_error"] = repr(e)[:300]
     # LSE agreement (base 2 ours vs natural flash)
-    meta = dict(HEAD_DIM=128, WINDOW=0, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, HAS_SOFTCAP=False, DOT=0, EXP=0, num_warps=4,
+    meta = dict(HEAD_DIM=128, WINDOW=0, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, HAS_SOFTCAP=False, DOT=0, num_warps=4,
                 num_stages=2)
     acs._row_lse_kernel[(triton.cdiv(t, 64), 32)](q, k, pad, lse, *args, **meta)
     ours = lse.view(1, 32, t)
