@@ -71,9 +71,21 @@ def gather_slots(t: Tensor, idx: Tensor) -> Tensor:
     ``gather`` with an index expanded over the trailing dimensions (slow on CPU)."""
     b, h, c = t.shape[:3]
     rest = t.shape[3:]
+    return t.reshape(b * h * c, *rest).index_select(0, _flat_slots(idx, b, h, c)).view(b, h, idx.shape[2], *rest)
+
+
+def put_slots(t: Tensor, idx: Tensor, values: Tensor) -> None:
+    """In place, the inverse of ``gather_slots``: t[b, g, idx[b, g, i]] = values[b, g, i]. t: [B, Hkv, C, ...]
+    contiguous; idx: [B, Hkv, K] (distinct within a row); values: [B, Hkv, K, ...]."""
+    b, h, c = t.shape[:3]
+    rest = t.shape[3:]
+    t.view(b * h * c, *rest).index_copy_(0, _flat_slots(idx, b, h, c), values.reshape(-1, *rest))
+
+
+def _flat_slots(idx: Tensor, b: int, h: int, c: int) -> Tensor:
+    """Slot indices idx [B, Hkv, K] of a [B, Hkv, C] layout as indices into its B * Hkv * C flattened slots."""
     base = torch.arange(b * h, device=idx.device).view(b, h, 1) * c
-    flat = (idx.expand(b, h, idx.shape[2]) + base).reshape(-1)
-    return t.reshape(b * h * c, *rest).index_select(0, flat).view(b, h, idx.shape[2], *rest)
+    return (idx.expand(b, h, idx.shape[2]) + base).reshape(-1)
 
 
 _gather_slots = gather_slots

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
-from kvpass.cache import EMPTY, LayerCache, gather_slots, keep_slots
+from kvpass.cache import LayerCache, gather_slots, keep_slots, put_slots
 from kvpass.kernels.cosine_match import cosine_match_reference
 from kvpass.kernels.d2o_evict_one import (
     OneEviction,
@@ -212,36 +212,20 @@ class D2O(Policy):
         """One-in-one-out (capacity keep + 1) as a pure function: the entry ``_pick_one`` chooses is
         evicted, merged into its nearest kept key, and the later slots shift down by one; a shorter
         row is unchanged (its slot keep is empty). O(C D) per row, no sort; returns capacity keep."""
-        b, h, c, d = cache.k.shape
+        c = cache.capacity
         j = torch.arange(c, device=cache.k.device)
         pick = self._pick_one(cache, keep)
-        e, evict = pick.e, pick.valid[..., 0]
-        row0 = torch.arange(b * h, device=e.device).view(b, h, 1) * c         # first slot of each row, flattened
-        # slot i of the output is slot i (before e) or i + 1 (from e on) of the input
-        src = j[:keep] + (j[:keep] >= e)                                       # [B, Hkv, keep]
-        flat_src = (src + row0).reshape(-1)
-
-        def take(t: Tensor) -> Tensor:
-            rest = t.shape[3:]
-            return t.reshape(b * h * c, *rest).index_select(0, flat_src).view(b, h, keep, *rest)
-
-        log_weight = take(cache.log_weight)
-        kept_live = log_weight > EMPTY
-        out = LayerCache(
-            k=take(cache.k), v=take(cache.v), log_weight=log_weight, length=cache.length - evict.long(),
-            position=take(cache.position).masked_fill(~kept_live, -1),
-            slot_meta={name: take(t) * kept_live.reshape(*kept_live.shape, *([1] * (t.dim() - 3))).to(t.dtype)
-                       for name, t in cache.slot_meta.items()},
-            state=dict(cache.state))
+        e = pick.e
+        # slot i of the output is slot i (before e) or i + 1 (from e on) of the input; a row that evicts
+        # nothing has e = C - 1, so it keeps slots [0, keep)
+        out = keep_slots(cache, j[:keep] + (j[:keep] >= e))
         tau = self._update_tau(out.state, pick.u_star, pick.valid)
         merged, w_e, w_self = self._merge_weights(pick.u_star, pick.valid, tau)
         target = pick.nearest - (pick.nearest > e).long()                      # [B, Hkv, 1] in the output's slots
-        flat = (target + row0 // c * keep).reshape(-1)
         for name, s_e in (("k", pick.k_e), ("v", pick.v_e)):
             base = getattr(out, name)
-            into = base.view(b * h * keep, d).index_select(0, flat).view(b, h, 1, d)
-            new = _merged_rows(into, s_e, merged, w_e, w_self, self.d2o_variant)
-            base.view(b * h * keep, d).index_copy_(0, flat, new.view(b * h, d))
+            put_slots(base, target, _merged_rows(gather_slots(base, target), s_e, merged, w_e, w_self,
+                                                 self.d2o_variant))
         return out
 
     def _update_tau(self, state: dict[str, Tensor], u_star: Tensor, valid: Tensor) -> Tensor:

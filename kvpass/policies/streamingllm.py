@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from kvpass.cache import EMPTY, LayerCache, gather_slots, keep_slots
+from kvpass.cache import EMPTY, LayerCache, gather_slots, keep_slots, put_slots
 from kvpass.policies.base import Policy, require
 
 
@@ -78,11 +78,8 @@ class StreamingLLM(Policy):
         real = movers < big                                                  # a real (hole, mover) pair
         dst = torch.where(real, holes, tail[:pairs])                         # else a tail slot onto itself
         src = torch.where(real, movers, tail[:pairs])
-        row0 = (torch.arange(b * h, device=device) * c).view(b, h, 1)
-        flat_dst = (dst + row0).reshape(-1)
         for t in (cache.k, cache.v, cache.log_weight, cache.position, *cache.slot_meta.values()):
-            rows = t.view(b * h * c, *t.shape[3:])
-            rows.index_copy_(0, flat_dst, gather_slots(t, src).reshape(-1, *t.shape[3:]))
+            put_slots(t, dst, gather_slots(t, src))
         cache.log_weight[..., keep:] = EMPTY
         cache.position[..., keep:] = -1
         for t in cache.slot_meta.values():
