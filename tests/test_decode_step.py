@@ -60,6 +60,10 @@ def test_warm_up_restores_what_the_step_advances():
     assert length.tolist() == [0, 0] and written.tolist() == [5.0, 0, 0, 0]
 
 
+# Chelsea compressing every 4 steps by one CSM step (its in-graph form: r_min * middle > interval)
+POLICY_KWARGS = {"chelsea": {"sinks": 4, "recent": 8, "interval": 4, "r_min": 0.1}}
+
+
 @pytest.mark.parametrize("policy, budget", [("full", 1.0), ("streamingllm", 24), ("d2o", 24), ("h2o", 24),
                                             ("snapkv", 24), ("pyramidkv", 24), ("cam", 24), ("chelsea", 100),
                                             ("kvmerger", 24), ("clusterkv", 24), ("quest", 24), ("ems", 40)])
@@ -70,7 +74,7 @@ def test_replayed_generate_matches_eager_with_bounded_captures(monkeypatch, poli
     torch.manual_seed(0)
     model = build_model(TINY_LLAMA, torch.device("cpu"), torch.float32)
     ids = torch.randint(1, TINY_LLAMA["vocab_size"], (2, {"chelsea": 200, "ems": 80}.get(policy, 40)))
-    kv = kvpass.apply(model, policy=policy, budget=budget)
+    kv = kvpass.apply(model, policy=policy, budget=budget, **POLICY_KWARGS.get(policy, {}))
     want = kv.generate(ids, max_new_tokens=24, do_sample=False)
     eager_compressions = kv.last_report.compressions
     monkeypatch.setattr(ds, "graphs_enabled", lambda device: True)
@@ -80,8 +84,8 @@ def test_replayed_generate_matches_eager_with_bounded_captures(monkeypatch, poli
     assert kv.last_report.compressions == eager_compressions
     variants = 1 + (kv.last_report.compressions > 0)
     assert kv.decode_step.captures <= variants + 1
-    if policy in ("streamingllm", "d2o"):
-        assert kv.last_report.compressions > (20 if policy == "d2o" else 1)
+    if policy in ("streamingllm", "d2o", "chelsea"):                   # decode-time compressions too
+        assert kv.last_report.compressions > {"d2o": 20, "chelsea": 8}.get(policy, 1)
     before = kv.decode_step.captures
     kv.generate(ids[:1], max_new_tokens=3, do_sample=False)              # new buffers: new captures
     assert kv.decode_step.captures > before
@@ -89,14 +93,15 @@ def test_replayed_generate_matches_eager_with_bounded_captures(monkeypatch, poli
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("policy, budget", [("d2o", 24), ("h2o", 24), ("streamingllm", 24), ("snapkv", 24)])
+@pytest.mark.parametrize("policy, budget", [("d2o", 24), ("h2o", 24), ("streamingllm", 24), ("snapkv", 24),
+                                            ("chelsea", 100)])
 def test_cuda_graph_decode_with_compression_matches_eager(policy, budget):
     """On CUDA: the replayed steps (compression inside the graph) give the eager tokens, and the number
     of captures stays bounded (one per step variant, not one per token)."""
     torch.manual_seed(0)
     model = build_model(TINY_LLAMA, torch.device("cuda"), torch.float32)
-    ids = torch.randint(1, TINY_LLAMA["vocab_size"], (2, 40), device="cuda")
-    kv = kvpass.apply(model, policy=policy, budget=budget)
+    ids = torch.randint(1, TINY_LLAMA["vocab_size"], (2, 200 if policy == "chelsea" else 40), device="cuda")
+    kv = kvpass.apply(model, policy=policy, budget=budget, **POLICY_KWARGS.get(policy, {}))
     kv.decode_step.enabled = False
     want = kv.generate(ids, max_new_tokens=32, do_sample=False)
     kv.decode_step = StaticDecodeStep()

@@ -13,6 +13,7 @@ import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
 from kvpass.cache import EMPTY, LayerCache, keep_slots, load_into, with_capacity
 from kvpass.policies.base import Policy, require
 from kvpass.policies.calibration import Calibration, load_calibration
+from kvpass.policies.selection import ordered_slots
 
 if TYPE_CHECKING:
     from kvpass.rewrites import AttentionSite
@@ -26,7 +27,8 @@ class CSMPlan:
 
     sim: [B, Hkv, E] fp32 best cosine of each A-set entry (-inf where it has no edge); src, dst:
     [B, Hkv, E] int64 slot of the A-set entry and of its B-set partner; n_rm: [B, Hkv] int64 edges
-    kept; target: [B, Hkv, C] int64 slot each entry merges into (itself when it is not merged)."""
+    kept; target: [B, Hkv, C] int64 slot each entry merges into, -1 where it is not merged (the
+    ``kvpass::merge_weighted`` convention)."""
 
     sim: Tensor
     src: Tensor
@@ -43,7 +45,7 @@ class Chelsea(Policy):
     chunks of ``chunk`` entries, A-set = even local indices, B-set = odd ones (§1.5 step 2); each
     A-set entry draws an edge to its most cosine-similar B-set entry of its chunk; the n_rm = min(
     floor(r M), s - keep, edges) globally best edges are kept and every such A-set entry merges into
-    its partner by the degree-weighted mean (§1.6, ``kvpass::merge_entries``), the merged entry
+    its partner by the degree-weighted mean (§1.6, ``kvpass::merge_weighted``), the merged entry
     taking the partner's place. The degree N lives in the cache's log-weight (log N), which the dense
     decode op adds to the logits (§1.8). r follows r_i = max(r_init - alpha * min(m, i), r_min) with
     i a per-row step counter shared by prefill and decode (§1.7, [OURS] global). Clustering re-runs
@@ -102,50 +104,42 @@ class Chelsea(Policy):
 
     def plan(self, cache: LayerCache, keep: int, step: Tensor) -> CSMPlan:
         """The merges of one CSM step (§1.5, §1.7) for every row holding more than ``keep`` entries."""
-        b, hkv, c_slots, d = cache.k.shape
+        b, hkv, c_slots, _ = cache.k.shape
         n1, n2, c = self.sinks, self.recent, self.chunk
         s = cache.length                                                      # [B, Hkv]
+        device = cache.k.device
         n_chunks = max(-(-(c_slots - n1) // c), 1)
-        span = n_chunks * c
-        x = cache.k[:, :, n1:n1 + span].float()
-        x = torch.nn.functional.pad(x, (0, 0, 0, span - x.shape[2]))           # [B, Hkv, span, D]
-        slot = n1 + torch.arange(span, device=x.device)                       # [span]
-        middle = slot < (s - n2)[..., None]                                   # [B, Hkv, span]
-        x = x.reshape(b, hkv, n_chunks, c, d)
-        mid = middle.reshape(b, hkv, n_chunks, c)
-        a, bset = x[..., 0::2, :], x[..., 1::2, :]                            # [B, Hkv, n_chunks, c/2, D]
-        norm_a, norm_b = a.norm(dim=-1), bset.norm(dim=-1)
-        cos = a @ bset.transpose(-1, -2) / (norm_a[..., :, None] * norm_b[..., None, :] + 1e-6)
-        cos = cos.masked_fill(~mid[..., None, 1::2], EMPTY)                   # only B-set entries of the middle
-        sim, arg = cos.max(dim=-1)                                            # ties: lowest index
-        sim = sim.masked_fill(~mid[..., 0::2], EMPTY).reshape(b, hkv, -1)     # [B, Hkv, E]
-        base = (n1 + c * torch.arange(n_chunks, device=x.device))[:, None]    # [n_chunks, 1]
-        src = (base + 2 * torch.arange(a.shape[3], device=x.device)).reshape(-1).expand_as(sim)
-        dst = (base[None, None] + 2 * arg + 1).reshape(b, hkv, -1)
+        slot = (n1 + torch.arange(n_chunks * c, device=device)).view(n_chunks, c)
+        a_slot, b_slot = slot[:, 0::2].reshape(-1), slot[:, 1::2].reshape(-1)  # even / odd local indices
+        a_mid, b_mid = (sl < (s - n2)[..., None] for sl in (a_slot, b_slot))    # [B, Hkv, E]: in the middle
+        a_k, b_k = (cache.k.index_select(2, sl.clamp(max=c_slots - 1)) for sl in (a_slot, b_slot))
+        # each A-set entry's most cosine-similar middle B-set entry of its chunk (ties: lowest index)
+        arg, sim = torch.ops.kvpass.cosine_match(a_k, b_k, b_mid, (c + 1) // 2, c // 2)
+        sim = sim.masked_fill(~a_mid, EMPTY)                                  # [B, Hkv, E]
+        src = a_slot.expand_as(sim)
+        dst = b_slot[arg.clamp(min=0)]
         n_avail = torch.isfinite(sim).sum(-1)
         mid_len = (s - n1 - n2).clamp(min=0)
         n_rm = torch.minimum(torch.floor(self.ratio(step) * mid_len).long(), (s - keep).clamp(min=0))
         n_rm = torch.minimum(n_rm.clamp(min=1), n_avail).masked_fill(s <= keep, 0)
         order = torch.sort(sim, dim=-1, descending=True, stable=True).indices
-        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(sim.shape[-1], device=x.device).expand_as(order))
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(sim.shape[-1], device=device).expand_as(order))
         chosen = (rank < n_rm[..., None]) & torch.isfinite(sim)
-        target = torch.arange(max(c_slots, n1 + span), device=x.device).repeat(b, hkv, 1)
-        target = target.scatter(2, src, torch.where(chosen, dst, src))[..., :c_slots]   # src are distinct
+        target = torch.full((b, hkv, max(c_slots, n1 + n_chunks * c)), -1, dtype=torch.long, device=device)
+        target = target.scatter(2, src, torch.where(chosen, dst, -1))[..., :c_slots]   # src are distinct
         return CSMPlan(sim=sim, src=src, dst=dst, n_rm=n_rm, target=target)
 
     def step(self, cache: LayerCache, keep: int, step: Tensor) -> tuple[LayerCache, Tensor]:
         """One CSM step: merge the planned edges and drop the merged A-set entries. Returns the new
         cache (same capacity) and the rows that stepped [B, Hkv] bool."""
         plan = self.plan(cache, keep, step)
-        k, v, log_weight = torch.ops.kvpass.merge_entries(cache.k, cache.v, cache.log_weight.exp(),
-                                                           cache.log_weight, plan.target)
-        slots = torch.arange(cache.capacity, device=k.device)
-        gone = plan.target != slots                                           # merged away
-        log_weight = log_weight.masked_fill(gone, EMPTY)
+        # degree-weighted means (w = N = exp(log_weight)); log_weight' = log of the summed degrees, merged
+        # A-set entries emptied (-inf)
+        k, v, log_weight = torch.ops.kvpass.merge_weighted(cache.k, cache.v, cache.log_weight.exp(), plan.target)
         merged = LayerCache(k=k, v=v, log_weight=log_weight, length=cache.length, position=cache.position,
                             slot_meta=cache.slot_meta, state=cache.state)
-        idx = torch.sort((log_weight == EMPTY).to(torch.int8), dim=-1, stable=True).indices  # live first, in order
-        return keep_slots(merged, idx), plan.n_rm > 0
+        live_first = ordered_slots(log_weight > EMPTY, cache.capacity)        # live first, in sequence order
+        return keep_slots(merged, live_first), plan.n_rm > 0
 
     def compress(self, cache: LayerCache, keep: int) -> LayerCache:
         """cache: [B, Hkv, C, ...] -> rows of at most ``keep`` entries (capacity max(keep, ...)),
