@@ -10,11 +10,14 @@ j = target[i]. With sources I_j = {i : target[i] = j}:
 so a kept slot with no sources keeps its K/V and gets log(w_j); a kept slot whose total weight is 0
 keeps its K/V (and log_weight' = -inf). ``w`` is the merge weight of each slot (Chelsea: the
 degree N = exp(log_weight); D2O: its similarity weights; an empty slot: 0). The caller then drops
-the emptied slots with ``cache.keep_slots``. Precondition (not checked: it would synchronise):
-every target t >= 0 is < C and is itself kept (target[t] = -1).
+the emptied slots with ``cache.keep_slots``, or passes ``place``, a permutation of each row's slots:
+slot j's output row is written to row place[j] (Chelsea packs the live entries first, in order, in
+the same pass). Precondition (not checked: it would synchronise): every target t >= 0 is < C and is
+itself kept (target[t] = -1); place, where given, is a permutation of [0, C) in every row.
 
 Shapes: k, v: [B, Hkv, C, D] (any float dtype); w: [B, Hkv, C] float32; target: [B, Hkv, C] int32 or
-int64, -1 = keep. Returns k', v' (dtype of k, v) and log_weight' [B, Hkv, C] float32.
+int64, -1 = keep; place: [B, Hkv, C] int64 or None (= the identity). Returns k', v' (dtype of k, v)
+and log_weight' [B, Hkv, C] float32, each row j of them at place[j].
 Traffic: reads 2*B*Hkv*C*D elements, writes the same; compute is negligible.
 
 Triton path: a stable sort of the targets (torch) gives each kept slot its sources as one
@@ -31,7 +34,8 @@ from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_
 from torch import Tensor
 
 
-def merge_weighted_reference(k: Tensor, v: Tensor, w: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def merge_weighted_reference(k: Tensor, v: Tensor, w: Tensor, target: Tensor,
+                             place: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     acc = torch.float64 if k.dtype == torch.float64 else torch.float32
     keep = target < 0
     dst = torch.where(keep, torch.arange(k.shape[2], device=k.device), target.long())   # a kept slot is its own target
@@ -45,7 +49,11 @@ def merge_weighted_reference(k: Tensor, v: Tensor, w: Tensor, target: Tensor) ->
     k_out = torch.where(ok, ks / denom, k.to(acc)).to(k.dtype)
     v_out = torch.where(ok, vs / denom, v.to(acc)).to(v.dtype)
     log_weight = torch.where(keep, total.log(), float("-inf")).float()
-    return k_out, v_out, log_weight
+    if place is None:
+        return k_out, v_out, log_weight
+    rows = place[..., None].expand_as(k_out)
+    return (torch.empty_like(k_out).scatter_(2, rows, k_out), torch.empty_like(v_out).scatter_(2, rows, v_out),
+            torch.empty_like(log_weight).scatter_(2, place, log_weight))
 
 
 # --------------------------------------------------------------------------------------- Triton
@@ -53,14 +61,15 @@ def merge_weighted_reference(k: Tensor, v: Tensor, w: Tensor, target: Tensor) ->
 # kept slots last since their key is C), so the sources of target j are order[seg_lo[j]:seg_hi[j]].
 #     acc_j = w_j x_j + sum_{r < seg_hi[j] - seg_lo[j]} w_{order[seg_lo[j] + r]} x_{order[seg_lo[j] + r]}
 #     tot_j = w_j + sum_r w_{...};   x'_j = acc_j / tot_j  (x_j if tot_j = 0);   lw'_j = log tot_j
-# The loop runs to the longest segment of the block; shorter segments are masked.
+# stored at row place[j] (j without PLACE). The loop runs to the longest segment of the block; shorter
+# segments are masked.
 
 @triton.jit
 def _merge_weighted_kernel(
-    K, V, W, TGT, ORDER, LO, HI, KO, VO, LWO,
+    K, V, W, TGT, ORDER, LO, HI, PLACE, KO, VO, LWO,
     skb, skh, skc, skd, svb, svh, svc, svd, sob, soh, soc, sod,
     HKV, C,
-    HEAD_DIM: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr, HAS_PLACE: tl.constexpr,
 ):
     pid_bg = tl.program_id(0)
     b = (pid_bg // HKV).to(tl.int64)
@@ -97,15 +106,18 @@ def _merge_weighted_kernel(
     denom = tl.where(ok, tot, 1.0)[:, None]
     k_out = tl.where(ok[:, None], k_acc / denom, k_self.to(tl.float32))
     v_out = tl.where(ok[:, None], v_acc / denom, v_self.to(tl.float32))
-    o_off = b * sob + g * soh + offs_j[:, None] * soc + offs_d[None, :] * sod
+    out_j = offs_j
+    if HAS_PLACE:
+        out_j = tl.load(PLACE + row + offs_j, mask=j_mask, other=0)
+    o_off = b * sob + g * soh + out_j[:, None] * soc + offs_d[None, :] * sod
     tl.store(KO + o_off, k_out.to(KO.dtype.element_ty), mask=mask2)
     tl.store(VO + o_off, v_out.to(VO.dtype.element_ty), mask=mask2)
     if tl.program_id(2) == 0:
         lw = tl.where(keep & (tot > 0.0), tl.log(tl.where(tot > 0.0, tot, 1.0)), float("-inf"))
-        tl.store(LWO + row + offs_j, lw, mask=j_mask)
+        tl.store(LWO + row + out_j, lw, mask=j_mask)
 
 
-def check_merge_inputs(k: Tensor, v: Tensor, w: Tensor, target: Tensor) -> None:
+def check_merge_inputs(k: Tensor, v: Tensor, w: Tensor, target: Tensor, place: Tensor | None = None) -> None:
     """ValueError naming the tensor, the expected and the actual shape/dtype."""
     if k.dim() != 4:
         raise ValueError(f"k must be [B, Hkv, C, D], got shape {tuple(k.shape)}")
@@ -118,16 +130,18 @@ def check_merge_inputs(k: Tensor, v: Tensor, w: Tensor, target: Tensor) -> None:
     if tuple(target.shape) != tuple(k.shape[:3]) or target.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"target must be int32/int64 [B, Hkv, C] = {tuple(k.shape[:3])}, "
                          f"got {target.dtype} {tuple(target.shape)}")
-    for name, x in (("k", k), ("v", v), ("w", w), ("target", target)):
+    if place is not None and (tuple(place.shape) != tuple(k.shape[:3]) or place.dtype != torch.int64):
+        raise ValueError(f"place must be int64 [B, Hkv, C] = {tuple(k.shape[:3])}, got {place.dtype} {tuple(place.shape)}")
+    for name, x in (("k", k), ("v", v), ("w", w), ("target", target)) + ((("place", place),) if place is not None else ()):
         check_device(name, x, k.device)
 
 
-def merge_weighted_triton(k: Tensor, v: Tensor, w: Tensor, target: Tensor, *,
+def merge_weighted_triton(k: Tensor, v: Tensor, w: Tensor, target: Tensor, place: Tensor | None = None, *,
                           block_j: int = 32) -> tuple[Tensor, Tensor, Tensor]:
     """The Triton merge (same contract as ``merge_weighted_reference``); each program loops to the
     longest source segment among its BLOCK_J targets."""
     require_triton()
-    check_merge_inputs(k, v, w, target)
+    check_merge_inputs(k, v, w, target, place)
     b, hkv, c, d = k.shape
     key = torch.where(target < 0, c, target.long())                       # kept slots sort last
     _, order = torch.sort(key, dim=-1, stable=True)
@@ -141,23 +155,25 @@ def merge_weighted_triton(k: Tensor, v: Tensor, w: Tensor, target: Tensor, *,
     block_d = min(128, max(16, next_pow2(d)))
     grid = (b * hkv, triton.cdiv(c, block_j), triton.cdiv(d, block_d))
     _merge_weighted_kernel[grid](
-        k, v, w.contiguous(), target.contiguous(), order.contiguous(), lo, hi, k_out, v_out, lw,
+        k, v, w.contiguous(), target.contiguous(), order.contiguous(), lo, hi,
+        place.contiguous() if place is not None else lo, k_out, v_out, lw,
         *k.stride(), *v.stride(), *k_out.stride(), hkv, c,
-        HEAD_DIM=d, BLOCK_J=block_j, BLOCK_D=block_d, num_warps=4)
+        HEAD_DIM=d, BLOCK_J=block_j, BLOCK_D=block_d, HAS_PLACE=place is not None, num_warps=4)
     return k_out, v_out, lw
 
 
 @torch.library.custom_op("kvpass::merge_weighted", mutates_args=())
-def merge_weighted(k: Tensor, v: Tensor, w: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    return merge_weighted_reference(k, v, w, target)
+def merge_weighted(k: Tensor, v: Tensor, w: Tensor, target: Tensor,
+                   place: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    return merge_weighted_reference(k, v, w, target, place)
 
 
 @merge_weighted.register_fake
-def _(k, v, w, target):
+def _(k, v, w, target, place=None):
     return torch.empty_like(k), torch.empty_like(v), torch.empty_like(w)
 
 
 if HAS_TRITON:
     @merge_weighted.register_kernel("cuda")
-    def _(k, v, w, target):
-        return merge_weighted_triton(k, v, w, target)
+    def _(k, v, w, target, place=None):
+        return merge_weighted_triton(k, v, w, target, place)

@@ -91,17 +91,20 @@ def _flat_slots(idx: Tensor, b: int, h: int, c: int) -> Tensor:
 _gather_slots = gather_slots
 
 
-def keep_slots(cache: LayerCache, idx: Tensor) -> LayerCache:
+def keep_slots(cache: LayerCache, idx: Tensor, gathered: tuple[Tensor, Tensor, Tensor] | None = None) -> LayerCache:
     """Keep the slots ``idx`` [B, Hkv, K] (int64, ascending, so sequence order is kept) and drop the
     rest. Indices may point at empty slots (rows with fewer than K live entries): those stay empty
-    and, being ascending, come last. Returns a cache of capacity K; state is carried unchanged."""
-    log_weight = _gather_slots(cache.log_weight, idx)
+    and, being ascending, come last. Returns a cache of capacity K; state is carried unchanged.
+    ``gathered``: k, v, log_weight already in the new slot order (a kernel wrote them there), so only
+    the other slot metadata is gathered."""
+    k, v, log_weight = gathered if gathered is not None else (
+        _gather_slots(cache.k, idx), _gather_slots(cache.v, idx), _gather_slots(cache.log_weight, idx))
     live = log_weight > EMPTY
     position = _gather_slots(cache.position, idx).masked_fill(~live, -1)
     meta = {name: _gather_slots(t, idx) * live.reshape(*live.shape, *([1] * (t.dim() - 3))).to(t.dtype)
             for name, t in cache.slot_meta.items()}
-    return LayerCache(k=_gather_slots(cache.k, idx), v=_gather_slots(cache.v, idx), log_weight=log_weight,
-                      length=live.sum(-1), position=position, slot_meta=meta, state=dict(cache.state))
+    return LayerCache(k=k, v=v, log_weight=log_weight, length=live.sum(-1), position=position, slot_meta=meta,
+                      state=dict(cache.state))
 
 
 def with_capacity(cache: LayerCache, capacity: int) -> LayerCache:

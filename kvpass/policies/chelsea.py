@@ -13,7 +13,7 @@ import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
 from kvpass.cache import EMPTY, LayerCache, keep_slots, load_into, with_capacity
 from kvpass.policies.base import Policy, require
 from kvpass.policies.calibration import Calibration, load_calibration
-from kvpass.policies.selection import ordered_slots
+from kvpass.policies.selection import slot_places
 
 if TYPE_CHECKING:
     from kvpass.rewrites import AttentionSite
@@ -122,9 +122,7 @@ class Chelsea(Policy):
         mid_len = (s - n1 - n2).clamp(min=0)
         n_rm = torch.minimum(torch.floor(self.ratio(step) * mid_len).long(), (s - keep).clamp(min=0))
         n_rm = torch.minimum(n_rm.clamp(min=1), n_avail).masked_fill(s <= keep, 0)
-        order = torch.sort(sim, dim=-1, descending=True, stable=True).indices
-        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(sim.shape[-1], device=device).expand_as(order))
-        chosen = (rank < n_rm[..., None]) & torch.isfinite(sim)
+        chosen = best_edges(sim, n_rm, c_slots - keep)                       # n_rm <= s - keep <= C - keep
         target = torch.full((b, hkv, max(c_slots, n1 + n_chunks * c)), -1, dtype=torch.long, device=device)
         target = target.scatter(2, src, torch.where(chosen, dst, -1))[..., :c_slots]   # src are distinct
         return CSMPlan(sim=sim, src=src, dst=dst, n_rm=n_rm, target=target)
@@ -133,13 +131,14 @@ class Chelsea(Policy):
         """One CSM step: merge the planned edges and drop the merged A-set entries. Returns the new
         cache (same capacity) and the rows that stepped [B, Hkv] bool."""
         plan = self.plan(cache, keep, step)
-        # degree-weighted means (w = N = exp(log_weight)); log_weight' = log of the summed degrees, merged
-        # A-set entries emptied (-inf)
-        k, v, log_weight = torch.ops.kvpass.merge_weighted(cache.k, cache.v, cache.log_weight.exp(), plan.target)
-        merged = LayerCache(k=k, v=v, log_weight=log_weight, length=cache.length, position=cache.position,
-                            slot_meta=cache.slot_meta, state=cache.state)
-        live_first = ordered_slots(log_weight > EMPTY, cache.capacity)        # live first, in sequence order
-        return keep_slots(merged, live_first), plan.n_rm > 0
+        live = cache.live & (plan.target < 0)                                 # what stays: live, not merged away
+        place = slot_places(live)                                             # live first, in sequence order
+        # degree-weighted means (w = N = exp(log_weight)), log_weight' = log of the summed degrees, every
+        # slot's row written at its place in the same pass
+        merged = torch.ops.kvpass.merge_weighted(cache.k, cache.v, cache.log_weight.exp(), plan.target, place)
+        j = torch.arange(cache.capacity, device=place.device).expand_as(place)
+        idx = torch.empty_like(place).scatter(-1, place, j)                   # slot i holds the entry of idx[i]
+        return keep_slots(cache, idx, gathered=merged), plan.n_rm > 0
 
     def compress(self, cache: LayerCache, keep: int) -> LayerCache:
         """cache: [B, Hkv, C, ...] -> rows of at most ``keep`` entries (capacity max(keep, ...)),
@@ -177,3 +176,20 @@ class Chelsea(Policy):
         out, stepped = self.step(cache, keep, step)
         out.state = {**cache.state, STEP: step + stepped.long()}
         load_into(cache, out)
+
+
+def best_edges(sim: Tensor, n_rm: Tensor, bound: int) -> Tensor:
+    """Each row's ``n_rm`` highest finite similarities (ties: the lowest index), as a stable descending
+    sort would pick them. sim: [B, Hkv, E] fp32 (-inf: no edge); n_rm: [B, Hkv] int64, at most ``bound``.
+    Returns chosen [B, Hkv, E] bool.
+
+    One top-k of ``min(bound, E)`` over a key unique per entry (the float's order-preserving integer in
+    the high 32 bits, the reversed index in the low 32): a decode step, whose bound is the interval,
+    selects a few dozen of thousands of edges without sorting them all."""
+    e = sim.shape[-1]
+    bits = (sim + 0.0).view(torch.int32)                                      # + 0.0: -0 becomes +0
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()          # negative floats: reversed order
+    key = (ordered << 32) + (2**32 - 1 - torch.arange(e, device=sim.device))
+    top = key.topk(max(min(bound, e), 0), dim=-1).indices                    # descending
+    in_rank = torch.arange(top.shape[-1], device=sim.device) < n_rm[..., None]
+    return torch.zeros_like(sim, dtype=torch.bool).scatter(-1, top, in_rank) & torch.isfinite(sim)

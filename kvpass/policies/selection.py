@@ -33,16 +33,22 @@ def select_kept(score: Tensor, length: Tensor, keep: int, sinks: int, recent: in
     return (short & live) | (~short & kept)
 
 
+def slot_places(mask: Tensor) -> Tensor:
+    """Where each slot goes when a row's set slots are packed first, ascending, and its unset slots after
+    them, ascending: mask [B, Hkv, C] bool -> place [B, Hkv, C] int64, a permutation of each row.
+    Slot j goes to cumsum(mask)[j] - 1 if set, n_set + (j - cumsum(mask)[j]) if not: one CumSum, no sort."""
+    set_rank = mask.long().cumsum(-1) - 1
+    j = torch.arange(mask.shape[-1], device=mask.device)
+    return torch.where(mask, set_rank, set_rank[..., -1:] + j - set_rank)
+
+
 def ordered_slots(mask: Tensor, count: int) -> Tensor:
     """The first ``count`` slots of each row with ``mask`` set, ascending, then the unset slots
     ascending (so rows with fewer set slots continue with slots the caller treats as invalid).
     mask: [B, Hkv, C] bool -> [B, Hkv, count] int64."""
-    # No sort: slot j goes to place cumsum(mask)[j] - 1 if set, n_set + cumsum(~mask)[j] - 1 if not (a
-    # permutation); its inverse is one scatter. O(C), and in ONNX a CumSum and a ScatterElements
-    # without reduction instead of a TopK over all C slots (which TensorRT caps at K < 3840).
-    set_rank = mask.long().cumsum(-1) - 1
-    unset_rank = (~mask).long().cumsum(-1) - 1
-    place = torch.where(mask, set_rank, set_rank[..., -1:] + 1 + unset_rank)
+    # No sort: the inverse of ``slot_places`` is one scatter. O(C), and in ONNX a CumSum and a
+    # ScatterElements without reduction instead of a TopK over all C slots (which TensorRT caps at K < 3840).
+    place = slot_places(mask)
     j = torch.arange(mask.shape[-1], device=mask.device).expand_as(place)
     return torch.empty_like(place).scatter(-1, place, j)[..., :count]
 

@@ -11,7 +11,7 @@ from kvpass.kernels import decode_attention_reference, merge_entries_reference
 
 import kvpass
 from kvpass.cache import EMPTY, LayerCache, with_capacity
-from kvpass.policies.chelsea import Chelsea
+from kvpass.policies.chelsea import Chelsea, best_edges
 from tests.policies.merging_support import ARCHS, full_output, prompt, tiny_model
 
 
@@ -92,6 +92,19 @@ def test_csm_step_matches_reference(chunk):
             got = {j: int(plan.target[b, h, j]) for j in range(30) if int(plan.target[b, h, j]) >= 0}
             assert got == want
             assert int(plan.n_rm[b, h]) == len(want) > 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_best_edges_pick_what_a_stable_sort_picks(seed):
+    """Ties (values drawn from a few), -0.0 and -inf (no edge) included, every n_rm up to the bound."""
+    g = torch.Generator().manual_seed(seed)
+    sim = torch.tensor([-1.0, -0.5, -0.0, 0.0, 0.25, 0.9, float("-inf")])[torch.randint(0, 7, (2, 3, 40), generator=g)]
+    n_rm = torch.randint(0, 13, (2, 3), generator=g)
+    order = torch.sort(sim, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(40).expand_as(order))
+    want = (rank < n_rm[..., None]) & torch.isfinite(sim)
+    assert torch.equal(best_edges(sim, n_rm, 12), want)
+    assert not best_edges(sim, n_rm, 0).any()
 
 
 def test_compress_merges_degree_weighted_and_keeps_order():
