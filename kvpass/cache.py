@@ -107,12 +107,12 @@ def keep_slots(cache: LayerCache, idx: Tensor, gathered: tuple[Tensor, Tensor, T
                       state=dict(cache.state))
 
 
-def with_capacity(cache: LayerCache, capacity: int) -> LayerCache:
+def with_capacity(cache: LayerCache, capacity: int, check: bool = True) -> LayerCache:
     """The same entries in buffers of ``capacity`` slots (padding with empty slots, or cutting empty
-    ones). Raises if a live entry would be cut."""
+    ones). Raises if a live entry would be cut; ``check=False``: the caller knows none is (no device sync)."""
     c = cache.capacity
     if capacity < c:
-        if bool((cache.length > capacity).any()):
+        if check and bool((cache.length > capacity).any()):
             raise ValueError(f"cannot shrink a cache holding {int(cache.length.max())} entries to {capacity} slots")
         idx = torch.arange(capacity, device=cache.k.device).expand(*cache.length.shape, capacity)
         return keep_slots(cache, idx)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
@@ -146,11 +147,29 @@ class Chelsea(Policy):
         b, hkv = cache.length.shape
         step = cache.state.get(STEP, torch.zeros(b, hkv, dtype=torch.long, device=cache.k.device))
         require(keep >= self.min_budget(), f"chelsea: keep={keep} is below sinks + recent + 1 = {self.min_budget()}")
-        while bool((cache.length > keep).any()):
+        # one read of the lengths and step counters, then no sync: the steps the loop takes are known
+        lengths, counters = torch.stack([cache.length, step]).flatten(1).tolist()
+        n_steps = max((self.steps_to_budget(n, i, keep) for n, i in zip(lengths, counters, strict=True)), default=0)
+        for _ in range(n_steps):
             cache, stepped = self.step(cache, keep, step)
             step = step + stepped.long()
         cache.state = {**cache.state, STEP: step}
-        return with_capacity(cache, max(keep, int(cache.length.max())))
+        return with_capacity(cache, keep, check=False)                       # every row holds <= keep now
+
+    def steps_to_budget(self, length: int, step: int, keep: int) -> int:
+        """CSM steps a row of ``length`` entries at step counter ``step`` takes to hold at most ``keep``: ``plan``'s
+        n_rm = min(max(floor(r mid), 1), s - keep, n_avail) replayed on the host, in the same float64 arithmetic,
+        with n_avail = the middle's A-set entries that have a B-set entry in their chunk (every A-set entry has
+        a finite cosine to each of those). keep >= sinks + recent + 1, so a row over budget always removes one."""
+        n = 0
+        while length > keep:
+            mid = length - self.sinks - self.recent
+            r = min(max(self.r_init - self.alpha * float(min(step, self.m)), self.r_min), 0.5)
+            full, rest = divmod(mid, self.chunk)
+            avail = full * ((self.chunk + 1) // 2) + ((rest + 1) // 2 if rest >= 2 else 0)
+            length -= min(max(math.floor(r * mid), 1), length - keep, avail)
+            step, n = step + 1, n + 1
+        return n
 
     def one_step_suffices(self, capacity: int, keep: int) -> bool:
         """Whether one CSM step brings every row of a ``capacity``-slot cache down to ``keep`` entries (a

@@ -124,6 +124,26 @@ def test_compress_merges_degree_weighted_and_keeps_order():
     assert int(out.state["chelsea_step"][0, 0]) == 1
 
 
+@pytest.mark.parametrize("chunk, r_init, alpha, m, seed", [(4, 0.45, 0.05, 3, 0), (5, 0.3, 0.1, 2, 1), (16, 0.5, 0.0, 0, 2),
+                                                          (7, 0.2, 0.1, 2, 3)])
+def test_steps_to_budget_replays_the_device_loop(chunk, r_init, alpha, m, seed):
+    """``compress`` runs ``steps_to_budget`` steps without asking the device: per row, the host replay takes
+    as many steps as the rows' own CSM steps (run here one at a time, reading back after each) that remove
+    entries, and the longest row's count is where every row is within budget."""
+    pol = Chelsea(sinks=2, recent=3, chunk=chunk, r_init=r_init, alpha=alpha, m=m, r_min=0.05)
+    g = torch.Generator().manual_seed(seed)
+    keep = 12
+    lengths = torch.randint(6, 61, (2, 3), generator=g).tolist()
+    cache = random_cache(2, 3, 60, 4, lengths, seed=seed)
+    step = torch.randint(0, 5, (2, 3), generator=g)
+    want = [[pol.steps_to_budget(lengths[b][h], int(step[b, h]), keep) for h in range(3)] for b in range(2)]
+    took = torch.zeros(2, 3, dtype=torch.long)
+    while bool((cache.length > keep).any()):
+        cache, stepped = pol.step(cache, keep, step)
+        step, took = step + stepped.long(), took + stepped.long()
+    assert took.tolist() == want and max(map(max, want)) > 1
+
+
 def test_schedule_clamps_to_r_min():
     pol = Chelsea(r_init=0.2, alpha=0.1, m=2)                       # the Qwen2 schedule of §1.2
     r = pol.ratio(torch.arange(5)).tolist()
