@@ -203,6 +203,20 @@ def concat_rows(caches: list[LayerCache]) -> LayerCache:
         state={n: cat(n, [c.state[n] for c in caches]) for n in first.state})
 
 
+def split_rows(cache: LayerCache, n: int) -> list[LayerCache]:
+    """The inverse of ``concat_rows`` for ``n`` caches of equal batch: [n B, ...] -> n caches [B, ...], views of
+    ``cache``'s tensors (state split alike: every state tensor is per batch row)."""
+    b = cache.length.shape[0]
+    if b % n:
+        raise ValueError(f"cannot split {b} batch rows into {n} equal caches")
+    part = lambda t: t.split(b // n, dim=0)          # noqa: E731
+    cols = {f: part(getattr(cache, f)) for f in ("k", "v", "log_weight", "length", "position")}
+    meta = {name: part(t) for name, t in cache.slot_meta.items()}
+    state = {name: part(t) for name, t in cache.state.items()}
+    return [LayerCache(**{f: ts[i] for f, ts in cols.items()}, slot_meta={name: ts[i] for name, ts in meta.items()},
+                       state={name: ts[i] for name, ts in state.items()}) for i in range(n)]
+
+
 def select_heads(cache: LayerCache, heads: Sequence[int]) -> LayerCache:
     """The KV heads ``heads`` (ascending) of a cache: [B, Hkv, C, ...] -> [B, len(heads), C, ...] for K, V,
     log-weights, lengths, positions and slot metadata; state (per layer or per query head) is carried

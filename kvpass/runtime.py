@@ -31,6 +31,7 @@ from kvpass.cache import (
     load_into,
     ring_from_prompt,
     select_heads,
+    split_rows,
     with_capacity,
 )
 from kvpass.decode_step import StaticDecodeStep, fork_side_by_side, join_pending
@@ -129,6 +130,39 @@ class _Layer:
 
     def caches(self) -> list[LayerCache]:
         return [self.cache] if self.full is None else [self.cache, self.full]
+
+
+# A stacked group's K holds at most this many elements (the kernels' offsets stay within int32), and its
+# caches at most this many bytes: its compression's temporaries are a few times that, on top of the prompt.
+STACK_ELEMENTS = 2**30
+STACK_BYTES = 2**30
+
+
+def _layout(cache: LayerCache) -> tuple:
+    """What caches must share to be stacked by rows: K's shape and dtype, metadata names and shapes."""
+    return (tuple(cache.k.shape), cache.k.dtype, tuple((n, tuple(t.shape)) for n, t in cache.slot_meta.items()),
+            tuple((n, tuple(t.shape)) for n, t in cache.state.items()))
+
+
+def stacked_groups(layers: Sequence[_Layer], stack: bool, spare_bytes: int | None) -> list[list[_Layer]]:
+    """The layers to compress together, in order of first appearance: with ``stack``, layers of one budget
+    and cache layout whose state is per batch row, each group's K at most ``STACK_ELEMENTS`` elements and
+    its caches at most ``STACK_BYTES`` and (``spare_bytes`` given) an eighth of those bytes (room for the
+    stacked copy and the compression's temporaries); every other layer alone."""
+    groups: dict[tuple, list[list[_Layer]]] = {}
+    for lay in layers:
+        b = lay.cache.length.shape[0]
+        if not stack or any(t.dim() == 0 or t.shape[0] != b for t in lay.cache.state.values()):
+            groups[("alone", id(lay))] = [[lay]]
+            continue
+        runs = groups.setdefault((lay.budget, _layout(lay.cache)), [[]])
+        cap = min(STACK_ELEMENTS // lay.cache.k.numel(), STACK_BYTES // lay.cache.nbytes())
+        if spare_bytes is not None:
+            cap = min(cap, spare_bytes // (8 * lay.cache.nbytes()))
+        if len(runs[-1]) >= max(cap, 1):
+            runs.append([])
+        runs[-1].append(lay)
+    return [group for runs in groups.values() for group in runs]
 
 
 _UNSET = object()          # an argument left out, as opposed to an explicit None
@@ -291,14 +325,34 @@ class KVPassModel(nn.Module):
         return layers, compressions
 
     def _compress_prompt(self, layers: list[_Layer]) -> None:
-        """Compress each layer's prompt cache to its budget (``Policy.compress``). On CUDA the layers run side
-        by side on the decode step's side streams (a layer's compression is many small kernels), and one
-        sync reads every layer's new length back, not one sync a layer."""
-        def compress(lay: _Layer) -> None:
-            lay.cache = self.policy.compress(lay.cache, lay.budget)
+        """Compress each layer's prompt cache to its budget (``Policy.compress``). Where the policy's rows are
+        independent (``Policy.rows_independent``), layers of one budget and layout are compressed as one cache
+        of their stacked rows (``stacked_groups``): a layer's compression is a few hundred small kernels, so
+        at batch 1 the host's launches, not the GPU, set its time, once per group instead of once per layer.
+        Stacked groups run one after the other (their kernels fill the GPU, and one group's temporaries are
+        freed before the next's); single layers run side by side on CUDA, on the decode step's side streams.
+        Then one sync reads every layer's new length back, not one sync a layer."""
+        def compress(group: list[_Layer]) -> None:
+            keep = group[0].budget
+            if len(group) == 1:
+                group[0].cache = self.policy.compress(group[0].cache, keep)
+                return
+            out = self.policy.compress(concat_rows([lay.cache for lay in group]), keep)
+            for lay, part in zip(group, split_rows(out, len(group)), strict=True):
+                lay.cache = part
 
+        spare = None
+        if self.device.type == "cuda":              # what a stacked group may take: its copy and the steps' temporaries
+            free, _ = torch.cuda.mem_get_info(self.device)
+            spare = free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        groups = stacked_groups(layers, self.policy.rows_independent, spare)
         inputs = [lay.cache for lay in layers]    # alive until the side streams are joined
-        self.decode_step.run_all([functools.partial(compress, lay) for lay in layers], self.device)
+        calls = [functools.partial(compress, group) for group in groups]
+        if len(groups) < len(layers):
+            for call in calls:
+                call()
+        else:
+            self.decode_step.run_all(calls, self.device)
         del inputs
         if self.device.type == "cuda":
             main = torch.cuda.current_stream(self.device)

@@ -5,7 +5,8 @@ statistics) spends its GPU time: Llama-3.1-8B-shaped random bf16 model, one prom
 
 Per policy: ``kv.prefill`` and ``kv.start_from`` (the compression) timed (synchronised, after a warm-up
 run), then ``start_from`` again profiled with torch.profiler (CUDA kernels, summed per kernel name).
-Then ``start_from``'s phases (each call synchronised before and after, so the sum exceeds the whole).
+With ``--cpu`` the profile also records the host's ops (a table of self CPU time per op, written
+beside the JSON). Then ``start_from``'s phases (each call synchronised before and after, so the sum exceeds the whole).
 (prefill-compress-profile-*-phases.json also has the prefill, median of 3, with the statistics ops on
 a side stream that the current stream joined after the graph, which is gone: 1.714 s, against 1.711 s
 without.) Writes prefill-compress-profile.json under --out.
@@ -63,7 +64,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--prompt", type=int, default=32768)
     ap.add_argument("--policies", default="d2o")
+    ap.add_argument("--cpu", action="store_true", help="also profile the host (self CPU time per op)")
     a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
     model, ids = llama_8b_with_prompt(a.prompt, dev)
     out = {"gpu": torch.cuda.get_device_name(), "prompt": a.prompt, "policies": {}}
@@ -85,10 +88,15 @@ def main() -> None:
         pre = kv.prefill(ids, max_new_tokens=8)
         sync(dev)
         t0 = time.perf_counter()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        acts = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if a.cpu else [])
+        with torch.profiler.profile(activities=acts) as prof:
             kv.start_from(pre)
             sync(dev)
         wall = time.perf_counter() - t0
+        if a.cpu:                                                          # where the host's time goes
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+            (a.out / f"prefill-compress-profile-{name}-cpu.txt").write_text(table)
+            print(table, flush=True)
         kernels: dict[str, list[float]] = {}
         for ev in prof.events():
             if ev.device_type == torch.autograd.DeviceType.CUDA:

@@ -78,6 +78,10 @@ class Policy:
     # LayerCache fields ("k", "v") a recall policy keeps in host memory (pinned) when the model runs on
     # an accelerator; its decode op gathers the selected entries to the device. Reported as host_bytes.
     host_resident: ClassVar[tuple[str, ...]] = ()
+    # True: ``compress`` treats every batch row on its own and its state is per batch row, so the runtime
+    # may compress several layers of one budget as one cache of their stacked rows (one set of launches
+    # for all of them: a prompt's compression is otherwise launch-bound on the GPU).
+    rows_independent: ClassVar[bool] = False
     expand_kv_heads: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:

@@ -69,6 +69,7 @@ class Chelsea(Policy):
     name: ClassVar[str] = "chelsea"
     section: ClassVar[str] = "§1"
     summary: ClassVar[str] = "chunked soft matching: merge similar keys into degree-weighted centroids"
+    rows_independent: ClassVar[bool] = True     # each (b, g) row merges within itself; the step counter is per row
     sinks: int = 16
     recent: int = 64
     chunk: int = 256

@@ -10,7 +10,8 @@ import torch
 from kvpass.kernels import decode_attention_reference, merge_entries_reference
 
 import kvpass
-from kvpass.cache import EMPTY, LayerCache, with_capacity
+import kvpass.runtime as runtime
+from kvpass.cache import EMPTY, LayerCache, concat_rows, split_rows, with_capacity
 from kvpass.policies.chelsea import Chelsea, best_edges
 from tests.policies.merging_support import ARCHS, full_output, prompt, tiny_model
 
@@ -237,6 +238,43 @@ def test_compress_into_one_step_equals_compress(capacity, keep, one_step, monkey
     for name in ("k", "v"):
         assert torch.equal(getattr(got, name) * live, getattr(want, name) * live), name
     assert torch.equal(got.state["chelsea_step"], want.state["chelsea_step"])
+
+
+def test_layers_stacked_by_rows_compress_as_each_alone():
+    """The prompt's layers compressed as one cache of their stacked rows (``Policy.rows_independent``) leave
+    each layer what compressing it alone leaves: rows of different lengths and step counters, so they take
+    different numbers of CSM steps inside the one call."""
+    pol = Chelsea(sinks=2, recent=3, chunk=6, r_init=0.45, alpha=0.05, r_min=0.1, interval=4)
+    keep = 10
+    layers = [random_cache(2, 2, 40, 8, lengths, seed=i)
+              for i, lengths in enumerate(([[40, 33], [12, 9]], [[25, 40], [40, 11]], [[40, 40], [38, 17]]))]
+    for i, cache in enumerate(layers):
+        cache.state["chelsea_step"] = torch.tensor([[0, i], [2 * i, 1]])
+    stacked = split_rows(pol.compress(concat_rows(layers), keep), len(layers))
+    for alone, got in zip((pol.compress(c, keep) for c in layers), stacked, strict=True):
+        live = alone.live[..., None]
+        assert got.length.max() <= keep and torch.equal(got.length, alone.length)
+        for name in ("log_weight", "position"):
+            assert torch.equal(getattr(got, name), getattr(alone, name)), name
+        for name in ("k", "v"):
+            torch.testing.assert_close(getattr(got, name) * live, getattr(alone, name) * live, rtol=0, atol=1e-12)
+        assert torch.equal(got.state["chelsea_step"], alone.state["chelsea_step"])
+
+
+def test_generate_with_stacked_layers_equals_layer_by_layer(monkeypatch):
+    """End to end: the runtime's stacked prompt compression gives the tokens and cache entries of
+    compressing layer by layer."""
+    model = tiny_model("llama")
+    ids = prompt(2, 80)
+    km = kvpass.apply(model, policy="chelsea", budget=24, **SMALL)
+    splits = []
+    monkeypatch.setattr(runtime, "split_rows", lambda cache, n: splits.append(n) or split_rows(cache, n))
+    stacked = km.generate(ids, max_new_tokens=12, eos_token_id=[])
+    entries = km.last_report.entries
+    assert splits == [len(km.last_report.layer_budgets)] and splits[0] > 1      # every layer in one group
+    monkeypatch.setattr(Chelsea, "rows_independent", False)
+    alone = km.generate(ids, max_new_tokens=12, eos_token_id=[])
+    assert torch.equal(stacked, alone) and entries == km.last_report.entries
 
 
 @pytest.mark.gpu
