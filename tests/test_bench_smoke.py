@@ -32,6 +32,9 @@ def test_smoke_run_writes_json_markdown_and_plot(tmp_path):
     assert timed <= {r["op"] for r in results["correctness"]["rows"]}
     methods = {r["method"] for r in results["e2e"]["rows"] if "tpot_ms" in r}
     assert {"transformers", "kvpass-full", "kvpass-streamingllm"} <= methods
+    measured = {r["method"] for r in results["throughput"]["rows"] if "tokens_per_s" in r}
+    assert {"transformers", "kvpass-full", "kvpass-streamingllm", "kvpass-d2o"} <= measured
+    assert set(results["throughput"]["over_transformers"]) == measured - {"transformers"}
     assert js.with_suffix(".md").exists() and js.with_suffix(".png").stat().st_size > 0
     assert "| 64 | kvpass-streamingllm |" in proc.stdout                # the table is printed last
 
