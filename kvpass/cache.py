@@ -203,6 +203,33 @@ def concat_rows(caches: list[LayerCache]) -> LayerCache:
         state={n: cat(n, [c.state[n] for c in caches]) for n in first.state})
 
 
+def empty_rows(cache: LayerCache, batch: int) -> LayerCache:
+    """Uninitialised buffers for ``batch`` rows laid out like ``cache`` (same capacity, heads, dtypes, metadata and
+    state names): [B, ...] -> [batch, ...]. ``put_rows`` fills them."""
+    def like(t: Tensor) -> Tensor:
+        return t.new_empty((batch, *t.shape[1:]))
+
+    return LayerCache(**{f: like(getattr(cache, f)) for f in ("k", "v", "log_weight", "length", "position")},
+                      slot_meta={n: like(t) for n, t in cache.slot_meta.items()},
+                      state={n: like(t) for n, t in cache.state.items()})
+
+
+def put_rows(dst: LayerCache, src: LayerCache, start: int) -> None:
+    """Copy ``src``'s rows [b, ...] into rows ``start .. start + b`` of ``dst`` (made by ``empty_rows``), padding a
+    smaller capacity with empty slots; ValueError where ``src`` has more slots or other metadata."""
+    if src.capacity > dst.capacity:
+        raise ValueError(f"cannot put a cache of {src.capacity} slots into rows of {dst.capacity}")
+    if src.slot_meta.keys() != dst.slot_meta.keys() or src.state.keys() != dst.state.keys():
+        raise ValueError("cannot put rows holding different policy metadata")
+    if src.capacity < dst.capacity:
+        src = with_capacity(src, dst.capacity)
+    rows = slice(start, start + src.length.shape[0])
+    pairs = [(getattr(dst, f), getattr(src, f)) for f in ("k", "v", "log_weight", "length", "position")]
+    pairs += [(dst.slot_meta[n], t) for n, t in src.slot_meta.items()] + [(dst.state[n], t) for n, t in src.state.items()]
+    for d, t in pairs:
+        d[rows].copy_(t)
+
+
 def split_rows(cache: LayerCache, n: int) -> list[LayerCache]:
     """The inverse of ``concat_rows`` for ``n`` caches of equal batch: [n B, ...] -> n caches [B, ...], views of
     ``cache``'s tensors (state split alike: every state tensor is per batch row)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -27,8 +27,10 @@ from kvpass.budget import budget_tokens, budget_with_full_heads, check_budget
 from kvpass.cache import (
     LayerCache,
     concat_rows,
+    empty_rows,
     entries_from_prompt,
     load_into,
+    put_rows,
     ring_from_prompt,
     select_heads,
     split_rows,
@@ -429,13 +431,17 @@ class KVPassModel(nn.Module):
         if rows >= batch:
             return self.start_from(self.prefill(input_ids, attention_mask, max_new_tokens))
         mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask)
-        sessions: list[DecodeSession] = []
-        budgets = None
-        for r in range(0, batch, rows):            # prefill and compress a group of rows at a time
-            part = slice(r, r + rows)
-            sessions.append(self.start_from(self.prefill(ids[part], mask[part], max_new_tokens), budgets))
-            budgets = [lay.budget for lay in sessions[0].layers if lay.compressible] or None
-        return _stack_sessions(sessions)
+
+        def groups() -> Iterator[DecodeSession]:     # prefill and compress a group of rows at a time
+            budgets = None
+            for r in range(0, batch, rows):
+                part = slice(r, r + rows)
+                session = self.start_from(self.prefill(ids[part], mask[part], max_new_tokens), budgets)
+                budgets = budgets or [lay.budget for lay in session.layers if lay.compressible] or None
+                yield session
+                del session                         # not alive while the next group prefills
+
+        return _stack_sessions(groups(), batch)
 
     @torch.no_grad()
     def generate(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
@@ -482,18 +488,38 @@ class KVPassModel(nn.Module):
         return sequences
 
 
-def _stack_sessions(sessions: list[DecodeSession]) -> DecodeSession:
-    """Sessions of groups of rows prefilled one after the other (``prefill_rows``), as one batch."""
-    layers = []
-    for group in zip(*(s.layers for s in sessions), strict=True):
-        first = group[0]
-        full = None if first.full is None else concat_rows([lay.full for lay in group])
-        layers.append(_Layer(concat_rows([lay.cache for lay in group]), first.window, first.compressible,
-                             first.budget, max(lay.host_len for lay in group), first.sliding, full))
-    first = sessions[0]
-    out = DecodeSession(first.owner, layers, torch.cat([s.pos for s in sessions]), torch.cat([s.logits for s in sessions]),
-                        first.budget, max(s.prompt_tokens for s in sessions), sum(s.compressions for s in sessions))
-    out.prefill_seconds = sum(s.prefill_seconds for s in sessions)
+def _stack_sessions(groups: Iterable[DecodeSession], batch: int) -> DecodeSession:
+    """Sessions of groups of rows prefilled one after the other (``prefill_rows``), as one batch of ``batch``
+    rows: the first group's caches give the layout of batch-sized buffers (``empty_rows``), and every group's
+    rows are copied in (``put_rows``) before the next group is prefilled, so at most one group's session is
+    alive beside the batch's caches."""
+    out: DecodeSession | None = None
+    pos, logits, host_len = [], [], []
+    start = prompt_tokens = compressions = 0
+    seconds = 0.0
+    for session in groups:
+        if out is None:
+            layers = [_Layer(empty_rows(lay.cache, batch), lay.window, lay.compressible, lay.budget, 0, lay.sliding,
+                             None if lay.full is None else empty_rows(lay.full, batch)) for lay in session.layers]
+            out = DecodeSession(session.owner, layers, session.pos, session.logits, session.budget, 0, 0)
+            host_len = [0] * len(layers)
+        for i, (dst, src) in enumerate(zip(out.layers, session.layers, strict=True)):
+            for d, c in zip(dst.caches(), src.caches(), strict=True):
+                put_rows(d, c, start)
+            host_len[i] = max(host_len[i], src.host_len)
+        start += session.batch
+        pos.append(session.pos)
+        logits.append(session.logits)
+        prompt_tokens = max(prompt_tokens, session.prompt_tokens)
+        compressions += session.compressions
+        seconds += session.prefill_seconds
+        del session                               # its caches go before the next group is prefilled
+    if out is None or start != batch:
+        raise ValueError(f"the groups of rows held {start} rows, not the batch's {batch}")
+    for lay, n in zip(out.layers, host_len, strict=True):
+        lay.host_len = n
+    out.pos, out.logits = torch.cat(pos), torch.cat(logits)
+    out.prompt_tokens, out.compressions, out.prefill_seconds = prompt_tokens, compressions, seconds
     return out
 
 

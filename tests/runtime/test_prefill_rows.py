@@ -4,11 +4,14 @@ group's per-layer budgets for those whose do."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
 import kvpass
 from kvpass.bench import TINY_LLAMA, build_model
+from kvpass.cache import LayerCache, concat_rows, empty_rows, put_rows
 
 
 @pytest.fixture(scope="module")
@@ -47,3 +50,54 @@ def test_grouped_prefill_takes_the_first_groups_layer_budgets(model):
     assert out.shape == (3, 68)
     assert kv.last_report.layer_budgets == first_alone
     assert sum(kv.last_report.layer_budgets.values()) == 24 * len(first_alone)
+
+
+def _random_cache(b: int, c: int, length: list[int]) -> LayerCache:
+    g = torch.Generator().manual_seed(b * 100 + c)
+    cache = LayerCache.empty(b, 2, c, 8, torch.float32, "cpu")
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    cache.length.copy_(torch.tensor(length).view(b, 1).expand_as(cache.length))
+    cache.position.copy_(torch.arange(c).expand_as(cache.position))
+    cache.slot_meta["col_sum"] = torch.rand(b, 2, c, generator=g)
+    cache.state["tau"] = torch.rand(b, generator=g)
+    return cache
+
+
+def test_rows_put_into_empty_rows_equal_the_stacked_rows():
+    parts = [_random_cache(2, 10, [10, 7]), _random_cache(1, 6, [6])]          # the second padded to 10 slots
+    want = concat_rows(parts)
+    got = empty_rows(parts[0], 3)
+    put_rows(got, parts[0], 0)
+    put_rows(got, parts[1], 2)
+    for name in ("k", "v", "log_weight", "length", "position"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert torch.equal(got.slot_meta["col_sum"], want.slot_meta["col_sum"])
+    assert torch.equal(got.state["tau"], want.state["tau"])
+    with pytest.raises(ValueError, match="cannot put a cache of 12 slots into rows of 10"):
+        put_rows(got, _random_cache(1, 12, [12]), 0)
+
+
+@pytest.mark.parametrize("policy", ["full", "d2o"])
+def test_each_groups_session_is_gone_before_the_next_group_prefills(model, policy):
+    """The batch's caches are filled group by group: a group's session (its caches) must not outlive the
+    prefill of the next, else prefilling a row at a time would hold twice the batch's cache."""
+    ids, mask = _ids_and_mask()
+    kv = kvpass.apply(model, policy=policy, budget=24)
+    kv.prefill_rows = 1
+    made: list[weakref.ref] = []
+    start_from, prefill = kv.start_from, kv.prefill
+
+    def recording_start_from(*args, **kwargs):
+        session = start_from(*args, **kwargs)
+        made.append(weakref.ref(session))
+        return session
+
+    def checking_prefill(*args, **kwargs):
+        alive = [i for i, ref in enumerate(made) if ref() is not None]
+        assert not alive, f"sessions of groups {alive} alive while the next group prefills"
+        return prefill(*args, **kwargs)
+
+    kv.start_from, kv.prefill = recording_start_from, checking_prefill
+    got = kv.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert len(made) == 3 and got.shape == (3, 56)
