@@ -15,6 +15,8 @@ import torch
 from torch import Tensor
 
 EMPTY = float("-inf")
+# the per-slot and per-row tensors every LayerCache has (slot_meta and state come on top)
+ENTRY_FIELDS = ("k", "v", "log_weight", "length", "position")
 
 
 @dataclass
@@ -132,7 +134,7 @@ def load_into(dst: LayerCache, src: LayerCache) -> None:
     """Copy ``src`` into ``dst``'s buffers in place (same capacity), so buffer addresses stay static."""
     if src.capacity != dst.capacity:
         src = with_capacity(src, dst.capacity)
-    for name in ("k", "v", "log_weight", "length", "position"):
+    for name in ENTRY_FIELDS:
         getattr(dst, name).copy_(getattr(src, name))
     for name, t in src.slot_meta.items():
         if name in dst.slot_meta:
@@ -198,7 +200,7 @@ def concat_rows(caches: list[LayerCache]) -> LayerCache:
         if c.slot_meta.keys() != first.slot_meta.keys() or c.state.keys() != first.state.keys():
             raise ValueError("cannot stack caches holding different policy metadata")
     return LayerCache(
-        **{f: cat(f, [getattr(c, f) for c in caches]) for f in ("k", "v", "log_weight", "length", "position")},
+        **{f: cat(f, [getattr(c, f) for c in caches]) for f in ENTRY_FIELDS},
         slot_meta={n: cat(n, [c.slot_meta[n] for c in caches]) for n in first.slot_meta},
         state={n: cat(n, [c.state[n] for c in caches]) for n in first.state})
 
@@ -209,7 +211,7 @@ def empty_rows(cache: LayerCache, batch: int) -> LayerCache:
     def like(t: Tensor) -> Tensor:
         return t.new_empty((batch, *t.shape[1:]))
 
-    return LayerCache(**{f: like(getattr(cache, f)) for f in ("k", "v", "log_weight", "length", "position")},
+    return LayerCache(**{f: like(getattr(cache, f)) for f in ENTRY_FIELDS},
                       slot_meta={n: like(t) for n, t in cache.slot_meta.items()},
                       state={n: like(t) for n, t in cache.state.items()})
 
@@ -224,7 +226,7 @@ def put_rows(dst: LayerCache, src: LayerCache, start: int) -> None:
     if src.capacity < dst.capacity:
         src = with_capacity(src, dst.capacity)
     rows = slice(start, start + src.length.shape[0])
-    pairs = [(getattr(dst, f), getattr(src, f)) for f in ("k", "v", "log_weight", "length", "position")]
+    pairs = [(getattr(dst, f), getattr(src, f)) for f in ENTRY_FIELDS]
     pairs += [(dst.slot_meta[n], t) for n, t in src.slot_meta.items()] + [(dst.state[n], t) for n, t in src.state.items()]
     for d, t in pairs:
         d[rows].copy_(t)
@@ -237,7 +239,7 @@ def split_rows(cache: LayerCache, n: int) -> list[LayerCache]:
     if b % n:
         raise ValueError(f"cannot split {b} batch rows into {n} equal caches")
     part = lambda t: t.split(b // n, dim=0)          # noqa: E731
-    cols = {f: part(getattr(cache, f)) for f in ("k", "v", "log_weight", "length", "position")}
+    cols = {f: part(getattr(cache, f)) for f in ENTRY_FIELDS}
     meta = {name: part(t) for name, t in cache.slot_meta.items()}
     state = {name: part(t) for name, t in cache.state.items()}
     return [LayerCache(**{f: ts[i] for f, ts in cols.items()}, slot_meta={name: ts[i] for name, ts in meta.items()},

@@ -331,8 +331,9 @@ class KVPassModel(nn.Module):
         independent (``Policy.rows_independent``), layers of one budget and layout are compressed as one cache
         of their stacked rows (``stacked_groups``): a layer's compression is a few hundred small kernels, so
         at batch 1 the host's launches, not the GPU, set its time, once per group instead of once per layer.
-        Stacked groups run one after the other (their kernels fill the GPU, and one group's temporaries are
-        freed before the next's); single layers run side by side on CUDA, on the decode step's side streams.
+        Where any layers are stacked, the groups run one after the other (their kernels fill the GPU, and one
+        group's temporaries are freed before the next's); where none are, the layers run side by side on CUDA,
+        on the decode step's side streams.
         Then one sync reads every layer's new length back, not one sync a layer."""
         def compress(group: list[_Layer]) -> None:
             keep = group[0].budget
@@ -494,32 +495,27 @@ def _stack_sessions(groups: Iterable[DecodeSession], batch: int) -> DecodeSessio
     rows are copied in (``put_rows``) before the next group is prefilled, so at most one group's session is
     alive beside the batch's caches."""
     out: DecodeSession | None = None
-    pos, logits, host_len = [], [], []
-    start = prompt_tokens = compressions = 0
-    seconds = 0.0
+    pos, logits = [], []
+    start = 0
     for session in groups:
         if out is None:
             layers = [_Layer(empty_rows(lay.cache, batch), lay.window, lay.compressible, lay.budget, 0, lay.sliding,
                              None if lay.full is None else empty_rows(lay.full, batch)) for lay in session.layers]
             out = DecodeSession(session.owner, layers, session.pos, session.logits, session.budget, 0, 0)
-            host_len = [0] * len(layers)
-        for i, (dst, src) in enumerate(zip(out.layers, session.layers, strict=True)):
+        for dst, src in zip(out.layers, session.layers, strict=True):
             for d, c in zip(dst.caches(), src.caches(), strict=True):
                 put_rows(d, c, start)
-            host_len[i] = max(host_len[i], src.host_len)
+            dst.host_len = max(dst.host_len, src.host_len)
         start += session.batch
         pos.append(session.pos)
         logits.append(session.logits)
-        prompt_tokens = max(prompt_tokens, session.prompt_tokens)
-        compressions += session.compressions
-        seconds += session.prefill_seconds
+        out.prompt_tokens = max(out.prompt_tokens, session.prompt_tokens)
+        out.compressions += session.compressions
+        out.prefill_seconds += session.prefill_seconds
         del session                               # its caches go before the next group is prefilled
     if out is None or start != batch:
         raise ValueError(f"the groups of rows held {start} rows, not the batch's {batch}")
-    for lay, n in zip(out.layers, host_len, strict=True):
-        lay.host_len = n
     out.pos, out.logits = torch.cat(pos), torch.cat(logits)
-    out.prompt_tokens, out.compressions, out.prefill_seconds = prompt_tokens, compressions, seconds
     return out
 
 

@@ -12,6 +12,7 @@ import torch
 import kvpass
 from kvpass.bench import TINY_LLAMA, build_model
 from kvpass.cache import LayerCache, concat_rows, empty_rows, put_rows
+from tests.policies.policy_helpers import random_cache
 
 
 @pytest.fixture(scope="module")
@@ -52,20 +53,14 @@ def test_grouped_prefill_takes_the_first_groups_layer_budgets(model):
     assert sum(kv.last_report.layer_budgets.values()) == 24 * len(first_alone)
 
 
-def _random_cache(b: int, c: int, length: list[int]) -> LayerCache:
-    g = torch.Generator().manual_seed(b * 100 + c)
-    cache = LayerCache.empty(b, 2, c, 8, torch.float32, "cpu")
-    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
-    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
-    cache.length.copy_(torch.tensor(length).view(b, 1).expand_as(cache.length))
-    cache.position.copy_(torch.arange(c).expand_as(cache.position))
-    cache.slot_meta["col_sum"] = torch.rand(b, 2, c, generator=g)
-    cache.state["tau"] = torch.rand(b, generator=g)
+def _cache_with_state(lengths: list[list[int]], c: int, seed: int) -> LayerCache:
+    cache = random_cache(lengths, c, seed=seed, dtype=torch.float32, extra_meta=("col_sum",))
+    cache.state["tau"] = torch.rand(len(lengths), generator=torch.Generator().manual_seed(seed))
     return cache
 
 
 def test_rows_put_into_empty_rows_equal_the_stacked_rows():
-    parts = [_random_cache(2, 10, [10, 7]), _random_cache(1, 6, [6])]          # the second padded to 10 slots
+    parts = [_cache_with_state([[10, 9], [7, 3]], 10, 1), _cache_with_state([[6, 2]], 6, 2)]   # the second padded to 10 slots
     want = concat_rows(parts)
     got = empty_rows(parts[0], 3)
     put_rows(got, parts[0], 0)
@@ -75,7 +70,7 @@ def test_rows_put_into_empty_rows_equal_the_stacked_rows():
     assert torch.equal(got.slot_meta["col_sum"], want.slot_meta["col_sum"])
     assert torch.equal(got.state["tau"], want.state["tau"])
     with pytest.raises(ValueError, match="cannot put a cache of 12 slots into rows of 10"):
-        put_rows(got, _random_cache(1, 12, [12]), 0)
+        put_rows(got, _cache_with_state([[12, 12]], 12, 3), 0)
 
 
 @pytest.mark.parametrize("policy", ["full", "d2o"])
