@@ -189,9 +189,9 @@ def _left_pads(mask: Tensor) -> Tensor:
 class KVPassModel(nn.Module):
     """A causal LM whose attention runs over a compressed KV cache. Built by ``kvpass.apply``; shares
     the original model's weights and leaves its modules and values unchanged. With ``fuse_linears``
-    (default: on CUDA) sibling projections run as one GEMM (rewrites/fuse_sibling_linears.py): their
+    (default: on CUDA) sibling projections run as one GEMM (kvpass/rewrites/fuse_sibling_linears.py): their
     parameters then share the storage of one concatenated tensor. On CUDA the decode graph's linears call
-    the one-row GEMV op (rewrites/linears_to_gemv.py)."""
+    the one-row GEMV op (kvpass/rewrites/linears_to_gemv.py)."""
 
     def __init__(self, model: nn.Module, policy: Policy, budget: float | int,
                  captured: CapturedModel, graphs: RewrittenGraphs, fuse_linears: bool | None = None) -> None:

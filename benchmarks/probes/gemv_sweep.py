@@ -1,4 +1,4 @@
-"""Whether a one-launch Triton GEMV (kernels/gemv.py) beats cuBLAS at batch 1 for the decode step's
+"""Whether a one-launch Triton GEMV (kvpass/kernels/gemv.py) beats cuBLAS at batch 1 for the decode step's
 linears of a Llama-3.1-8B-shaped model (fused q/k/v 4096 -> 6144, o 4096 -> 4096, fused gate/up
 4096 -> 28672, down 14336 -> 4096, lm_head 4096 -> 128256; bf16, random).
 

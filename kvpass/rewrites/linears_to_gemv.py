@@ -2,7 +2,7 @@
 
 At batch 1 each projection of a decode step reads one activation row against its whole weight. cuBLAS
 runs the N = 4096 ones (o_proj, down_proj) as split-K GEMVs with a second, reduction launch; the op's
-Triton kernel (kernels/gemv.py) streams the weight once in one launch. On an H100, 32 Llama-3.1-8B-shaped
+Triton kernel (kvpass/kernels/gemv.py) streams the weight once in one launch. On an H100, 32 Llama-3.1-8B-shaped
 blocks of fused q/k/v, o, fused gate/up and down (with the activation and a norm between) took 5.83 ms
 through cuBLAS and 5.26 ms through the kernel, against a 4.65 ms floor for their weights; lm_head took
 373 us and 340 us (benchmarks/results/gemv-sweep-nvidia-h100-80gb-hbm3.json). In the compiled D2O step at
