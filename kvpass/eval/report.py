@@ -31,6 +31,19 @@ def _save(plt, fig, path: str | Path) -> Path:
     return path
 
 
+def wilson(k: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
+    """The Wilson score interval (95% for the default ``z``) of a proportion of ``k`` successes in
+    ``n`` trials: (low, high); (0, 1) when ``n`` is 0."""
+    if n < 0 or not 0 <= k <= n:
+        raise ValueError(f"need 0 <= k <= n, got k={k}, n={n}")
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
 def budget_label(budget: Any) -> str:
     return "-" if budget is None else str(budget)
 

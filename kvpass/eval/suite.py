@@ -1,0 +1,203 @@
+"""The long-context quality suite: task families x lengths x seeds (``kvpass.eval.tasks``) scored
+for policies x budgets x modes, batched with no padding, resumable, with a time limit.
+
+* Cases: ``cases(tokenizer, families, lengths, n)`` -> seeds 0..n-1 of every (family, length); every
+  case of a length has exactly that many context tokens.
+* Modes (as ``niah``): ``query_aware`` (context + question prefilled and compressed together),
+  ``query_agnostic`` (context compressed alone, the question fed through decode steps), and the
+  plain transformers ``reference``, which ``full`` must equal case for case.
+* ``run``: per batch of cases with equal (context, question, answer) token counts and per mode, one
+  prefill shared by every (policy, budget) (``shared``), one decode session per cell (rows of
+  ``shared.ROW_COUPLED`` policies one at a time); stops cleanly at ``deadline``.
+* ``export``: the shared case format (JSON Lines) that the kvpress runner reads.
+* ``calibration``: the full cache's and transformers' accuracy per (family, length), the cells at
+  or above ``KEEP`` kept in ``tasks/calibration.json`` as the model's default grid.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from tqdm import tqdm
+
+from kvpass.eval.common import Loaded, Timer
+from kvpass.eval.niah import MODES, REFERENCE, Cell, _device_name, answer_kvpass, answer_transformers, cells, \
+    prefill_new_tokens, prompt_ids
+from kvpass.eval.scoring import score
+from kvpass.eval.store import Store, case_key
+from kvpass.eval.tasks import FAMILIES, SuiteCase, generate
+
+__all__ = ["MODES", "REFERENCE", "Cell", "cells", "cases", "batches", "run", "export", "calibration",
+           "DEFAULT_LENGTHS", "CALIBRATION", "KEEP"]
+
+KIND = "suite"
+KEEP = 0.9
+CALIBRATION = Path(__file__).with_name("tasks") / "calibration.json"
+# the lengths each model is calibrated at (context tokens; SmolLM2's window is 8192)
+DEFAULT_LENGTHS = {"smollm2": [2048, 4096, 8000], "gemma3-270m": [4096, 8192, 16384]}
+
+
+def cases(tokenizer, families: Sequence[str], lengths: Sequence[int], n: int,
+          grid: Sequence[tuple[str, int]] | None = None) -> list[SuiteCase]:
+    """Seeds 0..n-1 of every (family, length) (or of every cell of ``grid``), in a fixed shuffled
+    order so an interrupted run has covered every cell thinly."""
+    pairs = list(grid) if grid is not None else [(f, length) for f in families for length in lengths]
+    out = [generate(tokenizer, f, length, seed) for f, length in pairs for seed in range(n)]
+    random.Random(0).shuffle(out)
+    return out
+
+
+def batches(items: Sequence[SuiteCase], size: int) -> list[list[SuiteCase]]:
+    """The cases grouped by (context tokens, question tokens, max new tokens), each group cut into
+    batches of at most ``size`` rows, largest first: the rows of a batch need no padding."""
+    groups: dict[tuple[int, int, int], list[SuiteCase]] = {}
+    for c in items:
+        groups.setdefault((len(c.context_ids), len(c.question_ids), c.max_new_tokens), []).append(c)
+    out = [g[i:i + size] for g in groups.values() for i in range(0, len(g), max(size, 1))]
+    return sorted(out, key=len, reverse=True)
+
+
+def key_of(model: str, cell: Cell, case: SuiteCase) -> str:
+    return case_key(kind=KIND, model=model, policy=cell.policy, budget=cell.budget, mode=cell.mode,
+                    family=case.family, length=case.length, seed=case.seed, max_new_tokens=case.max_new_tokens)
+
+
+def case_fields(model: str, case: SuiteCase) -> dict:
+    """The fields of the shared case format except the token ids and the key."""
+    return {"model": model, "family": case.family, "length": case.length, "seed": case.seed, "depth": case.depth,
+            "answers": list(case.answers), "scoring": case.scoring, "max_new_tokens": case.max_new_tokens}
+
+
+def export(model: str, items: Sequence[SuiteCase], path: str | Path) -> Path:
+    """Write ``items`` in the shared case format (JSON Lines, sorted by key) -> the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [{"key": case_key(kind=KIND, model=model, family=c.family, length=c.length, seed=c.seed),
+             **case_fields(model, c), "context_ids": list(c.context_ids), "question_ids": list(c.question_ids)}
+            for c in items]
+    path.write_text("".join(json.dumps(r) + "\n" for r in sorted(rows, key=lambda r: r["key"])), encoding="utf-8")
+    return path
+
+
+def _record(loaded: Loaded, cell: Cell, case: SuiteCase, tokens: list[int], size, seconds: float) -> dict:
+    output = loaded.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+    return {"key": key_of(loaded.name, cell, case), "kind": KIND, **case_fields(loaded.name, case),
+            "policy": cell.policy, "budget": cell.budget, "mode": cell.mode,
+            "context_tokens": len(case.context_ids), "question_tokens": len(case.question_ids),
+            "output": output, "output_ids": tokens, "correct": score(output, case.answers, case.scoring),
+            "cache_bytes": size.cache_bytes if size else None,
+            "full_cache_bytes": size.full_cache_bytes if size else None,
+            "seconds": round(seconds, 4), "device": _device_name(loaded.device)}
+
+
+def run(loaded: Loaded, items: Sequence[SuiteCase], cell_list: Sequence[Cell], store: Store, batch: int = 16,
+        deadline: float | None = None, desc: str = "suite") -> bool:
+    """Score every (case, cell) not yet in ``store``; True when all are stored, False when
+    ``deadline`` (a ``time.monotonic()`` value) passed first (the store holds every finished batch).
+
+    Per batch and mode, one prefill serves every (policy, budget) cell (``shared``: the union of the
+    policies' statistics, one prefill per group whose statistic options conflict); each cell starts
+    from it restricted to the rows it lacks and decodes them in one session (``shared.ROW_COUPLED``
+    policies: one session per row). The reference is one batched ``generate``, after every kvpass
+    cell. A case's ``seconds``: its share of its session plus its share of the prefill."""
+    from kvpass.eval.shared import ROW_COUPLED, Models, stat_groups
+
+    todo = {(c.ident, cell) for c in items for cell in cell_list if key_of(loaded.name, cell, c) not in store}
+    bar = tqdm(total=len(todo), desc=desc, unit="case", dynamic_ncols=True)
+    models: Models | None = None
+    groups = batches([c for c in items if any((c.ident, cell) in todo for cell in cell_list)], batch)
+
+    def late() -> bool:
+        return deadline is not None and time.monotonic() > deadline
+
+    try:
+        for group, mode in [(g, m) for g in groups for m in MODES] + [(g, "reference") for g in groups]:
+            mode_cells = [c for c in cell_list if c.mode == mode and any((g.ident, c) in todo for g in group)]
+            if not mode_cells:
+                continue
+            if late():
+                return False
+            new = group[0].max_new_tokens
+            if mode == "reference":
+                rows = [g for g in group if (g.ident, mode_cells[0]) in todo]
+                bar.set_postfix_str(f"transformers x{len(rows)} L={rows[0].prompt_tokens}")
+                with Timer() as t:
+                    answers = answer_transformers(loaded.model, rows, new)
+                store.add_many([_record(loaded, mode_cells[0], case, tokens, None, t.seconds / len(rows))
+                                for case, tokens in zip(rows, answers, strict=True)])
+                bar.update(len(rows))
+                continue
+            models = models or Models(loaded.model)
+            policies = [models.get(c.policy, c.budget).policy for c in mode_cells]
+            for union, members in stat_groups(list(dict.fromkeys(policies))):
+                names = {p.name for p in members}
+                here = [c for c in mode_cells if c.policy in names]
+                rows = [g for g in group if any((g.ident, c) in todo for c in here)]
+                served = sum((g.ident, c) in todo for g in rows for c in here)
+                bar.set_postfix_str(f"prefill {mode} x{len(rows)} L={rows[0].prompt_tokens}")
+                shared = models.shared_prefill(union, prompt_ids(rows, mode),
+                                               max_new_tokens=prefill_new_tokens(rows[0], mode, new))
+                share = shared.seconds / max(served, 1)
+                for cell in here:
+                    mine = [j for j, g in enumerate(rows) if (g.ident, cell) in todo]
+                    for session_rows in ([[j] for j in mine] if cell.policy in ROW_COUPLED else [mine] if mine else []):
+                        if late():
+                            return False
+                        part = [rows[j] for j in session_rows]
+                        bar.set_postfix_str(f"{cell.policy}@{cell.budget} {mode} x{len(part)} L={part[0].prompt_tokens}")
+                        with Timer() as t:
+                            got = answer_kvpass(models.get(cell.policy, cell.budget), part, mode, new,
+                                                prefill=shared.rows(session_rows))
+                        store.add_many([_record(loaded, cell, case, tokens, size, t.seconds / len(part) + share)
+                                        for case, (tokens, size) in zip(part, got, strict=True)])
+                        for case in part:
+                            todo.discard((case.ident, cell))
+                        bar.update(len(part))
+                del shared
+    finally:
+        bar.close()
+    return True
+
+
+def calibration(records: Sequence[dict], keep: float = KEEP) -> dict:
+    """Per (family, length): the full cache's accuracy (worst of its modes), transformers', the case
+    count; ``kept`` lists the cells whose every one of these reaches ``keep``."""
+    by: dict[tuple[str, int], dict[str, list[bool]]] = {}
+    devices = sorted({r.get("device", "cpu") for r in records if r["policy"] in ("full", REFERENCE)})
+    for r in records:
+        if r["policy"] in ("full", REFERENCE) and r.get("kind", KIND) == KIND:
+            by.setdefault((r["family"], r["length"]), {}).setdefault(r["mode"], []).append(bool(r["correct"]))
+    cells_out = []
+    for (family, length), modes in sorted(by.items()):
+        acc = {m: sum(v) / len(v) for m, v in modes.items()}
+        full = [a for m, a in acc.items() if m != "reference"]
+        cells_out.append({"family": family, "length": length, "full_accuracy": min(full) if full else None,
+                          "transformers_accuracy": acc.get("reference"), "per_mode": acc,
+                          "cases": min(len(v) for v in modes.values()),
+                          "kept": all(a >= keep for a in acc.values())})
+    return {"keep_at_least": keep, "devices": devices, "cells": cells_out,
+            "kept": [[c["family"], c["length"]] for c in cells_out if c["kept"]]}
+
+
+def calibrated_grid(model: str, path: str | Path = CALIBRATION) -> list[tuple[str, int]] | None:
+    """The (family, length) cells kept for ``model`` in the calibration file, or None if it has none."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text(encoding="utf-8")).get(model)
+    if not data or not data.get("kept"):
+        return None
+    return [(f, int(length)) for f, length in data["kept"] if f in FAMILIES]
+
+
+def write_calibration(model: str, summary: dict, path: str | Path = CALIBRATION, **meta) -> Path:
+    """Record ``summary`` (``calibration``) for ``model`` in the calibration file (other models kept)."""
+    path = Path(path)
+    data = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    data[model] = {**meta, **summary}
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    return path

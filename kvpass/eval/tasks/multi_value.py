@@ -1,0 +1,27 @@
+"""Multi-value needle: one key with several numbers stated at seeded depths; the question asks
+for all of them (scoring "all")."""
+
+from __future__ import annotations
+
+import random
+
+from kvpass.eval.tasks import SuiteCase
+from kvpass.eval.tasks.context import NOUNS, Insert, build, digits, same_length
+
+NAME = "multi_value"
+MAX_NEW_TOKENS = 40
+ABOUT = "all 3 numbers stated for one key"
+VALUES = 3
+
+
+def generate(tokenizer, length: int, seed: int) -> SuiteCase:
+    rng = random.Random(f"{NAME}/{seed}")
+    key = rng.choice(same_length(tokenizer, NOUNS))
+    values = [digits(rng, 6) for _ in range(VALUES)]
+    depths = sorted(rng.random() for _ in values)
+    question = f"What are the special numbers for {key} mentioned in the text above? List them briefly."
+    ctx = build(tokenizer, length, question,
+                [Insert(d, f"One of the special numbers for {key} is {v}.") for v, d in zip(values, depths, strict=True)],
+                rng)
+    return SuiteCase(NAME, length, seed, ctx.depth_of(0), ctx.context_ids, ctx.question_ids, tuple(values), "all",
+                     MAX_NEW_TOKENS, ctx.spans)

@@ -1,0 +1,96 @@
+"""The suite's runner end to end on the tiny model: both modes, full equals transformers case for
+case, resume, the time limit, the CLI's report and calibration."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvpass.cli import main
+from kvpass.eval import suite
+from kvpass.eval.store import Store
+
+FAMILIES = ["single_needle", "essay_qa"]
+LENGTH = 120
+
+
+@pytest.fixture(scope="module")
+def items(tokenizer):
+    from dataclasses import replace
+
+    return [replace(c, max_new_tokens=4) for c in suite.cases(tokenizer, FAMILIES, [LENGTH], 2)]
+
+
+@pytest.fixture(scope="module")
+def finished(loaded, items, tmp_path_factory):
+    store = Store(tmp_path_factory.mktemp("suite") / "suite.json")
+    cells = suite.cells(["full", "streamingllm"], [0.5], list(suite.MODES))
+    assert suite.run(loaded, items, cells, store, batch=4) is True
+    return store
+
+
+def test_full_equals_transformers_in_both_modes(finished):
+    from kvpass.eval.suite_report import agreement
+
+    records = list(finished.cases.values())
+    assert len(records) == 4 * 5                  # 4 cases x (reference + 2 policies x 2 modes)
+    agree = agreement(records)
+    assert set(agree) == set(suite.MODES)
+    for a in agree.values():
+        assert a == {"cases": 4, "same_tokens": 4, "same_score": 4}
+    for r in records:
+        assert r["kind"] == "suite" and isinstance(r["correct"], bool) and r["context_tokens"] == LENGTH
+        assert r["mode"] == "reference" if r["policy"] == "transformers" else r["mode"] in suite.MODES
+
+
+def test_resume_and_time_limit(loaded, items, finished, tmp_path, monkeypatch):
+    import shutil
+    import time
+
+    store = Store(shutil.copy(finished.path, tmp_path / "copy.json"))
+    cells = suite.cells(["full", "streamingllm"], [0.5], list(suite.MODES))
+    monkeypatch.setattr(suite, "answer_kvpass", lambda *a, **k: pytest.fail("a stored case re-ran"))
+    monkeypatch.setattr(suite, "answer_transformers", lambda *a, **k: pytest.fail("a stored case re-ran"))
+    assert suite.run(loaded, items, cells, store) is True
+    # a past deadline: nothing new runs, the run reports it stopped early
+    more = suite.cells(["h2o"], [0.5], list(suite.MODES), reference=False)
+    assert suite.run(loaded, items, more, store, deadline=time.monotonic() - 1) is False
+    assert len(Store(store.path)) == 20
+
+
+def test_cli_run_report_and_calibrate(loaded, monkeypatch, tmp_path):
+    monkeypatch.setattr("kvpass.eval.common.load", lambda name, device="cpu": loaded)
+    out, cal = tmp_path / "res", tmp_path / "cal.json"
+    args = ["eval", "suite", "run", "--model", "tiny", "--families", *FAMILIES, "--lengths", str(LENGTH),
+            "--cases", "2", "--policies", "full", "streamingllm", "--budgets", "0.5", "--max-new-tokens",
+            "single_needle=3", "essay_qa=3", "--out-dir", str(out), "--calibration", str(cal)]
+    assert main(args) == 0
+    data = json.loads((out / "quality-suite-tiny.json").read_text())
+    assert data["meta"]["complete"] is True and data["meta"]["command"].startswith("kvpass eval suite run")
+    rows = {(r["policy"], r["budget"], r["mode"]): r for r in data["rows"]}
+    assert rows[("streamingllm", 0.5, "query_agnostic")]["cases"] == 4
+    assert data["meta"]["full_vs_transformers"]["query_aware"]["same_tokens"] == 4
+    assert (out / "quality-suite-tiny.png").stat().st_size > 1000
+    md = (out / "quality-suite-tiny.md").read_text()
+    assert "Status: complete" in md and "| streamingllm | 0.5 | query_aware |" in md
+    # a peer store's records join the table
+    peer = Store(tmp_path / "peer.json")
+    peer.add_many([{**r, "key": "peer|" + r["key"], "policy": "kvpress:SnapKVPress", "output_ids": None}
+                   for r in data_records(out) if r["policy"] == "streamingllm"])
+    assert main([*args, "--report-only", "--peers", str(peer.path)]) == 0
+    rows = {(r["policy"], r["budget"], r["mode"]) for r in json.loads((out / "quality-suite-tiny.json").read_text())["rows"]}
+    assert ("kvpress:SnapKVPress", 0.5, "query_aware") in rows
+    # calibration: full + transformers per (family, length), written only when complete
+    assert main(["eval", "suite", "calibrate", *args[3:12], "--out-dir", str(out), "--calibration", str(cal),
+                 "--max-new-tokens", "single_needle=3", "essay_qa=3"]) == 0
+    written = json.loads(cal.read_text())["tiny"]
+    assert {(c["family"], c["length"]) for c in written["cells"]} == {(f, LENGTH) for f in FAMILIES}
+    assert all(c["cases"] == 2 for c in written["cells"])
+    # the export writes the shared format
+    assert main(["eval", "suite", "export", *args[3:12], "--out", str(tmp_path / "c.jsonl")]) == 0
+    assert len((tmp_path / "c.jsonl").read_text().splitlines()) == 4
+
+
+def data_records(out):
+    return json.loads((out / "quality-suite-tiny-cases.json").read_text())["cases"]
