@@ -59,15 +59,26 @@ def in_q_layout(o: Tensor, q: Tensor) -> Tensor:
     return o if o.stride() == q.stride() else torch.empty_like(q).copy_(o)
 
 
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor:
+    """SDPA with k, v of Hkv <= Hq heads. On CUDA in float32 only the memory-efficient kernel avoids a
+    [B, Hq, T, T] score tensor, and it does not take ``enable_gqa`` (SDPA would fall back to its math
+    kernel: 8k tokens x 6 rows x 9 heads of fp32 scores, 14 GiB a layer), so there the KV heads are
+    repeated first (G times the K, V of one layer, small next to the scores). Elsewhere: enable_gqa."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1 and q.is_cuda and q.dtype == torch.float32:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        group = 1
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=group > 1, **kwargs)
+
+
 def prefill_attention_reference(q: Tensor, k: Tensor, v: Tensor, pad: Tensor, scale: float,
                                 window: int | None = None, softcap: float | None = None) -> Tensor:
-    gqa = q.shape[1] != k.shape[1]
     if plain_causal(pad, window, softcap):                # SDPA's fused (flash) kernels, no T x T mask
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        return _sdpa(q, k, v, is_causal=True, scale=scale)
     mask = prefill_mask(pad, q.shape[2], window)
     if softcap is not None:
         return _softcapped_attention(q, k, v, mask, scale, softcap)
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return _sdpa(q, k, v, attn_mask=mask, scale=scale)
 
 
 @torch.library.custom_op("kvpass::prefill_attention", mutates_args=())
