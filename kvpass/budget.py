@@ -10,6 +10,7 @@ their window and do not count against the budget.
 
 from __future__ import annotations
 
+import argparse
 import math
 
 
@@ -51,3 +52,14 @@ def budget_with_full_heads(budget: float | int, total_tokens: int, heads: int, f
         raise ValueError(f"budget {budget!r} of {total_tokens} tokens cannot keep {full_heads} of {heads} KV heads "
                          f"full: they alone need {full_heads / heads:.1%} of the full cache; raise the budget")
     return kept
+
+def parse_budget(text: str) -> float | int:
+    """Command-line budget: '0.2' -> 0.2 (a fraction); '512' -> 512 (tokens). Shared by ``kvpass``
+    and ``kvpass eval`` (argparse ``type=``)."""
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"budget {text!r} is neither a fraction like 0.2 nor a token count") from None

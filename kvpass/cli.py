@@ -9,18 +9,8 @@ import sys
 import time
 from collections.abc import Callable
 
+from kvpass.budget import parse_budget
 from kvpass.policies import DEFAULT_POLICY, POLICIES, Policy
-
-
-def parse_budget(text: str) -> float | int:
-    """'0.2' -> 0.2 (a fraction); '512' -> 512 (tokens)."""
-    try:
-        return int(text)
-    except ValueError:
-        try:
-            return float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"budget {text!r} is neither a fraction like 0.2 nor a token count") from None
 
 
 def parse_policy_args(items: list[str]) -> dict[str, object]:

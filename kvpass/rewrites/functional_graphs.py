@@ -137,12 +137,10 @@ _EXPLICIT = {ops.prefill_attention.default: prefill_attention_explicit,
 
 
 def _explicit_form(target):
-    """The export form of a kvpass op: an explicit one above, else the op's ``*_reference`` function."""
+    """The export form of a kvpass op: an explicit one above, else its reference (kvpass.kernels.REFERENCES)."""
     if target in _EXPLICIT:
         return _EXPLICIT[target]
-    name = target.name().split("::")[-1]
-    module = __import__(f"kvpass.kernels.{name}", fromlist=[f"{name}_reference"])
-    return getattr(module, f"{name}_reference")
+    return kvpass.kernels.reference_of(target)      # ValueError naming the op if it has no reference
 
 
 def functional_prefill(prefill: GraphModule) -> GraphModule:

@@ -44,7 +44,6 @@ from kvpass.rewrites.attention_sites import (
 )
 from torch.fx import Graph, GraphModule, Node
 
-import kvpass.decode_step  # noqa: F401  (registers torch.ops.kvpass.await_compression)
 from kvpass.policies.base import Attention, Policy, Stat
 
 log = logging.getLogger(__name__)
