@@ -26,12 +26,19 @@ class Stat(Enum):
     COLUMN_SUM = "col_sum"            # accumulated attention per entry: prefill column sums + every decode row
     WINDOW_SCORES = "window_scores"   # attention of the last prompt queries (observation window), prefill only
     HEAD_VARIANCE = "attn_var"        # per query head variance of the prefill column sums [B, Hq] (D2O §5.4)
+    LAST_ATTENTION = "last_attn"      # attention of the newest query only: prompt last row, then each step (TOVA §6.10)
 
     @property
     def per_slot(self) -> bool:
         """True: one value per cache slot [B, Hkv, T] (lands in ``slot_meta``); False: one value per
         head [B, H] (lands in ``LayerCache.state``, carried unchanged through compressions)."""
         return self not in _PER_HEAD_STATS
+
+    @property
+    def accumulates(self) -> bool:
+        """For statistics the decode step updates: True adds each step's attention row (``col_sum``),
+        False replaces the value with it (``last_attn``)."""
+        return self is not Stat.LAST_ATTENTION
 
 
 _PER_HEAD_STATS = frozenset({Stat.HEAD_VARIANCE})

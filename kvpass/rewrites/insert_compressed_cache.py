@@ -59,12 +59,14 @@ DECODE_ATTENTION_OPS = {Attention.DENSE: ops.decode_attention.default,
 # -> [B, Hkv, T] fp32 for per-slot statistics, [B, H] fp32 for per-head ones (Stat.per_slot).
 PREFILL_STAT_OPS = {Stat.COLUMN_SUM: ops.attention_column_sums.default,
                     Stat.WINDOW_SCORES: ops.attention_window_scores.default,
-                    Stat.HEAD_VARIANCE: ops.attention_head_variance.default}
+                    Stat.HEAD_VARIANCE: ops.attention_head_variance.default,
+                    Stat.LAST_ATTENTION: ops.attention_window_scores.default}   # obs_window 1: the policy's options
 # Statistics whose ops take the prompt rows' log-sum-exps (``lse``) from ``prefill_attention_lse``, so
 # that only their column pass runs over the n x n logits.
 LSE_STATS = frozenset({Stat.COLUMN_SUM, Stat.HEAD_VARIANCE})
-# Statistics accumulated from every decode step's attention row.
-DECODE_STATS = frozenset({Stat.COLUMN_SUM})
+# Statistics every decode step updates from its attention row: added (col_sum) or replaced (last_attn),
+# as ``Stat.accumulates`` says; the runtime applies the rows the decode graph returns.
+DECODE_STATS = frozenset({Stat.COLUMN_SUM, Stat.LAST_ATTENTION})
 
 _ELEMENTWISE = (aten.div.Tensor, aten.mul.Tensor, aten.tanh.default, aten.to.dtype, aten._to_copy.default,
                 aten.alias.default, aten.clone.default, aten.contiguous.default)
