@@ -34,7 +34,7 @@ def budget_tokens(budget: float | int, total_tokens: int) -> int:
 
 def budget_with_full_heads(budget: float | int, total_tokens: int, heads: int, full_heads: int) -> int:
     """Entries per compressed KV head when ``full_heads`` of the ``heads`` KV heads of the compressible
-    layers keep all ``total_tokens`` (Chelsea's outlier heads, policies.md §1.10), so that the total
+    layers keep all ``total_tokens`` (Chelsea's outlier heads, docs/policies.md §1.10), so that the total
     stays what ``budget`` gives every head: R' = (R * heads - full_heads) / (heads - full_heads) of
     ``total_tokens`` for a fraction R; (b * heads - full_heads * total) / (heads - full_heads) for a
     token count b. Rounds down. Raises ValueError when the full heads alone exceed the total."""

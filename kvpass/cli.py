@@ -98,8 +98,9 @@ def cmd_policies(args: argparse.Namespace) -> int:
     for name, section, summary, defaults in rows:
         mark = " (default)" if name == DEFAULT_POLICY else ""
         print(f"{name:<{widths[0]}}  {section:<{widths[1]}}  {summary:<{widths[2]}}  {defaults}{mark}")
+    print("spec: the section of docs/policies.md that says what the policy computes")
     print(f"every policy also takes {', '.join(f'{k}={v}' for k, v in shared.items())} "
-          "(expand_kv_heads=true: cache per query head, G = Hq/Hkv times the memory; policies.md §0.5)")
+          "(expand_kv_heads=true: cache per query head, G = Hq/Hkv times the memory; docs/policies.md §0.5)")
     return 0
 
 

@@ -66,7 +66,7 @@ class Policy:
     hyperparameters with its defaults; ``interval`` is how many decode steps a layer may grow past its
     budget before it is compressed again (so a layer holds between budget and budget + interval).
 
-    ``expand_kv_heads`` (every policy, keyword-only; policies.md §0.5 "paper-faithful expanded mode",
+    ``expand_kv_heads`` (every policy, keyword-only; docs/policies.md §0.5 "paper-faithful expanded mode",
     §4.10, §5.3): False (default) keeps the cache per KV head, statistics averaged over the G = Hq/Hkv
     query heads of a group. True caches K, V repeated G times, as D2O's released code and EMS's
     Llama-3 runs do: the cache has Hq heads of group size 1, so every policy scores, evicts and merges
@@ -74,7 +74,7 @@ class Policy:
     (``kvpass.rewrites.expand_kv_heads``); no policy's code reads the flag."""
 
     name: ClassVar[str]
-    section: ClassVar[str]                      # the section of policies.md it implements
+    section: ClassVar[str]                      # the section of docs/policies.md it implements
     summary: ClassVar[str]
     stats: ClassVar[frozenset[Stat]] = frozenset()
     attention: ClassVar[Attention] = Attention.DENSE
