@@ -11,13 +11,13 @@
 from kvpass import export  # noqa: E402  (kvpass.export.onnx / OnnxRunner / check_tensorrt / tensorrt)
 from kvpass.api import apply
 from kvpass.budget import budget_tokens, check_budget
+from kvpass.compile_backend import compiled_model as compiled
+from kvpass.compile_backend import register as _register_backend
 from kvpass.errors import UnsupportedModel
 from kvpass.policies import DEFAULT_POLICY, POLICIES, Policy, get_policy
-from kvpass.rewrites.compile_backend import compiled_model as compiled
-from kvpass.rewrites.compile_backend import register as _register_backend
 from kvpass.runtime import GenerateOutput, GenerationReport, KVPassModel
 
-_register_backend()        # backend "kvpass" + OptimizedModule.generate (kvpass.rewrites.compile_backend)
+_register_backend()        # backend "kvpass" + OptimizedModule.generate (kvpass.compile_backend)
 
 __version__ = "0.1.0"
 __all__ = ["DEFAULT_POLICY", "POLICIES", "GenerateOutput", "GenerationReport", "KVPassModel", "Policy",

@@ -710,8 +710,8 @@ def section_throughput(device: torch.device, smoke: bool, deadline: Deadline, pr
 def section_e2e(device: torch.device, smoke: bool, deadline: Deadline, copy_bw: float,
                 prompts: list[int], budget: float, methods_wanted: set[str] | None = None) -> dict:
     import kvpass
+    from kvpass.compile_backend import compile_graphs
     from kvpass.rewrites import capture_causal_lm, insert_compressed_cache, match_attention
-    from kvpass.rewrites.compile_backend import compile_graphs
     from kvpass.runtime import KVPassModel
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -10,6 +10,7 @@ their window and do not count against the budget.
 
 from __future__ import annotations
 
+import argparse
 import math
 
 
@@ -33,7 +34,7 @@ def budget_tokens(budget: float | int, total_tokens: int) -> int:
 
 def budget_with_full_heads(budget: float | int, total_tokens: int, heads: int, full_heads: int) -> int:
     """Entries per compressed KV head when ``full_heads`` of the ``heads`` KV heads of the compressible
-    layers keep all ``total_tokens`` (Chelsea's outlier heads, policies.md §1.10), so that the total
+    layers keep all ``total_tokens`` (Chelsea's outlier heads, docs/policies.md §1.10), so that the total
     stays what ``budget`` gives every head: R' = (R * heads - full_heads) / (heads - full_heads) of
     ``total_tokens`` for a fraction R; (b * heads - full_heads * total) / (heads - full_heads) for a
     token count b. Rounds down. Raises ValueError when the full heads alone exceed the total."""
@@ -51,3 +52,14 @@ def budget_with_full_heads(budget: float | int, total_tokens: int, heads: int, f
         raise ValueError(f"budget {budget!r} of {total_tokens} tokens cannot keep {full_heads} of {heads} KV heads "
                          f"full: they alone need {full_heads / heads:.1%} of the full cache; raise the budget")
     return kept
+
+def parse_budget(text: str) -> float | int:
+    """Command-line budget: '0.2' -> 0.2 (a fraction); '512' -> 512 (tokens). Shared by ``kvpass``
+    and ``kvpass eval`` (argparse ``type=``)."""
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"budget {text!r} is neither a fraction like 0.2 nor a token count") from None

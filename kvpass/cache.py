@@ -249,7 +249,7 @@ def split_rows(cache: LayerCache, n: int) -> list[LayerCache]:
 def select_heads(cache: LayerCache, heads: Sequence[int]) -> LayerCache:
     """The KV heads ``heads`` (ascending) of a cache: [B, Hkv, C, ...] -> [B, len(heads), C, ...] for K, V,
     log-weights, lengths, positions and slot metadata; state (per layer or per query head) is carried
-    unchanged. For the split-group layout of a layer whose heads are partly kept full (policies.md §0.6 b)."""
+    unchanged. For the split-group layout of a layer whose heads are partly kept full (docs/policies.md §0.6 b)."""
     idx = torch.tensor(list(heads), dtype=torch.long, device=cache.k.device)
     pick = lambda t: t.index_select(1, idx)          # noqa: E731
     return LayerCache(k=pick(cache.k), v=pick(cache.v), log_weight=pick(cache.log_weight), length=pick(cache.length),

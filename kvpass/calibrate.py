@@ -1,4 +1,4 @@
-"""``kvpass calibrate``: find Chelsea's outlier heads offline (policies.md §1.10) and write them to a
+"""``kvpass calibrate``: find Chelsea's outlier heads offline (docs/policies.md §1.10) and write them to a
 calibration file (format: kvpass/policies/calibration.py).
 
 Per calibration sequence: prefill it through the captured model (``kvpass.apply(model, "full")``,
@@ -157,7 +157,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def add_calibrate_parser(sub) -> None:
-    p = sub.add_parser("calibrate", help="find Chelsea's outlier KV heads (policies.md §1.10) and write a calibration file")
+    p = sub.add_parser("calibrate", help="find Chelsea's outlier KV heads (docs/policies.md §1.10) and write a calibration file")
     p.add_argument("--model", default="smollm2", help="smollm2, gemma3-270m, a .gguf file or a transformers directory")
     p.add_argument("--samples", type=int, default=16, help="calibration sequences (default 16, §1.10 [OURS])")
     p.add_argument("--length", type=int, default=4096, help="tokens per sequence (default 4096, §1.10 [OURS])")

@@ -9,18 +9,8 @@ import sys
 import time
 from collections.abc import Callable
 
+from kvpass.budget import parse_budget
 from kvpass.policies import DEFAULT_POLICY, POLICIES, Policy
-
-
-def parse_budget(text: str) -> float | int:
-    """'0.2' -> 0.2 (a fraction); '512' -> 512 (tokens)."""
-    try:
-        return int(text)
-    except ValueError:
-        try:
-            return float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"budget {text!r} is neither a fraction like 0.2 nor a token count") from None
 
 
 def parse_policy_args(items: list[str]) -> dict[str, object]:
@@ -108,8 +98,9 @@ def cmd_policies(args: argparse.Namespace) -> int:
     for name, section, summary, defaults in rows:
         mark = " (default)" if name == DEFAULT_POLICY else ""
         print(f"{name:<{widths[0]}}  {section:<{widths[1]}}  {summary:<{widths[2]}}  {defaults}{mark}")
+    print("spec: the section of docs/policies.md that says what the policy computes")
     print(f"every policy also takes {', '.join(f'{k}={v}' for k, v in shared.items())} "
-          "(expand_kv_heads=true: cache per query head, G = Hq/Hkv times the memory; policies.md §0.5)")
+          "(expand_kv_heads=true: cache per query head, G = Hq/Hkv times the memory; docs/policies.md §0.5)")
     return 0
 
 

@@ -38,6 +38,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
+from kvpass.kernels.await_compression import PENDING
+
 log = logging.getLogger(__name__)
 
 Key = tuple
@@ -172,9 +174,9 @@ def run_side_by_side(calls: Sequence[Callable[[], object]], streams: Sequence[to
         main.wait_stream(s)
 
 
-# Compressions forked by ``fork_side_by_side`` and not yet awaited: K buffer address -> event recorded
-# on its side stream after the layer's compression.
-_PENDING: dict[int, torch.cuda.Event] = {}
+# Compressions forked by ``fork_side_by_side`` and not yet awaited (K buffer address -> event): the dict
+# the ``kvpass::await_compression`` op reads, which lives with the other ops (kvpass.kernels).
+_PENDING = PENDING
 
 
 def fork_side_by_side(calls: Sequence[tuple[Tensor, Callable[[], object]]],
@@ -197,21 +199,6 @@ def join_pending() -> None:
         for event in _PENDING.values():
             main.wait_event(event)
         _PENDING.clear()
-
-
-@torch.library.custom_op("kvpass::await_compression", mutates_args=("slot",))
-def await_compression(slot: Tensor, k_cache: Tensor) -> None:
-    """Before a layer writes its K, V (slot: [B, Hkv] int64, where they go; k_cache: [B, Hkv, C, D]):
-    the current stream waits for that layer's forked compression, if one is pending. Nothing is written;
-    ``slot`` is declared mutated so that compilers keep the op before write_kv, which reads it."""
-    event = _PENDING.pop(k_cache.data_ptr(), None)
-    if event is not None:
-        torch.cuda.current_stream(k_cache.device).wait_event(event)
-
-
-@await_compression.register_fake
-def _(slot: Tensor, k_cache: Tensor) -> None:
-    return None
 
 
 class _null:

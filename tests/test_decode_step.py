@@ -172,7 +172,7 @@ def test_forked_work_is_awaited_per_buffer_before_it_is_read(graphed):
 def test_compiled_decode_with_forked_compression_matches_eager():
     """torch.compile'd graphs (the await op inside Inductor's code) replayed from CUDA graphs give the
     eager steps' tokens (float32)."""
-    from kvpass.rewrites.compile_backend import compile_graphs
+    from kvpass.compile_backend import compile_graphs
 
     torch.manual_seed(0)
     model = build_model(TINY_LLAMA, torch.device("cuda"), torch.float32)

@@ -8,7 +8,7 @@ import json
 import os
 
 import torch
-from kvpass.rewrites.compile_backend import compile_graphs
+from kvpass.compile_backend import compile_graphs
 
 import kvpass
 from kvpass.bench import llama_8b_with_prompt

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvpass.cli import parse_budget
+from kvpass.budget import parse_budget
 
 QUICK = {"lengths": [512, 1024], "depths": [0.0, 0.5, 1.0], "prefix": 512, "steps": 64, "segments": 1, "probes": 2}
 
@@ -134,20 +134,9 @@ def run_lm(args: argparse.Namespace, store, loaded) -> None:
     lm.run(loaded, lm_segments(args), configs, store, args.probes, shard=args.shard or (0, 1))
 
 
-def _selected(store, args: argparse.Namespace, kind: str) -> list[dict]:
-    """The stored cases of this command's model, policies and budgets (budget-less only for policies
-    that ignore the budget)."""
-    from kvpass.eval.common import uses_budget
-
-    wanted = set(args.policies) | {"transformers"}
-    budgets = set(args.budgets) | {None}
-    return [c for c in store.cases.values() if c["kind"] == kind and c["policy"] in wanted and c["budget"] in budgets
-            and (c["budget"] is not None or c["policy"] == "transformers" or not uses_budget(c["policy"]))
-            and Path(c["model"]).stem == Path(args.model).stem]
-
-
 def cmd_eval(args: argparse.Namespace) -> int:
     from kvpass.eval import report
+    from kvpass.eval.common import selected_cases
 
     _apply_quick(args)
     command = args.eval_command
@@ -170,10 +159,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
             return 0
     out, model = Path(args.out_dir), Path(args.model).stem
     if command == "niah":
-        md, _ = report.niah_outputs(_selected(store, args, "niah"), out, model)
+        md, _ = report.niah_outputs(selected_cases(store, args, "niah"), out, model)
         print(md.read_text(encoding="utf-8"))
     elif command in ("ppl", "fidelity"):
-        cases = _selected(store, args, "lm")
+        cases = selected_cases(store, args, "lm")
         png = (report.nll_plot(cases, out / f"ppl-{model}.png", f"{model}: cumulative NLL by position")
                if command == "ppl" else
                report.fidelity_plot(cases, out / f"fidelity-{model}.png", f"{model}: attention fidelity per layer"))

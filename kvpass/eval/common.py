@@ -7,6 +7,7 @@ import os
 import time
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -95,3 +96,14 @@ class Timer:
 
     def __exit__(self, *exc) -> None:
         self.seconds = time.perf_counter() - self.start
+
+
+def selected_cases(store, args, kind: str) -> list[dict]:
+    """The stored cases of this command's model, policies and budgets (budget-less only for policies
+    that ignore the budget). ``args``: the parsed ``kvpass eval`` arguments (model, policies,
+    budgets). Used by ``kvpass eval`` and the leaderboard."""
+    wanted = set(args.policies) | {"transformers"}
+    budgets = set(args.budgets) | {None}
+    return [c for c in store.cases.values() if c["kind"] == kind and c["policy"] in wanted and c["budget"] in budgets
+            and (c["budget"] is not None or c["policy"] == "transformers" or not uses_budget(c["policy"]))
+            and Path(c["model"]).stem == Path(args.model).stem]

@@ -74,9 +74,9 @@ def _f(v, spec: str) -> str:
 
 
 def write_leaderboard(args: argparse.Namespace, store, out_dir: Path, model: str) -> Path:
-    from kvpass.eval.cli import _selected
+    from kvpass.eval.common import selected_cases
 
-    niah_cases, lm_cases = _selected(store, args, "niah"), _selected(store, args, "lm")
+    niah_cases, lm_cases = selected_cases(store, args, "niah"), selected_cases(store, args, "lm")
     table = rows(args, niah_cases, lm_cases)
     expected = _expected(args)
     complete = all(r["niah_query_aware_cases"] >= expected["niah_per_mode"] for r in table) and all(

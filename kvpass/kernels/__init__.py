@@ -3,7 +3,13 @@
 One op per module, each with the plain-torch reference that defines it (``*_reference``), a
 ``register_fake`` for compile/export, and, where it matters for speed, a Triton implementation
 registered for CUDA. Importing this package registers the ops under ``torch.ops.kvpass``.
+
+``REFERENCES`` maps every op's name to its reference, written out once here: export replaces each
+op of a graph by it (``reference_of``), so a new op is one file plus one line there (tests check that
+every registered ``torch.ops.kvpass`` op has an entry).
 """
+
+from collections.abc import Callable
 
 from kvpass.kernels.attention_column_sums import attention_column_sums, attention_column_sums_reference
 from kvpass.kernels.attention_column_sums_and_head_variance import (
@@ -12,6 +18,7 @@ from kvpass.kernels.attention_column_sums_and_head_variance import (
 )
 from kvpass.kernels.attention_head_variance import attention_head_variance, attention_head_variance_reference
 from kvpass.kernels.attention_window_scores import attention_window_scores, attention_window_scores_reference
+from kvpass.kernels.await_compression import await_compression, await_compression_reference
 from kvpass.kernels.cluster_gather import cluster_gather, cluster_gather_reference
 from kvpass.kernels.cluster_recall_attention import (
     cluster_recall_attention,
@@ -31,7 +38,46 @@ from kvpass.kernels.prefill_attention import prefill_attention, prefill_attentio
 from kvpass.kernels.prefill_attention_lse import prefill_attention_lse, prefill_attention_lse_reference
 from kvpass.kernels.write_kv import write_kv, write_kv_reference
 
+# op name (``torch.ops.kvpass.<name>``) -> the plain-torch function that defines it.
+REFERENCES: dict[str, Callable] = {
+    "attention_column_sums": attention_column_sums_reference,
+    "attention_column_sums_and_head_variance": attention_column_sums_and_head_variance_reference,
+    "attention_head_variance": attention_head_variance_reference,
+    "attention_window_scores": attention_window_scores_reference,
+    "await_compression": await_compression_reference,
+    "cluster_gather": cluster_gather_reference,
+    "cluster_recall_attention": cluster_recall_attention_reference,
+    "cosine_kmeans_assign": cosine_kmeans_assign_reference,
+    "cosine_kmeans_update": cosine_kmeans_update_reference,
+    "cosine_match": cosine_match_reference,
+    "d2o_evict_one": d2o_evict_one_reference,
+    "decode_attention": decode_attention_reference,
+    "ems_expansion_attention": ems_expansion_attention_reference,
+    "gemv": gemv_reference,
+    "merge_entries": merge_entries_reference,
+    "merge_weighted": merge_weighted_reference,
+    "page_recall_attention": page_recall_attention_reference,
+    "prefill_attention": prefill_attention_reference,
+    "prefill_attention_lse": prefill_attention_lse_reference,
+    "write_kv": write_kv_reference,
+}
+
+
+def reference_of(op: str | object) -> Callable:
+    """The reference of a kvpass op, given as its name ("write_kv", "kvpass::write_kv") or as the op
+    (``torch.ops.kvpass.write_kv`` or its ``.default`` overload). Raises ValueError for an op without one."""
+    name = op if isinstance(op, str) else getattr(op, "_qualified_op_name", None) or op.name()
+    namespace, _, short = name.rpartition("::")
+    short = short.split(".")[0]
+    if namespace not in ("", "kvpass") or short not in REFERENCES:
+        raise ValueError(f"no reference for op {name!r}: every kvpass op needs a line in "
+                         f"kvpass.kernels.REFERENCES (known: {', '.join(sorted(REFERENCES))})")
+    return REFERENCES[short]
+
+
 __all__ = [
+    "REFERENCES", "reference_of",
+    "await_compression", "await_compression_reference",
     "attention_column_sums", "attention_column_sums_reference",
     "attention_column_sums_and_head_variance", "attention_column_sums_and_head_variance_reference",
     "attention_head_variance", "attention_head_variance_reference",

@@ -1,4 +1,4 @@
-"""Accumulated attention column sums of the prefill (H2O, D2O, CaM, KVMerger; policies.md §0.4).
+"""Accumulated attention column sums of the prefill (H2O, D2O, CaM, KVMerger; docs/policies.md §0.4).
 
 For batch b, KV head g and key j:
 

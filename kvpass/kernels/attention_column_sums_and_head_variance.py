@@ -1,4 +1,4 @@
-"""D2O's two prefill statistics of one layer from one pass over the prefill attention (policies.md
+"""D2O's two prefill statistics of one layer from one pass over the prefill attention (docs/policies.md
 §0.4, §5.4): ``attention_column_sums`` [B, Hkv, T] and ``attention_head_variance`` [B, Hq], both
 derived from the per-query-head column sums c[b, h, j] of ``head_column_sums`` (each op alone would
 compute c again). The rewrite inserts this op when a policy asks for both statistics with the same

@@ -1,5 +1,5 @@
 """Per-query-head variance of the prefill attention column sums (D2O's layer density metric,
-policies.md §5.4 step 1, code form).
+docs/policies.md §5.4 step 1, code form).
 
 For batch row b with real columns R_b = {j : j >= pad[b]} (n_b = |R_b|) and query head h:
 

@@ -1,5 +1,5 @@
 """Observation-window scores of the prefill, pooled over positions (SnapKV / PyramidKV;
-policies.md §6.3, §6.5, §0.4, §0.5).
+docs/policies.md §6.3, §6.5, §0.4, §0.5).
 
 For batch row b with n = T - pad[b] real tokens, KV head g and key j, with the observation window
 W = the last ``obs_window`` real query rows (all real rows if the prompt is shorter):

@@ -1,5 +1,5 @@
 """Gather of the entries ClusterKV selected, into contiguous buffers on the compute device
-(policies.md §2.6 step 3-4, §2.8; the gathered path of ``kvpass::cluster_recall_attention``).
+(docs/policies.md §2.6 step 3-4, §2.8; the gathered path of ``kvpass::cluster_recall_attention``).
 
 ``keep`` [B, Hkv, G, C] says which slots query head (g, j) of KV head g attends (the recalled clusters,
 the sinks and the pending generated tokens: ``cluster_recall_attention.select_slots``). For each row

@@ -1,4 +1,4 @@
-"""ClusterKV cluster-recall decode attention (policies.md §2.6, §2.7).
+"""ClusterKV cluster-recall decode attention (docs/policies.md §2.6, §2.7).
 
 Slot j of KV head g belongs to cluster ``cluster[j] - 1`` (``cluster = 0``: not clustered, i.e.
 sinks and pending generated tokens, always attended). For query head h (KV head g = h // G):

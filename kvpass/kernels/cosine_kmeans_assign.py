@@ -1,4 +1,4 @@
-"""Assignment step of ClusterKV's cosine K-means (policies.md §2.4 step 2 and step 3).
+"""Assignment step of ClusterKV's cosine K-means (docs/policies.md §2.4 step 2 and step 3).
 
 For each (b, g) and key i, over the centroids c that are usable:
 

@@ -1,4 +1,4 @@
-"""Centroid update step of ClusterKV's cosine K-means (policies.md §2.4 step 2).
+"""Centroid update step of ClusterKV's cosine K-means (docs/policies.md §2.4 step 2).
 
 For each (b, g) and cluster c with members I_c = {i : labels[i] = c} (labels = -1: no cluster):
 

@@ -1,4 +1,4 @@
-"""D2O's decode-time one-in-one-out compression of one layer, in place (policies.md §5.5-5.6, §5.8).
+"""D2O's decode-time one-in-one-out compression of one layer, in place (docs/policies.md §5.5-5.6, §5.8).
 
 A layer of capacity C = keep + 1: every (b, g) row holding keep + 1 entries evicts one, the others
 (length <= keep) evict nothing and are left unchanged. Per evicting row, with live slots j < length:

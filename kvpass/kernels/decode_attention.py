@@ -9,7 +9,7 @@ For batch b, query head h (KV head g = h // G), new query token t and cache slot
 
 Every live slot is in the past of the new tokens, so there is no causal mask. With
 ``want_scores`` the op also returns the step's attention row per KV head, averaged over the G
-query heads of the group and summed over the T new tokens (policies.md §0.5): [B, Hkv, C] fp32,
+query heads of the group and summed over the T new tokens (docs/policies.md §0.5): [B, Hkv, C] fp32,
 which eviction policies accumulate. Otherwise ``scores`` is an empty tensor.
 
 Shapes: q: [B, Hq, T, D]; k, v: [B, Hkv, C, D]; log_weight: [B, Hkv, C] fp32. o: [B, Hq, T, D].

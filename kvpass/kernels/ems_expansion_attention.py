@@ -1,4 +1,4 @@
-"""EMS decode attention over shared entries expanded through the slot table (policies.md §4.7).
+"""EMS decode attention over shared entries expanded through the slot table (docs/policies.md §4.7).
 
 The cache holds entries e < C (a key direction and a value each) and a table of token slots t < S,
 each naming the entry it reads (``slot_entry[t]``, -1 = free / zero class) and its own key norm

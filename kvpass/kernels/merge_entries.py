@@ -1,4 +1,4 @@
-"""Weighted merge of cache entries into target entries (policies.md §1.6 Chelsea, §3.4 KVMerger).
+"""Weighted merge of cache entries into target entries (docs/policies.md §1.6 Chelsea, §3.4 KVMerger).
 
 For batch b, KV head g and slot j, the sources of j are ``S_j = {i : target[b, g, i] = j}`` (a slot
 that keeps itself has ``target = j``, so it is its own source; ``target = -1`` means "no merge, drop

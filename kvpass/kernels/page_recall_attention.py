@@ -1,4 +1,4 @@
-"""Quest page-recall decode attention (policies.md §6.6).
+"""Quest page-recall decode attention (docs/policies.md §6.6).
 
 The cache of C = n_pages * P slots is split into pages of P consecutive slots. ``page_max`` /
 ``page_min`` hold each page's per-channel max / min key. The op first refreshes the summaries of

@@ -10,14 +10,16 @@ from kvpass.policies.d2o import D2O
 from kvpass.policies.ems import EMS
 from kvpass.policies.full import Full
 from kvpass.policies.h2o import H2O
+from kvpass.policies.knorm import Knorm
 from kvpass.policies.kvmerger import KVMerger
 from kvpass.policies.pyramidkv import PyramidKV
 from kvpass.policies.quest import Quest
 from kvpass.policies.snapkv import SnapKV
 from kvpass.policies.streamingllm import StreamingLLM
+from kvpass.policies.tova import TOVA
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Full, StreamingLLM, D2O, H2O, SnapKV, PyramidKV, CaM,
-                                                          Chelsea, KVMerger, EMS, ClusterKV, Quest)}
+                                                          Chelsea, KVMerger, EMS, ClusterKV, Quest, Knorm, TOVA)}
 DEFAULT_POLICY = "d2o"
 
 

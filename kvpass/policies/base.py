@@ -26,12 +26,19 @@ class Stat(Enum):
     COLUMN_SUM = "col_sum"            # accumulated attention per entry: prefill column sums + every decode row
     WINDOW_SCORES = "window_scores"   # attention of the last prompt queries (observation window), prefill only
     HEAD_VARIANCE = "attn_var"        # per query head variance of the prefill column sums [B, Hq] (D2O §5.4)
+    LAST_ATTENTION = "last_attn"      # attention of the newest query only: prompt last row, then each step (TOVA §6.10)
 
     @property
     def per_slot(self) -> bool:
         """True: one value per cache slot [B, Hkv, T] (lands in ``slot_meta``); False: one value per
         head [B, H] (lands in ``LayerCache.state``, carried unchanged through compressions)."""
         return self not in _PER_HEAD_STATS
+
+    @property
+    def accumulates(self) -> bool:
+        """For statistics the decode step updates: True adds each step's attention row (``col_sum``),
+        False replaces the value with it (``last_attn``)."""
+        return self is not Stat.LAST_ATTENTION
 
 
 _PER_HEAD_STATS = frozenset({Stat.HEAD_VARIANCE})
@@ -59,7 +66,7 @@ class Policy:
     hyperparameters with its defaults; ``interval`` is how many decode steps a layer may grow past its
     budget before it is compressed again (so a layer holds between budget and budget + interval).
 
-    ``expand_kv_heads`` (every policy, keyword-only; policies.md §0.5 "paper-faithful expanded mode",
+    ``expand_kv_heads`` (every policy, keyword-only; docs/policies.md §0.5 "paper-faithful expanded mode",
     §4.10, §5.3): False (default) keeps the cache per KV head, statistics averaged over the G = Hq/Hkv
     query heads of a group. True caches K, V repeated G times, as D2O's released code and EMS's
     Llama-3 runs do: the cache has Hq heads of group size 1, so every policy scores, evicts and merges
@@ -67,7 +74,7 @@ class Policy:
     (``kvpass.rewrites.expand_kv_heads``); no policy's code reads the flag."""
 
     name: ClassVar[str]
-    section: ClassVar[str]                      # the section of policies.md it implements
+    section: ClassVar[str]                      # the section of docs/policies.md it implements
     summary: ClassVar[str]
     stats: ClassVar[frozenset[Stat]] = frozenset()
     attention: ClassVar[Attention] = Attention.DENSE

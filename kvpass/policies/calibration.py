@@ -1,4 +1,4 @@
-"""Outlier-head calibration files (policies.md §1.10): which KV heads keep their full cache.
+"""Outlier-head calibration files (docs/policies.md §1.10): which KV heads keep their full cache.
 
 ``kvpass calibrate`` (kvpass/calibrate.py) measures, for every layer l and KV head g, the fraction
 p(l, g) of A-set entries that one Chunked Soft Matching step leaves without an edge of cosine >= 0.8,

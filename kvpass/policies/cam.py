@@ -1,4 +1,4 @@
-"""CaM, Cache Merging (Zhang et al., ICML 2024; policies.md §6.4)."""
+"""CaM, Cache Merging (Zhang et al., ICML 2024; docs/policies.md §6.4)."""
 
 from __future__ import annotations
 

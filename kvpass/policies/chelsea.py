@@ -1,4 +1,4 @@
-"""Chelsea / CentroidKV (Hu et al. 2025): KV cache clustering by Chunked Soft Matching (policies.md §1)."""
+"""Chelsea / CentroidKV (Hu et al. 2025): KV cache clustering by Chunked Soft Matching (docs/policies.md §1)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class CSMPlan:
 
 @dataclass(frozen=True)
 class Chelsea(Policy):
-    """Chunked Soft Matching (policies.md §1, Llama-2-7B-32K schedule of §1.2).
+    """Chunked Soft Matching (docs/policies.md §1, Llama-2-7B-32K schedule of §1.2).
 
     While a row holds more than ``keep`` entries: split the middle region [sinks, s - recent) into
     chunks of ``chunk`` entries, A-set = even local indices, B-set = odd ones (§1.5 step 2); each

@@ -1,4 +1,4 @@
-"""ClusterKV (Liu et al. 2025): recallable compression with semantic clusters (policies.md §2)."""
+"""ClusterKV (Liu et al. 2025): recallable compression with semantic clusters (docs/policies.md §2)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ FULL_BUDGET = 2**62          # a selection budget no cache reaches: every cluste
 
 @dataclass(frozen=True)
 class ClusterKV(Policy):
-    """Recallable compression (policies.md §2): nothing is evicted; the full K, V stay in host memory
+    """Recallable compression (docs/policies.md §2): nothing is evicted; the full K, V stay in host memory
     when the model runs on an accelerator (``host_resident``; pinned). After prefill the keys of
     every KV head past the ``sinks`` are clustered by cosine K-means into C0 = max(1, round(n /
     cluster_ratio)) clusters, n the row's prompt tokens (§2.4, §2.5); every ``window`` generated tokens are clustered into

@@ -1,4 +1,4 @@
-"""D2O, Dynamic Discriminative Operations (Wan et al., ICLR 2025; policies.md §5)."""
+"""D2O, Dynamic Discriminative Operations (Wan et al., ICLR 2025; docs/policies.md §5)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """EMS (Li et al. 2024): Evict-then-Merge with the Global-Local score, head-wise, over shared entries
-expanded through a slot look-up table (policies.md §4)."""
+expanded through a slot look-up table (docs/policies.md §4)."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def _put(t: Tensor, idx: Tensor, value: Tensor, where: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class EMS(Policy):
-    """EMS (policies.md §4): every KV head stores exactly N_budget = N_imp + L_win entries (the layer
+    """EMS (docs/policies.md §4): every KV head stores exactly N_budget = N_imp + L_win entries (the layer
     budget): the ``local_window`` newest tokens as they are, and N_imp class centres into which
     redundant tokens are merged; a slot table of up to S = gamma * N_budget tokens maps each tracked
     token to its entry with its own key norm, and decode attention expands the entries through it

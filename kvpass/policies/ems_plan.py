@@ -1,4 +1,4 @@
-"""EMS (Li et al. 2024) prefill evict-then-merge planning (policies.md §4.3, §4.6 steps 2-6).
+"""EMS (Li et al. 2024) prefill evict-then-merge planning (docs/policies.md §4.3, §4.6 steps 2-6).
 
 Building blocks of the prefill step of the EMS policy (``kvpass/policies/ems.py``, which adds the slot
 look-up table, the decode op of §4.7 and the decode bookkeeping of §4.8). Everything is vectorised

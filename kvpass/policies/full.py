@@ -12,7 +12,7 @@ from kvpass.policies.base import Policy
 
 @dataclass(frozen=True)
 class Full(Policy):
-    """No compression (policies.md §8.1, the identity every method must reproduce)."""
+    """No compression (docs/policies.md §8.1, the identity every method must reproduce)."""
 
     name: ClassVar[str] = "full"
     section: ClassVar[str] = "§8.1 (identity)"

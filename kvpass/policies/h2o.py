@@ -1,4 +1,4 @@
-"""H2O, Heavy-Hitter Oracle (Zhang et al. 2023; policies.md §6.1)."""
+"""H2O, Heavy-Hitter Oracle (Zhang et al. 2023; docs/policies.md §6.1)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Batched cosine K-means over the slots of a layer cache (policies.md §2.4, ClusterKV): the loop, the
+"""Batched cosine K-means over the slots of a layer cache (docs/policies.md §2.4, ClusterKV): the loop, the
 seeded initialisation and the member ranks; each round is the ops ``kvpass::cosine_kmeans_assign`` and
 ``kvpass::cosine_kmeans_update`` (Triton on CUDA)."""
 

@@ -1,5 +1,5 @@
 """KVMerger (Wang et al. 2024): adaptive merging of consecutive similar keys with Gaussian-kernel
-weights around a pivotal token (policies.md §3)."""
+weights around a pivotal token (docs/policies.md §3)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class MergePlan:
 
 @dataclass(frozen=True)
 class KVMerger(Policy):
-    """KVMerger (policies.md §3). Per KV head: protect the last ``recent_ratio * s`` entries and the
+    """KVMerger (docs/policies.md §3). Per KV head: protect the last ``recent_ratio * s`` entries and the
     top ``heavy_ratio * s`` by accumulated attention (§3.4 step 2, ratios of the entries s; scaled down
     together when they alone exceed ``keep`` [OURS]); link adjacent mergeable entries whose key cosine
     exceeds ``epsilon`` (chain reading of Algorithm 1, §3.4 step 4); merge each maximal chain into its

@@ -1,4 +1,4 @@
-"""PyramidKV (Cai et al. 2024; policies.md §6.5)."""
+"""PyramidKV (Cai et al. 2024; docs/policies.md §6.5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Quest (Tang et al. 2024): query-aware page recall over the full cache (policies.md §6.6)."""
+"""Quest (Tang et al. 2024): query-aware page recall over the full cache (docs/policies.md §6.6)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ FULL_BUDGET = 2**62          # a budget no cache reaches: every page selected (f
 
 @dataclass(frozen=True)
 class Quest(Policy):
-    """Page-level recallable baseline (policies.md §6.6). Nothing is evicted: the cache keeps every
+    """Page-level recallable baseline (docs/policies.md §6.6). Nothing is evicted: the cache keeps every
     token; each decode step attends exactly over the top max(3, budget // page_size) pages of every
     query head, pages scored by the per-channel min/max key bound (``kvpass::page_recall_attention``).
     The first ``full_layers`` layers use full attention, as the reference; prefill is full attention.

@@ -60,7 +60,7 @@ def kept_slots(kept: Tensor, keep: int) -> Tensor:
 
 
 def cosine(a: Tensor, b: Tensor, eps: float = 1e-6) -> Tensor:
-    """cos(a_i, b_j) = a_i . b_j / (||a_i|| ||b_j|| + eps) in fp32 (policies.md §0.1, §0.7).
+    """cos(a_i, b_j) = a_i . b_j / (||a_i|| ||b_j|| + eps) in fp32 (docs/policies.md §0.1, §0.7).
     a: [B, Hkv, E, D], b: [B, Hkv, K, D] -> [B, Hkv, E, K] fp32."""
     a, b = a.float(), b.float()
     dots = torch.matmul(a, b.transpose(-1, -2))

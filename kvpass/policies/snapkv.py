@@ -1,4 +1,4 @@
-"""SnapKV (Li et al. 2024; policies.md §6.3)."""
+"""SnapKV (Li et al. 2024; docs/policies.md §6.3)."""
 
 from __future__ import annotations
 

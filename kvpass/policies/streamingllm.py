@@ -14,7 +14,7 @@ from kvpass.policies.base import Policy, require
 @dataclass(frozen=True)
 class StreamingLLM(Policy):
     """Keep the first ``sinks`` tokens and the most recent ``keep - sinks`` ones; drop the middle
-    (policies.md §6.2). No scores. Positions stay absolute (the spec's default; the original's
+    (docs/policies.md §6.2). No scores. Positions stay absolute (the spec's default; the original's
     in-cache position shift is not implemented).
 
     Parameters

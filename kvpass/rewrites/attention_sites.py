@@ -282,7 +282,7 @@ def resolve_windows(gm: GraphModule, sites: list[AttentionSite], config, context
 
 
 def expand_kv_heads(sites: list[AttentionSite]) -> list[AttentionSite]:
-    """The sites with a per-query-head cache (policies.md §0.5, "paper-faithful expanded mode"): each
+    """The sites with a per-query-head cache (docs/policies.md §0.5, "paper-faithful expanded mode"): each
     of a site's Hkv KV heads is cached G = Hq / Hkv times, so the cache has Hq heads of group size 1
     (``n_kv_heads = n_heads``, ``kv_repeat = G``). The graph rewrite then repeats k and v
     (``repeat_cached_kv``) before they reach the cache, the statistics and the attention. Sites whose

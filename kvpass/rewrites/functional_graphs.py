@@ -39,7 +39,7 @@ from kvpass.rewrites.insert_compressed_cache import (
 from torch import Tensor
 from torch.fx import GraphModule
 
-from kvpass.policies.base import Attention, Policy, Stat
+from kvpass.policies.base import Attention, Policy
 
 ops = torch.ops.kvpass
 
@@ -137,12 +137,10 @@ _EXPLICIT = {ops.prefill_attention.default: prefill_attention_explicit,
 
 
 def _explicit_form(target):
-    """The export form of a kvpass op: an explicit one above, else the op's ``*_reference`` function."""
+    """The export form of a kvpass op: an explicit one above, else its reference (kvpass.kernels.REFERENCES)."""
     if target in _EXPLICIT:
         return _EXPLICIT[target]
-    name = target.name().split("::")[-1]
-    module = __import__(f"kvpass.kernels.{name}", fromlist=[f"{name}_reference"])
-    return getattr(module, f"{name}_reference")
+    return kvpass.kernels.reference_of(target)      # ValueError naming the op if it has no reference
 
 
 def functional_prefill(prefill: GraphModule) -> GraphModule:
@@ -175,7 +173,8 @@ def functional_decode(gm: GraphModule, sites: list[AttentionSite], policy: Polic
     for site in sites:
         state = [next(inputs) for _ in base]
         metas = {name: next(inputs) for name in meta.get(site.layer, ())}
-        accumulate = Stat.COLUMN_SUM.value in metas and bool(policy.stats & DECODE_STATS) and policy.compresses
+        updated = {s.value: s for s in policy.stats & DECODE_STATS if s.value in metas} if policy.compresses else {}
+        accumulate = bool(updated)                 # the step's scores are wanted
         target = env[site.output]
         with graph.inserting_before(target):
             k, v = repeat_cached_kv(graph, site, env[site.k]), repeat_cached_kv(graph, site, env[site.v])
@@ -183,8 +182,10 @@ def functional_decode(gm: GraphModule, sites: list[AttentionSite], policy: Polic
                                                          site.scale, site.softcap, accumulate))
             items = [graph.call_function(operator.getitem, (res, i)) for i in range(7)]
             for name, node in metas.items():
-                if name == Stat.COLUMN_SUM.value and accumulate:
+                if name in updated and updated[name].accumulates:
                     node = graph.call_function(operator.add, (node, items[6]))
+                elif name in updated:                # replaced by the step's row (last_attn)
+                    node = graph.call_function(torch.clone, (items[6],))
                 else:
                     node = graph.call_function(torch.clone, (node,))
                 metas[name] = node

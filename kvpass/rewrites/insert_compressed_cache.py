@@ -15,13 +15,13 @@ decode(input_ids [B, 1], position_ids [B, 1], then per layer: k_cache_l, v_cache
     the policy's decode op (sliding-window layers always with the dense op: a ring is never recalled);
     scores: [B, Hkv, C_l] fp32 per compressible layer when the policy accumulates attention.
     A layer some of whose KV heads keep every token (``Policy.full_kv_heads``, Chelsea's outlier heads)
-    is split into two dense sub-groups (policies.md §0.6 b): k_cache_l, v_cache_l, log_weight_l, slot_l,
+    is split into two dense sub-groups (docs/policies.md §0.6 b): k_cache_l, v_cache_l, log_weight_l, slot_l,
     position_l (and the scores) cover its other heads, in order, [B, Hkv - F, C_l, ...], and the inputs
     k_full_l, v_full_l, log_weight_full_l, slot_full_l, position_full_l that follow the policy's inputs hold the F full
     heads [B, F, C_full, ...]; each group attends with its own query heads and the outputs are put back
     into head order. A layer all of whose heads are full is not split (one dense cache, never compressed).
 
-With ``policy.expand_kv_heads`` (policies.md §0.5) every site's cache is per query head: the graphs
+With ``policy.expand_kv_heads`` (docs/policies.md §0.5) every site's cache is per query head: the graphs
 repeat each layer's k, v to [B, Hq, T, D] (``repeat_cached_kv``) before the cache, the statistics and
 the attention see them, so Hkv reads Hq above, the statistics are per query head (nothing averaged
 over a group) and decode attention runs with G = 1. Policies see nothing else (``expand_kv_heads``).
@@ -44,7 +44,6 @@ from kvpass.rewrites.attention_sites import (
 )
 from torch.fx import Graph, GraphModule, Node
 
-import kvpass.decode_step  # noqa: F401  (registers torch.ops.kvpass.await_compression)
 from kvpass.policies.base import Attention, Policy, Stat
 
 log = logging.getLogger(__name__)
@@ -60,12 +59,14 @@ DECODE_ATTENTION_OPS = {Attention.DENSE: ops.decode_attention.default,
 # -> [B, Hkv, T] fp32 for per-slot statistics, [B, H] fp32 for per-head ones (Stat.per_slot).
 PREFILL_STAT_OPS = {Stat.COLUMN_SUM: ops.attention_column_sums.default,
                     Stat.WINDOW_SCORES: ops.attention_window_scores.default,
-                    Stat.HEAD_VARIANCE: ops.attention_head_variance.default}
+                    Stat.HEAD_VARIANCE: ops.attention_head_variance.default,
+                    Stat.LAST_ATTENTION: ops.attention_window_scores.default}   # obs_window 1: the policy's options
 # Statistics whose ops take the prompt rows' log-sum-exps (``lse``) from ``prefill_attention_lse``, so
 # that only their column pass runs over the n x n logits.
 LSE_STATS = frozenset({Stat.COLUMN_SUM, Stat.HEAD_VARIANCE})
-# Statistics accumulated from every decode step's attention row.
-DECODE_STATS = frozenset({Stat.COLUMN_SUM})
+# Statistics every decode step updates from its attention row: added (col_sum) or replaced (last_attn),
+# as ``Stat.accumulates`` says; the runtime applies the rows the decode graph returns.
+DECODE_STATS = frozenset({Stat.COLUMN_SUM, Stat.LAST_ATTENTION})
 
 _ELEMENTWISE = (aten.div.Tensor, aten.mul.Tensor, aten.tanh.default, aten.to.dtype, aten._to_copy.default,
                 aten.alias.default, aten.clone.default, aten.contiguous.default)

@@ -9,7 +9,8 @@ import transformers
 import kvpass
 
 BUDGET, INTERVAL, SINKS, MAX_LENGTH = 10, 4, 2, 64
-POLICY_KWARGS = {"full": {}, "streamingllm": {"sinks": SINKS, "interval": INTERVAL}, "d2o": {"interval": INTERVAL}}
+POLICY_KWARGS = {"full": {}, "streamingllm": {"sinks": SINKS, "interval": INTERVAL}, "d2o": {"interval": INTERVAL},
+                 "tova": {"interval": INTERVAL}}
 
 
 def tiny_llama() -> transformers.PreTrainedModel:

@@ -18,7 +18,7 @@ from kvpass.export import onnx as export_onnx
 from kvpass.policies.streamingllm import StreamingLLM
 from tests.export.conftest import BUDGET, INTERVAL, MAX_LENGTH
 
-POLICIES = ["full", "streamingllm", "d2o"]
+POLICIES = ["full", "streamingllm", "d2o", "tova"]     # tova: a statistic the step replaces (last_attn)
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -1,4 +1,4 @@
-"""Row-block column sums equal the dense computation (policies.md §8.8), with left pads, GQA,
+"""Row-block column sums equal the dense computation (docs/policies.md §8.8), with left pads, GQA,
 a sliding window and softcap."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""kvpass::cluster_gather (ClusterKV's gather of the selected entries, policies.md §2.6, §2.8): Triton
+"""kvpass::cluster_gather (ClusterKV's gather of the selected entries, docs/policies.md §2.6, §2.8): Triton
 against the float64 reference on fresh random selections (CPU through TRITON_INTERPRET, small shapes;
 CUDA at real shapes in bf16, device-resident and pinned host-resident K/V), ragged and empty rows,
 truncation, and the reference against a loop over the spec."""

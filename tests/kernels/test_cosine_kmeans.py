@@ -1,4 +1,4 @@
-"""kvpass::cosine_kmeans_assign and kvpass::cosine_kmeans_update (ClusterKV's K-means, policies.md §2.4):
+"""kvpass::cosine_kmeans_assign and kvpass::cosine_kmeans_update (ClusterKV's K-means, docs/policies.md §2.4):
 Triton against the float64 references on fresh random inputs (CPU through TRITON_INTERPRET, small
 shapes; CUDA at real shapes in bf16), ties, empty clusters and ragged rows, and the references against
 loops over the spec."""

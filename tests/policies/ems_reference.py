@@ -1,4 +1,4 @@
-"""A direct float64 reference of EMS (policies.md §4.3, §4.6, §4.8) for one (batch row, KV head),
+"""A direct float64 reference of EMS (docs/policies.md §4.3, §4.6, §4.8) for one (batch row, KV head),
 written with Python loops from the spec, unoptimised. Tokens are named by their absolute position."""
 
 from __future__ import annotations

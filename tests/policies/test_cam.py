@@ -1,4 +1,4 @@
-"""CaM (policies.md §6.4, streaming version) against a direct loop over evicted tokens."""
+"""CaM (docs/policies.md §6.4, streaming version) against a direct loop over evicted tokens."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Chelsea (policies.md §1) against a direct float64 reference written from the spec, the §8.2
+"""Chelsea (docs/policies.md §1) against a direct float64 reference written from the spec, the §8.2
 exactness property, and generate on every tiny architecture."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Chelsea's outlier heads (policies.md §1.10): the calibration statistic against a direct float64
+"""Chelsea's outlier heads (docs/policies.md §1.10): the calibration statistic against a direct float64
 reference, outlier selection, the budget reallocation, the calibration file, and the split-group
 layout (§0.6 b) end to end: outlier heads keep every token, the others are compressed to R', the
 cache bytes stay within the nominal budget."""

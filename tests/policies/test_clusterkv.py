@@ -1,4 +1,4 @@
-"""ClusterKV (policies.md §2): K-means assignments, cluster selection order and trimming against
+"""ClusterKV (docs/policies.md §2): K-means assignments, cluster selection order and trimming against
 float64 loop references, exactness at a budget covering the context, generate on every tiny
 architecture."""
 

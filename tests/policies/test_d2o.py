@@ -1,4 +1,4 @@
-"""D2O (policies.md §5) against a direct float64 loop over tokens written from the spec."""
+"""D2O (docs/policies.md §5) against a direct float64 loop over tokens written from the spec."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""EMS (policies.md §4) against the float64 loop reference of ``ems_reference.py``: prefill sets and
+"""EMS (docs/policies.md §4) against the float64 loop reference of ``ems_reference.py``: prefill sets and
 expansion tables, one decode step's demotion / merge / slot overflow, the expansion attention op
 against plain attention over the explicitly expanded cache, and properties of long decodes."""
 

@@ -1,4 +1,4 @@
-"""EMS planning blocks (policies.md §4.3, §4.6) against float64 loop references, and the §8.3
+"""EMS planning blocks (docs/policies.md §4.3, §4.6) against float64 loop references, and the §8.3
 property: a centre holding identical merged tokens reproduces full attention in the expanded form."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``expand_kv_heads=True`` (policies.md §0.5, §4.10, §5.3): the cache holds K, V repeated G = Hq/Hkv
+"""``expand_kv_heads=True`` (docs/policies.md §0.5, §4.10, §5.3): the cache holds K, V repeated G = Hq/Hkv
 times, so every policy scores, evicts and merges per query head, at G times the memory.
 
 References: plain transformers (``full``); transformers' own eager attention probabilities (the

@@ -1,4 +1,4 @@
-"""H2O (policies.md §6.1) against a direct loop reference."""
+"""H2O (docs/policies.md §6.1) against a direct loop reference."""
 
 from __future__ import annotations
 

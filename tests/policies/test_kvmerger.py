@@ -1,4 +1,4 @@
-"""KVMerger (policies.md §3): merging sets and Gaussian weights against a float64 loop reference,
+"""KVMerger (docs/policies.md §3): merging sets and Gaussian weights against a float64 loop reference,
 budget modes, and generate on every tiny architecture."""
 
 from __future__ import annotations

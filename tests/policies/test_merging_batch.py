@@ -1,4 +1,4 @@
-"""Left-padded batches (ragged per-row lengths, policies.md §0.6): a row of a batch generates exactly
+"""Left-padded batches (ragged per-row lengths, docs/policies.md §0.6): a row of a batch generates exactly
 what it generates alone, for every issue-5 policy."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""PyramidKV (policies.md §6.5): per-layer budgets against the spec's formula, total conserved."""
+"""PyramidKV (docs/policies.md §6.5): per-layer budgets against the spec's formula, total conserved."""
 
 from __future__ import annotations
 

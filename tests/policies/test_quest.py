@@ -1,4 +1,4 @@
-"""Quest (policies.md §6.6): page summaries, page selection against a float64 loop reference,
+"""Quest (docs/policies.md §6.6): page summaries, page selection against a float64 loop reference,
 exactness at a budget covering the context, and generate on every tiny architecture."""
 
 from __future__ import annotations

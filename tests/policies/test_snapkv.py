@@ -1,4 +1,4 @@
-"""SnapKV (policies.md §6.3): the window-score op against a dense float64 loop, and the selection."""
+"""SnapKV (docs/policies.md §6.3): the window-score op against a dense float64 loop, and the selection."""
 
 from __future__ import annotations
 

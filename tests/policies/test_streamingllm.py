@@ -1,4 +1,4 @@
-"""StreamingLLM (policies.md §6.2): sinks + recent window, against a direct reference; the budget
+"""StreamingLLM (docs/policies.md §6.2): sinks + recent window, against a direct reference; the budget
 holds over a long decode; sliding layers keep their window."""
 
 from __future__ import annotations

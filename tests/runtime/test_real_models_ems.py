@@ -1,4 +1,4 @@
-"""EMS (policies.md §4) on the real models shipped in PyPI packages: SmolLM2-135M-Instruct (Llama, GQA
+"""EMS (docs/policies.md §4) on the real models shipped in PyPI packages: SmolLM2-135M-Instruct (Llama, GQA
 9/3) and Gemma-3-270M (sliding + global layers, MQA, QK-norm). With a budget covering the sequence it
 generates exactly what the full cache does; at 16 entries it stays within its entries and slots."""
 

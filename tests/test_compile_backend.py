@@ -7,16 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from kvpass.rewrites.compile_backend import (
+from torch._dynamo.eval_frame import OptimizedModule
+
+import kvpass
+from kvpass.compile_backend import (
     COMPILE_COUNTS,
     CompileOptions,
     GenerateHook,
     register,
     unregister_generate,
 )
-from torch._dynamo.eval_frame import OptimizedModule
-
-import kvpass
 
 OPTIONS = {"policy": "streamingllm", "budget": 10, "policy_kwargs": {"sinks": 2, "interval": 4}}
 D2O_OPTIONS = {"policy": "d2o", "budget": 12, "policy_kwargs": {"sinks": 2, "interval": 4}}

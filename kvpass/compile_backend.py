@@ -44,9 +44,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
-from kvpass.rewrites.sym_ops_to_builtins import replace_sym_ops_with_builtins
 from torch import nn
 from torch.fx import GraphModule
+
+from kvpass.budget import check_budget
+from kvpass.policies import DEFAULT_POLICY, get_policy
+from kvpass.rewrites.sym_ops_to_builtins import replace_sym_ops_with_builtins
 
 log = logging.getLogger(__name__)
 BACKEND = "kvpass"
@@ -61,10 +64,11 @@ _MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 class CompileOptions:
     """The ``options`` dict of ``torch.compile(..., backend="kvpass", options=...)``.
 
-    policy: a registered policy name; budget: float fraction or int tokens (``kvpass.budget``);
-    policy_kwargs: the policy's hyperparameters; mode: the Inductor mode for the graphs."""
+    policy: a registered policy name (default ``kvpass.DEFAULT_POLICY``, the same as ``kvpass.apply``);
+    budget: float fraction or int tokens (``kvpass.budget``); policy_kwargs: the policy's
+    hyperparameters; mode: the Inductor mode for the graphs."""
 
-    policy: str = "streamingllm"
+    policy: str = DEFAULT_POLICY
     budget: float | int = 0.2
     policy_kwargs: dict = field(default_factory=dict)
     mode: str = "default"
@@ -72,9 +76,6 @@ class CompileOptions:
     @classmethod
     def parse(cls, options: dict | None) -> CompileOptions:
         """Validate a user options dict; raises ValueError naming the bad key or value."""
-        from kvpass.budget import check_budget
-        from kvpass.policies import get_policy
-
         options = dict(options or {})
         unknown = set(options) - {"policy", "budget", "policy_kwargs", "mode"}
         if unknown:
