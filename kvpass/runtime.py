@@ -287,6 +287,9 @@ class KVPassModel(nn.Module):
                 raise ValueError(f"budget {self.budget!r} of {total} tokens leaves {budget} entries per compressed "
                                  f"head after keeping {full_heads} full, below {self.policy.name}'s minimum of "
                                  f"{self.policy.min_budget()}; raise the budget")
+        full_attention = [s.layer for s in self.graphs.sites if s.window is None]
+        kept_whole = {full_attention[i] for i in self.policy.uncompressed_layers(len(full_attention))}
+        deferred = self.policy.prompt_compression_deferred()
         for site in self.graphs.sites:
             k, v = kv[2 * site.layer], kv[2 * site.layer + 1]
             if site.window is not None and site.window < total:
@@ -297,7 +300,8 @@ class KVPassModel(nn.Module):
             cache = entries_from_prompt(k, v, pad, {n: x for n, x in layer_stats.items() if Stat(n).per_slot})
             cache.state.update({n: x for n, x in layer_stats.items() if not Stat(n).per_slot})
             kept_full = full_heads.get(site.layer, ())
-            compressible = self.policy.compresses and site.window is None and len(kept_full) < site.n_kv_heads
+            compressible = (self.policy.compresses and site.window is None and len(kept_full) < site.n_kv_heads
+                            and site.layer not in kept_whole)
             full = None
             if compressible and kept_full:
                 compressed_heads = [h for h in range(site.n_kv_heads) if h not in kept_full]
@@ -308,13 +312,15 @@ class KVPassModel(nn.Module):
             budgets = layer_budgets or self.policy.layer_budgets(budget, [lay.cache for lay in compressed])
             for lay, b in zip(compressed, budgets, strict=True):
                 lay.budget = int(b)
-            due = [lay for lay in compressed if lay.host_len > lay.budget]
+            due = [] if deferred else [lay for lay in compressed if lay.host_len > lay.budget]
             self._compress_prompt(due)
             compressions += len(due)
         for lay in layers:
             if lay.window is None:
                 interval = getattr(self.policy, "interval", 1) if lay.compressible else 0
                 capacity = total if not lay.compressible else min(lay.budget + interval, total)
+                if deferred and lay.compressible and lay.host_len > lay.budget:   # the prompt and the first step
+                    capacity = min(kv[0].shape[2] + 1, total)
                 lay.cache = with_capacity(lay.cache, max(capacity, lay.host_len))
             if lay.full is not None:
                 lay.full = with_capacity(lay.full, total)
@@ -543,6 +549,7 @@ class DecodeSession:
     def step(self, tokens: Tensor) -> Tensor:
         """tokens: [B] int64 -> logits [B, V] for the position after them."""
         start = time.perf_counter()
+        self._deferred_prompt_compression()
         due = tuple(i for i, lay in enumerate(self.layers) if lay.compressible and lay.host_len >= lay.cache.capacity)
         if due and not self.owner.decode_step.graphed(self.logits.device, due):
             for i in due:                         # eager: compress, check the budget (a sync), then the step
@@ -568,6 +575,23 @@ class DecodeSession:
                     load_into(lay.cache, self.policy.maintain(lay.cache, site.layer))
         self.decode_seconds += time.perf_counter() - start
         return self.logits
+
+    def _deferred_prompt_compression(self) -> None:
+        """``Policy.prompt_compression_deferred``: a layer still holding its whole prompt (a buffer wider than
+        budget + interval) and full after the first decode step is compressed now, eagerly, and moves to
+        buffers of budget + interval slots (new addresses: a CUDA-graphed step re-captures)."""
+        if not self.policy.prompt_compression_deferred():
+            return
+        interval = getattr(self.policy, "interval", 1)
+        for lay in self.layers:
+            wide = lay.compressible and lay.cache.capacity > lay.budget + interval
+            if wide and lay.host_len >= lay.cache.capacity:
+                total = lay.cache.capacity
+                out = self.policy.compress(lay.cache, lay.budget)
+                lay.cache = with_capacity(out, max(min(lay.budget + interval, total), out.capacity), check=False)
+                lay.host_len = int(lay.cache.length.max())
+                self.owner._check_within_budget(lay)
+                self.compressions += 1
 
     @torch.no_grad()
     def feed(self, tokens: Tensor) -> Tensor:

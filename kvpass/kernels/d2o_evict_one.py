@@ -15,6 +15,11 @@ Merge decision and weights (§5.6 steps 3-4), per evicting head:
     "paper": merged = u >= tau,       w_e = exp(u), w_self = e, norm = e + w_e
     "code":  merged = current >= tau, w_e = u,      w_self = 1, norm = 1 + 1
     k_nearest <- (w_self k_nearest + w_e k_e) / norm   (fp32, stored in the cache dtype; v likewise)
+Options (D2O's merge guard and merge bias, docs/d2o-official.md; defaults: off):
+    target_from:  nearest is sought among live j >= target_from only (sinks never absorb a token)
+    min_cos:      merged = merged and u >= min_cos (a cosine floor; NO_FLOOR = -2: none, NO_MERGE = 2: nothing merges)
+    bias:         log_weight[nearest] <- logaddexp(log_weight[nearest], log_weight[e]) where merged, so
+                  an entry standing for n tokens gets the additive attention logit log n
 Then the newest entry (slot C - 1) moves into slot e (k, v, col_sum, position, log_weight and any
 other slot metadata), slot C - 1 is emptied (log_weight -inf, position -1, metadata 0; its K, V are
 left) and length -= 1. The merge comes first: nearest may be slot C - 1. So the live slots stay
@@ -48,6 +53,8 @@ from torch import Tensor
 
 _EPS = 1e-12
 EMPTY = float("-inf")
+NO_FLOOR = -2.0        # min_cos that lets every merge through (a cosine is >= -1)
+NO_MERGE = 2.0         # min_cos that lets none through (a cosine is <= 1)
 
 
 class OneEviction(NamedTuple):
@@ -64,11 +71,11 @@ class OneEviction(NamedTuple):
 
 
 def pick_one(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, length: Tensor, keep: int, sinks: int,
-             recent: int) -> OneEviction:
+             recent: int, target_from: int = 0) -> OneEviction:
     """§5.5-5.6 for rows of at most keep + 1 entries (plain torch): the lowest ``col_sum`` outside the
     sinks (slots [0, sinks), where they stay) and the recent window (the ``recent`` newest positions),
-    its K, V and its most cosine-similar other live key. A row holding at most keep entries evicts
-    nothing (e = C - 1). A row's positions count its tokens and the window is never evicted, so the
+    its K, V and its most cosine-similar other live key at a slot >= ``target_from``. A row holding at
+    most keep entries evicts nothing (e = C - 1). A row's positions count its tokens and the window is never evicted, so the
     window is exactly the positions above newest - recent, wherever their slots are; newest is the
     position in slot C - 1, where the decode step wrote its entry (a row that evicts is full).
     k, v: [B, Hkv, C, D]; col_sum, position: [B, Hkv, C]; length: [B, Hkv]."""
@@ -84,7 +91,7 @@ def pick_one(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, length: Te
     k_e = k.reshape(b * h * c, d).index_select(0, flat_e).view(b, h, 1, d)
     v_e = v.reshape(b * h * c, d).index_select(0, flat_e).view(b, h, 1, d)
     # one source row per (b, g): the plain torch matcher (one [1, C] product) beats a kernel launch
-    nearest, u_star = cosine_match_reference(k_e, k, live & (j != e))     # [B, Hkv, 1]
+    nearest, u_star = cosine_match_reference(k_e, k, live & (j != e) & (j >= target_from))     # [B, Hkv, 1]
     valid = evict[..., None]
     return OneEviction(e, valid, k_e, v_e, nearest.clamp(min=0), torch.where(valid, u_star, 0.0))
 
@@ -99,15 +106,25 @@ def ema_threshold(u_star: Tensor, valid: Tensor, prev: Tensor, was_set: Tensor, 
     return torch.where(has, torch.where(was_set, ema, current), prev), was_set | has
 
 
-def merge_weights(u_star: Tensor, valid: Tensor, tau: Tensor, variant: str) -> tuple[Tensor, Tensor, float]:
+def merge_weights(u_star: Tensor, valid: Tensor, tau: Tensor, variant: str, min_cos: float = NO_FLOOR
+                  ) -> tuple[Tensor, Tensor, float]:
     """(merged [B, Hkv, E] bool, w_e [B, Hkv, E] fp32, w_self) of §5.6 steps 3-4; u_star, valid
-    [B, Hkv, E] (E evicted entries per row), tau [B]."""
+    [B, Hkv, E] (E evicted entries per row), tau [B]. ``min_cos``: an entry merges only where its own
+    u >= min_cos as well (the merge guard's floor)."""
+    floor = u_star >= min_cos
     if variant == "paper":
-        merged = valid & (u_star >= tau[:, None, None])
+        merged = valid & (u_star >= tau[:, None, None]) & floor
         return merged, torch.where(merged, u_star.exp(), 0.0), math.e
     per_slot = u_star.sum(1) / valid.sum(1).clamp(min=1)                   # [B, E] mean over heads
-    merged = valid & (per_slot >= tau[:, None])[:, None, :]
+    merged = valid & (per_slot >= tau[:, None])[:, None, :] & floor
     return merged, torch.where(merged, u_star, 0.0), 1.0
+
+
+def merged_log_weight(into: Tensor, src: Tensor) -> Tensor:
+    """log(exp(into) + exp(src)) in fp32, written out (max + log of the sum of shifted exps) so that the
+    Triton kernel computes the same expression: the log-size of an entry that absorbed another."""
+    m = torch.maximum(into, src)
+    return m + torch.log(torch.exp(into - m) + torch.exp(src - m))
 
 
 def merged_rows(into: Tensor, src: Tensor, merged: Tensor, w_e: Tensor, w_self: float, variant: str) -> Tensor:
@@ -121,15 +138,16 @@ def merged_rows(into: Tensor, src: Tensor, merged: Tensor, w_e: Tensor, w_self: 
 
 def d2o_evict_one_reference(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor,
                             length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: int,
-                            sinks: int, recent: int, beta: float, variant: str) -> None:
+                            sinks: int, recent: int, beta: float, variant: str, min_cos: float = NO_FLOOR,
+                            target_from: int = 0, bias: bool = False) -> None:
     """The in-place step in plain torch (the op's definition; CPU and export). O(C) reads of the
     scores and keys of a row, writes of two slots per row (index_select / index_copy_)."""
     b, h, c, d = k.shape
-    pick = pick_one(k, v, col_sum, position, length, keep, sinks, recent)
+    pick = pick_one(k, v, col_sum, position, length, keep, sinks, recent, target_from)
     new_tau, new_set = ema_threshold(pick.u_star, pick.valid, tau, tau_set, beta)
     tau.copy_(new_tau)
     tau_set.copy_(new_set)
-    merged, w_e, w_self = merge_weights(pick.u_star, pick.valid, new_tau, variant)
+    merged, w_e, w_self = merge_weights(pick.u_star, pick.valid, new_tau, variant, min_cos)
     row0 = torch.arange(b * h, device=k.device).view(b, h, 1) * c
     flat_n, flat_e = (pick.nearest + row0).reshape(-1), (pick.e + row0).reshape(-1)
     flat_last = (row0 + c - 1).reshape(-1)
@@ -137,6 +155,10 @@ def d2o_evict_one_reference(k: Tensor, v: Tensor, col_sum: Tensor, position: Ten
         rows = buf.view(b * h * c, d)
         into = rows.index_select(0, flat_n).view(b, h, 1, d)
         rows.index_copy_(0, flat_n, merged_rows(into, src, merged, w_e, w_self, variant).view(b * h, d))
+    if bias:                                           # before the move: nearest may be slot c - 1
+        lw = log_weight.view(-1)
+        into, src = lw.index_select(0, flat_n), lw.index_select(0, flat_e)
+        lw.index_copy_(0, flat_n, torch.where(merged.reshape(-1), merged_log_weight(into, src), into))
     # the newest entry (slot c - 1) moves into the evicted slot; a row that evicted nothing has
     # e = c - 1, an empty slot, so the move and the clearing below leave it unchanged
     for t in (k, v, log_weight, position, col_sum, *others):
@@ -159,7 +181,7 @@ def d2o_evict_one_reference(k: Tensor, v: Tensor, col_sum: Tensor, position: Ten
 # Kernel B, the nearest key in the chunk:
 #     e      = arg[row, first argmin_s low[row, s]]   (C - 1 if n = 0)
 #     xn     = k_e / max(|k_e|, eps)
-#     over j < n of the chunk, j != e:  s_j = xn . k_j / max(|k_j|, eps)
+#     over j < n of the chunk, j != e, j >= target_from:  s_j = xn . k_j / max(|k_j|, eps)
 #     best[row, s], nearest[row, s] = running (max, first argmax); a later block wins only if greater
 # Split s = 0 writes e. In ACC (fp32; fp64 for fp64 keys) with IEEE sqrt and division, as the reference's
 # F.normalize; k_j's norm divides the dot product, not each of its D elements first (the reference's
@@ -216,11 +238,11 @@ def _candidate_kernel(
     tl.store(ARG + out, e)
 
 
-@triton.jit(do_not_specialize=_LENGTHS)
+@triton.jit(do_not_specialize=(*_LENGTHS, "TARGET_FROM"))
 def _nearest_key_kernel(
     K, LENGTH, LOW, ARG, E, BEST, NEAREST,
     skb, skh, skc, skd,
-    HKV, C, CHUNK, KEEP, SPLITS,
+    HKV, C, CHUNK, KEEP, SPLITS, TARGET_FROM,
     HEAD_DIM: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr, ACC: tl.constexpr, F64: tl.constexpr,
 ):
@@ -249,7 +271,7 @@ def _nearest_key_kernel(
         y = tl.load(k_row + offs[:, None] * skc + offs_d[None, :] * skd, mask=m[:, None] & d_mask[None, :],
                     other=0.0).to(ACC)
         s = _unit(tl.sum(x[None, :] * y, 1), tl.sum(y * y, 1), eps, F64)       # one division a key, not D
-        s = tl.where(m & (offs != e), s, float("-inf"))
+        s = tl.where(m & (offs != e) & (offs >= TARGET_FROM), s, float("-inf"))
         blk_best = tl.max(s, 0)
         blk_j = tl.argmax(s, 0).to(tl.int64) + c0
         nearest = tl.where(blk_best > best, blk_j, nearest)
@@ -264,11 +286,12 @@ def _nearest_key_kernel(
 #     nearest_g, u_g = first max over the splits of (best, nearest) (an earlier split wins ties)
 #     ev_g = length_g > keep;  u_g = 0 unless ev_g;  n = sum_g ev_g
 #     current = sum_g u_g / max(n, 1);  tau, tau_set as in the module docstring (beta, 1 - beta fp32)
-#     merged_g, w_e, norm per the variant;  per block of D:
+#     merged_g, w_e, norm per the variant, and u_g >= min_cos;  per block of D:
 #         new  = (w_self k[nearest_g] + w_e k[e_g]) / norm   (fp32, IEEE division, no FMA contraction,
 #                                                            as torch's separate elementwise kernels)
 #         k[nearest_g] <- new where merged_g;  k[e_g] <- (new if merged_g and nearest_g = C - 1 else
 #                                                         k[C - 1]) where ev_g          (v likewise)
+#     BIAS: lw[nearest_g] <- max + log(exp(lw_n - max) + exp(lw_e - max)) where merged_g (before the move)
 #     slot e_g <- slot C - 1's col_sum, position, log_weight; slot C - 1 <- empty; length_g -= 1
 # All loads of a block come before its stores (with a barrier), so no program reads what it writes.
 
@@ -296,9 +319,9 @@ def _merge_and_move(X, batch_off, head_off, sc, sd, e, nearest, evict, merged, t
 def _merge_move_kernel(
     K, V, COL, POS, LW, LENGTH, TAU, TAU_SET, E, BEST, NEAREST,
     skb, skh, skc, skd, svb, svh, svc, svd,
-    HKV, C, KEEP, SPLITS, beta, one_minus_beta, w_self,
+    HKV, C, KEEP, SPLITS, beta, one_minus_beta, w_self, min_cos,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SPLITS: tl.constexpr, ACC: tl.constexpr, PAPER: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr, ACC: tl.constexpr, PAPER: tl.constexpr, BIAS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H).to(tl.int64)
@@ -323,12 +346,13 @@ def _merge_move_kernel(
     tau = tl.where(n_evict > 0, tl.where(was_set, ema, current), prev)
     tl.store(TAU + b, tau)
     tl.store(TAU_SET + b, (was_set | (n_evict > 0)).to(tl.uint8))
+    floor = u >= min_cos
     if PAPER:
-        merged = evict & (u >= tau)
+        merged = evict & (u >= tau) & floor
         w_e = tl.where(merged, tl.exp(u), 0.0)
         norm = w_self + w_e
     else:
-        merged = evict & ((tl.zeros([BLOCK_H], tl.float32) + current) >= tau)     # one decision for all heads
+        merged = evict & ((tl.zeros([BLOCK_H], tl.float32) + current) >= tau) & floor   # one decision for all heads
         w_e = tl.where(merged, u, 0.0)
         norm = w_self + merged.to(tl.float32)
     take_new = merged & (nearest == C - 1)
@@ -342,7 +366,16 @@ def _merge_move_kernel(
     col = tl.load(COL + slot_last, mask=evict, other=0.0)
     pos = tl.load(POS + slot_last, mask=evict, other=-1)
     lw = tl.load(LW + slot_last, mask=evict, other=float("-inf"))
+    if BIAS:                                 # the merged entry's log-size; moved with it if it is slot C - 1
+        slot_n = rows * C + nearest
+        lw_n = tl.load(LW + slot_n, mask=merged, other=0.0)
+        lw_e = tl.load(LW + slot_e, mask=merged, other=0.0)
+        top = tl.maximum(lw_n, lw_e)
+        lw_new = top + tl.log(tl.exp(lw_n - top) + tl.exp(lw_e - top))
+        lw = tl.where(take_new, lw_new, lw)
     tl.debug_barrier()
+    if BIAS:
+        tl.store(LW + slot_n, lw_new, mask=merged)
     tl.store(COL + slot_e, tl.where(is_last, 0.0, col), mask=evict)
     tl.store(POS + slot_e, tl.where(is_last, -1, pos), mask=evict)
     tl.store(LW + slot_e, tl.where(is_last, float("-inf"), lw), mask=evict)
@@ -354,7 +387,7 @@ def _merge_move_kernel(
 
 def check_evict_one_inputs(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor,
                            length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: int,
-                           sinks: int, recent: int, variant: str) -> None:
+                           sinks: int, recent: int, variant: str, target_from: int = 0) -> None:
     """ValueError naming the tensor, the expected and the actual shape/dtype (or the bad split of keep)."""
     if k.dim() != 4 or v.shape != k.shape or v.dtype != k.dtype or not k.dtype.is_floating_point:
         raise ValueError(f"k, v must be one float [B, Hkv, C, D] shape, got {k.dtype} {tuple(k.shape)}, "
@@ -366,6 +399,8 @@ def check_evict_one_inputs(k: Tensor, v: Tensor, col_sum: Tensor, position: Tens
         raise ValueError(f"sinks ({sinks}) + recent ({recent}) must be at most keep ({keep}), both >= 0")
     if variant not in ("paper", "code"):
         raise ValueError(f"variant must be 'paper' or 'code', got {variant!r}")
+    if not 0 <= target_from < keep:                       # else an evicting row could have no merge target
+        raise ValueError(f"target_from must lie in [0, keep = {keep}), got {target_from}")
     for name, t, dtype, shape in (("col_sum", col_sum, torch.float32, (b, h, c)),
                                   ("position", position, torch.int64, (b, h, c)),
                                   ("log_weight", log_weight, torch.float32, (b, h, c)),
@@ -402,13 +437,14 @@ def default_splits(rows: int, c: int, device: torch.device) -> int:
 # an SM; the two-kernel version before: 32.2 at B = 1).
 def d2o_evict_one_triton(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor,
                          length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: int,
-                         sinks: int, recent: int, beta: float, variant: str, *, splits: int | None = None,
+                         sinks: int, recent: int, beta: float, variant: str, min_cos: float = NO_FLOOR,
+                         target_from: int = 0, bias: bool = False, *, splits: int | None = None,
                          block_c: int = 32, block_scan: int = 1024, num_warps: int = 8) -> None:
     """The three Triton kernels (same contract as ``d2o_evict_one_reference``); scratch: 5 tensors of
     B Hkv (splits) elements."""
     require_triton()
     check_evict_one_inputs(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks, recent,
-                           variant)
+                           variant, target_from)
     b, h, c, d = k.shape
     splits = splits or default_splits(b * h, c, k.device)
     chunk = triton.cdiv(c, splits)
@@ -425,15 +461,16 @@ def d2o_evict_one_triton(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor
         col_sum, position, length, low, arg, c, chunk, keep, sinks, recent, splits,
         BLOCK_SCAN=min(block_scan, next_pow2(chunk)), num_warps=4)
     _nearest_key_kernel[(b * h, splits)](
-        k, length, low, arg, e, best, nearest, *k.stride(), h, c, chunk, keep, splits,
+        k, length, low, arg, e, best, nearest, *k.stride(), h, c, chunk, keep, splits, target_from,
         HEAD_DIM=d, BLOCK_C=block_c, BLOCK_D=block_d, BLOCK_SPLITS=next_pow2(splits),
         ACC=tl_acc, F64=acc == torch.float64, num_warps=num_warps)
     _merge_move_kernel[(b,)](
         k, v, col_sum, position, log_weight, length, tau, tau_set.view(torch.uint8), e, best, nearest,
         *k.stride(), *v.stride(), h, c, keep, splits, float(beta), 1.0 - float(beta),
-        math.e if variant == "paper" else 1.0,
+        math.e if variant == "paper" else 1.0, float(min_cos),
         HEAD_DIM=d, BLOCK_H=next_pow2(h), BLOCK_D=min(block_d, 128),
-        BLOCK_SPLITS=next_pow2(splits), ACC=tl_acc, PAPER=variant == "paper", num_warps=4, enable_fp_fusion=False)
+        BLOCK_SPLITS=next_pow2(splits), ACC=tl_acc, PAPER=variant == "paper", BIAS=bool(bias), num_warps=4,
+        enable_fp_fusion=False)
     if others:                                       # a row that evicts nothing has e = C - 1: no move
         flat_e = e + torch.arange(b * h, device=k.device) * c
         flat_last = torch.arange(b * h, device=k.device) * c + c - 1
@@ -448,18 +485,21 @@ def d2o_evict_one_triton(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor
     "k", "v", "col_sum", "position", "log_weight", "length", "tau", "tau_set", "others"))
 def d2o_evict_one(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor, length: Tensor,
                   tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: int, sinks: int, recent: int,
-                  beta: float, variant: str) -> None:
+                  beta: float, variant: str, min_cos: float = NO_FLOOR, target_from: int = 0,
+                  bias: bool = False) -> None:
     d2o_evict_one_reference(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks,
-                            recent, beta, variant)
+                            recent, beta, variant, min_cos, target_from, bias)
 
 
 @d2o_evict_one.register_fake
-def _(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks, recent, beta, variant):
+def _(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks, recent, beta, variant,
+      min_cos=NO_FLOOR, target_from=0, bias=False):
     return None
 
 
 if HAS_TRITON:
     @d2o_evict_one.register_kernel("cuda")
-    def _(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks, recent, beta, variant):
+    def _(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks, recent, beta, variant,
+          min_cos=NO_FLOOR, target_from=0, bias=False):
         d2o_evict_one_triton(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks,
-                             recent, beta, variant)
+                             recent, beta, variant, min_cos, target_from, bias)

@@ -108,6 +108,18 @@ class Policy:
         here, once, before any cache exists. Default: unchanged."""
         return self
 
+    def prompt_compression_deferred(self) -> bool:
+        """True: the prompt is not compressed right after prefill but after the first decode step, whose
+        attention row is then part of the scores (D2O's released code). Until then the layer holds the
+        prompt and that step's entry, above its budget. Default: False."""
+        return False
+
+    def uncompressed_layers(self, n_layers: int) -> frozenset[int]:
+        """Indices among the ``n_layers`` full-attention layers that keep every token at extra memory
+        (never compressed, not counted in the others' budgets; D2O's released code skips layers 0, 1 and
+        L - 1). Default: none."""
+        return frozenset()
+
     def min_budget(self) -> int:
         """The fewest entries per layer the policy can work with (e.g. sinks + recent window)."""
         return 1

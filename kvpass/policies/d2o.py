@@ -12,10 +12,13 @@ import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
 from kvpass.cache import LayerCache, gather_slots, keep_slots, put_slots
 from kvpass.kernels.cosine_match import cosine_match_reference
 from kvpass.kernels.d2o_evict_one import (
+    NO_FLOOR,
+    NO_MERGE,
     OneEviction,
     d2o_evict_one_reference,
     ema_threshold,
     merge_weights,
+    merged_log_weight,
     pick_one,
 )
 from kvpass.kernels.d2o_evict_one import merged_rows as _merged_rows
@@ -66,12 +69,33 @@ class D2O(Policy):
         at prefill (budget = prompt length); the code skips 0, 1, L-1 at extra memory, here they are
         paid for by the other layers, so the default is none [OURS].
     interval: decode steps between compressions; 1 = the paper's one-in-one-out.
+
+    Options, off by default (docs/d2o-official.md says which are the paper's, which the code's, and why):
+    scores: "accumulated" (the paper: prompt column sums + every decode row) or "window": the first
+        compression ranks by SnapKV-style observation-window scores (``Stat.WINDOW_SCORES``: the attention
+        of the last ``window`` prompt queries, avg-pooled with ``window_kernel``), and from then on the
+        accumulated score starts from them (window scores + every decode row), so the eviction keeps what
+        the question attends to [OURS].
+    window, window_kernel: the observation window (>= 1) and odd pooling kernel of scores="window".
+    merge: False evicts without merging (the threshold still updates) [OURS, an ablation].
+    merge_floor: a cosine floor in [-1, 1]: an evicted entry merges only if its best similarity is at least
+        this as well as the EMA threshold (None: no floor, the paper) [OURS, the merge guard].
+    merge_into_sinks: False: the sinks never absorb a token; an evicted entry is matched among the other
+        kept entries (the merge guard: a sink holds much of every row's attention, so a token averaged into
+        it moves the largest logits) [OURS]. Needs budgets above ``sinks``.
+    merge_bias: True adds log(n) to the attention logit of an entry standing for n tokens (n = 1 + the
+        tokens merged into it, recursively; ``LayerCache.log_weight``, as Chelsea's), so merged mass is
+        attended in proportion to the tokens it replaced [OURS; the paper attends plainly].
+    first_compression: "prefill" (kvpass's contract: the budget holds from the first step) or "decode": the
+        released code's timing, the prompt compressed after the first decode step with that step's
+        attention row in its scores, the layer holding prompt + 1 entries until then.
+    skip_memory: "shared" (skip_layers paid for by the other layers) or "extra": the released code's, the
+        skip_layers keep every token at extra memory, never compressed (``skip_layers=(0, 1, -1)``).
     """
 
     name: ClassVar[str] = "d2o"
     section: ClassVar[str] = "§5"
     summary: ClassVar[str] = "variance layer budgets + H2O eviction + EMA-threshold merging"
-    stats: ClassVar[frozenset[Stat]] = frozenset({Stat.COLUMN_SUM, Stat.HEAD_VARIANCE})
     sinks: int = 4
     n_m_ratio: tuple[int, int] = (3, 1)
     beta: float = 0.7
@@ -79,6 +103,15 @@ class D2O(Policy):
     allocation: str = "code"
     skip_layers: tuple[int, ...] = ()
     interval: int = 1
+    scores: str = "accumulated"
+    window: int = 32
+    window_kernel: int = 7
+    merge: bool = True
+    merge_floor: float | None = None
+    merge_into_sinks: bool = True
+    merge_bias: bool = False
+    first_compression: str = "prefill"
+    skip_memory: str = "shared"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -91,6 +124,66 @@ class D2O(Policy):
         require(self.allocation in ("code", "paper", "uniform"),
                 f"d2o: allocation must be 'code', 'paper' or 'uniform', got {self.allocation!r}")
         require(all(isinstance(i, int) for i in self.skip_layers), f"d2o: skip_layers must be ints, got {self.skip_layers!r}")
+        require(self.scores in ("accumulated", "window"),
+                f"d2o: scores must be 'accumulated' or 'window', got {self.scores!r}")
+        require(isinstance(self.window, int) and self.window >= 1, f"d2o: window must be an int >= 1, got {self.window!r}")
+        require(isinstance(self.window_kernel, int) and self.window_kernel >= 1 and self.window_kernel % 2 == 1,
+                f"d2o: window_kernel must be an odd int >= 1, got {self.window_kernel!r}")
+        for name in ("merge", "merge_into_sinks", "merge_bias"):
+            require(isinstance(getattr(self, name), bool), f"d2o: {name} must be True or False, got {getattr(self, name)!r}")
+        floor = self.merge_floor
+        require(floor is None or (isinstance(floor, (int, float)) and not isinstance(floor, bool) and -1.0 <= floor <= 1.0),
+                f"d2o: merge_floor must be None or a number in [-1, 1], got {floor!r}")
+        require(self.first_compression in ("prefill", "decode"),
+                f"d2o: first_compression must be 'prefill' or 'decode', got {self.first_compression!r}")
+        require(self.skip_memory in ("shared", "extra"),
+                f"d2o: skip_memory must be 'shared' or 'extra', got {self.skip_memory!r}")
+
+    @property
+    def stats(self) -> frozenset[Stat]:        # an instance's: scores="window" adds the window scores
+        extra = {Stat.WINDOW_SCORES} if self.scores == "window" else set()
+        return frozenset({Stat.COLUMN_SUM, Stat.HEAD_VARIANCE, *extra})
+
+    def stat_options(self, stat: Stat) -> dict[str, object]:
+        if stat == Stat.WINDOW_SCORES:
+            return {"obs_window": self.window, "kernel": self.window_kernel, "pool": "avg"}
+        return {}
+
+    def min_budget(self) -> int:
+        return 1 if self.merge_into_sinks else self.sinks + 1
+
+    def prompt_compression_deferred(self) -> bool:
+        return self.first_compression == "decode"
+
+    def uncompressed_layers(self, n_layers: int) -> frozenset[int]:
+        if self.skip_memory != "extra":
+            return frozenset()
+        return frozenset(i % n_layers for i in self.skip_layers if -n_layers <= i < n_layers)
+
+    def prepare(self, cache: LayerCache, layer: int, budget: int) -> LayerCache:
+        """scores="window": from here on the accumulated score starts from the window scores (which leave
+        the slot metadata: decode accumulates into ``col_sum``)."""
+        if self.scores == "window" and Stat.WINDOW_SCORES.value in cache.slot_meta:
+            cache.slot_meta[Stat.COLUMN_SUM.value] = cache.slot_meta.pop(Stat.WINDOW_SCORES.value).float()
+        return cache
+
+    def _score_name(self, cache: LayerCache) -> str:
+        """The slot metadata the eviction ranks: the window scores before ``prepare`` (scores="window"),
+        else the accumulated ``col_sum``."""
+        if self.scores == "window" and Stat.WINDOW_SCORES.value in cache.slot_meta:
+            return Stat.WINDOW_SCORES.value
+        return Stat.COLUMN_SUM.value
+
+    def _score(self, cache: LayerCache) -> Tensor:
+        return cache.slot_meta[self._score_name(cache)]
+
+    def _min_cos(self) -> float:
+        if not self.merge:
+            return NO_MERGE
+        return NO_FLOOR if self.merge_floor is None else float(self.merge_floor)
+
+    def _target_from(self, keep: int) -> int:
+        return 0 if self.merge_into_sinks else self.split(keep)[0]
 
     # ------------------------------------------------------------------ layer level (§5.4)
     def layer_density(self, caches: list[LayerCache]) -> list[float]:
@@ -107,7 +200,8 @@ class D2O(Policy):
     def layer_budgets(self, budget: int, caches: list[LayerCache]) -> list[int]:
         n_layers = len(caches)
         prompt = max(int(c.length.max()) for c in caches)
-        skip = {i % n_layers for i in self.skip_layers if -n_layers <= i < n_layers}
+        skip = ({i % n_layers for i in self.skip_layers if -n_layers <= i < n_layers}
+                if self.skip_memory == "shared" else set())      # "extra": the runtime keeps them out
         total = n_layers * budget
         fixed = {i: max(prompt, 1) for i in skip}
         rest = [i for i in range(n_layers) if i not in skip]
@@ -149,12 +243,11 @@ class D2O(Policy):
         return self._compress_general(cache, keep, sinks, recent)
 
     def _merge_weights(self, u_star: Tensor, valid: Tensor, tau: Tensor) -> tuple[Tensor, Tensor, float]:
-        """(merged [B, Hkv, E] bool, w_e [B, Hkv, E] fp32, w_self) of §5.6 steps 3-4."""
-        return merge_weights(u_star, valid, tau, self.d2o_variant)
+        """(merged [B, Hkv, E] bool, w_e [B, Hkv, E] fp32, w_self) of §5.6 steps 3-4 (and the floor)."""
+        return merge_weights(u_star, valid, tau, self.d2o_variant, self._min_cos())
 
     def _compress_general(self, cache: LayerCache, keep: int, sinks: int, recent: int) -> LayerCache:
-        score = cache.slot_meta[Stat.COLUMN_SUM.value]
-        kept = select_kept(score, cache.length, keep, sinks, recent)
+        kept = select_kept(self._score(cache), cache.length, keep, sinks, recent)
         out = keep_slots(cache, kept_slots(kept, keep))
         n_evicted = cache.capacity - out.capacity      # static upper bound: no device sync
         if n_evicted <= 0:
@@ -165,11 +258,16 @@ class D2O(Policy):
         k_e, v_e = gather_slots(cache.k, e_idx), gather_slots(cache.v, e_idx)
         # nearest live kept key per evicted entry, never the [E, K] similarity matrix on CUDA
         match = torch.ops.kvpass.cosine_match if k_e.is_cuda else cosine_match_reference   # CPU/export: plain torch
-        nearest, u_star = match(k_e, out.k, out.live)                          # [B, Hkv, E]
+        targets = out.live & (torch.arange(out.capacity, device=out.k.device) >= self._target_from(keep))
+        nearest, u_star = match(k_e, out.k, targets)                           # [B, Hkv, E]
         nearest = nearest.clamp(min=0)
         u_star = torch.where(valid, u_star, 0.0)
         tau = self._update_tau(out.state, u_star, valid)                            # [B]
         merged, w_e, w_self = self._merge_weights(u_star, valid, tau)
+        if self.merge_bias:                     # sizes add: log_weight = log(sum of the members' sizes)
+            size_e = torch.where(merged, torch.gather(cache.log_weight, 2, e_idx).exp(), 0.0)
+            size = out.log_weight.exp().scatter_add(2, nearest, size_e)
+            out.log_weight = torch.where(out.live, size.log(), out.log_weight)
         count, w_sum, (k_acc, v_acc) = _sums_into(nearest, merged.float(), w_e, (k_e, v_e),
                                                   (w_self * out.k.float(), w_self * out.v.float()))
         norm = w_self + (w_sum if self.d2o_variant == "paper" else count)      # [B, Hkv, K]
@@ -195,18 +293,19 @@ class D2O(Policy):
         for name, dtype in ((TAU, torch.float32), (TAU_SET, torch.bool)):     # the op mutates existing tensors
             if name not in cache.state:
                 cache.state[name] = torch.zeros(b, dtype=dtype, device=device)
-        score = Stat.COLUMN_SUM.value
+        score = self._score_name(cache)
         step = (torch.ops.kvpass.d2o_evict_one if cache.k.is_cuda and not torch.compiler.is_exporting()
                 else d2o_evict_one_reference)
         step(cache.k, cache.v, cache.slot_meta[score], cache.position, cache.log_weight, cache.length,
              cache.state[TAU], cache.state[TAU_SET], [t for n, t in cache.slot_meta.items() if n != score],
-             keep, sinks, recent, self.beta, self.d2o_variant)
+             keep, sinks, recent, self.beta, self.d2o_variant, self._min_cos(), self._target_from(keep),
+             self.merge_bias)
 
     def _pick_one(self, cache: LayerCache, keep: int) -> OneEviction:
         """``pick_one`` (§5.5-5.6 for rows of at most keep + 1 entries) on this layer's cache."""
         sinks, _, recent = self.split(keep)
-        return pick_one(cache.k, cache.v, cache.slot_meta[Stat.COLUMN_SUM.value], cache.position, cache.length,
-                        keep, sinks, recent)
+        return pick_one(cache.k, cache.v, self._score(cache), cache.position, cache.length, keep, sinks, recent,
+                        self._target_from(keep))
 
     def _compress_one(self, cache: LayerCache, keep: int) -> LayerCache:
         """One-in-one-out (capacity keep + 1) as a pure function: the entry ``_pick_one`` chooses is
@@ -226,6 +325,9 @@ class D2O(Policy):
             base = getattr(out, name)
             put_slots(base, target, _merged_rows(gather_slots(base, target), s_e, merged, w_e, w_self,
                                                  self.d2o_variant))
+        if self.merge_bias:
+            into, src = torch.gather(out.log_weight, 2, target), torch.gather(cache.log_weight, 2, e)
+            out.log_weight = out.log_weight.scatter(2, target, torch.where(merged, merged_log_weight(into, src), into))
         return out
 
     def _update_tau(self, state: dict[str, Tensor], u_star: Tensor, valid: Tensor) -> Tensor:

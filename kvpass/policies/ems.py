@@ -121,6 +121,9 @@ class EMS(Policy):
     policy) is the authors' layout, "heads expanded 4 times" (§4.10): K, V cached repeated G times, so
     every query head has its own entries, slot table and scores, at G times the memory.
     Not implemented: ``ems_glo_rows`` (§4.10), ``ems_rerotate_slots`` (§4.9).
+    scores: "global_local" (the paper's s_GL, default) or "window": s_hat = mean_pool(s_Loc) alone, the
+    attention of the last L_win queries (at prefill the prompt's, SnapKV's observation window; in decode the
+    windows of L_win queries), without the global part, so the question's attention alone ranks [OURS].
     """
 
     name: ClassVar[str] = "ems"
@@ -135,6 +138,7 @@ class EMS(Policy):
     gamma: float = 4.0
     with_pos: bool = False
     rope_inv_freq: tuple[float, ...] | None = field(default=None, repr=False)
+    scores: str = "global_local"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -147,6 +151,8 @@ class EMS(Policy):
         require(isinstance(self.gamma, (int, float)) and math.isfinite(self.gamma) and self.gamma >= 1.0,
                 f"ems: gamma must be a finite number >= 1, got {self.gamma!r}")
         require(isinstance(self.with_pos, bool), f"ems: with_pos must be a bool, got {self.with_pos!r}")
+        require(self.scores in ("global_local", "window"),
+                f"ems: scores must be 'global_local' or 'window', got {self.scores!r}")
 
     # ------------------------------------------------------------------ sizes and hooks
     def min_budget(self) -> int:
@@ -201,7 +207,8 @@ class EMS(Policy):
         candidate = live & ~local                                             # step 3
         glo = cache.slot_meta[Stat.COLUMN_SUM.value].float()
         loc = cache.slot_meta[Stat.WINDOW_SCORES.value].float()
-        s_hat = global_local_score(glo, loc, candidate, live, self.pool_kernel)      # -inf off the candidates
+        s_glo = glo if self.scores == "global_local" else torch.zeros_like(glo)   # "window": max(0, s_Loc) = s_Loc
+        s_hat = global_local_score(s_glo, loc, candidate, live, self.pool_kernel)    # -inf off the candidates
         cls = partition(s_hat, candidate, local, n_imp, n_tbm)               # step 4
         ks = self.similarity_keys(cache.k, cache.position)
         dest, _ = destinations(ks, cache.v, cls, self.tau, n_imp, n_tbm, s_hat)     # step 5
@@ -299,7 +306,8 @@ class EMS(Policy):
         tracked = entry >= 0
         is_local = tracked & (entry >= (n - n_win)[..., None])
         nonlocal_ = tracked & ~is_local
-        s_hat = slot_scores(glo, loc_past + loc_cur, pos, tracked, nonlocal_, self.pool_kernel)
+        s_glo = glo if self.scores == "global_local" else torch.zeros_like(glo)
+        s_hat = slot_scores(s_glo, loc_past + loc_cur, pos, tracked, nonlocal_, self.pool_kernel)
 
         # step 4: demote the centre whose founding token has the lowest s_hat; merge it or evict it
         need = n > st[BUDGET]

@@ -286,3 +286,46 @@ def test_policy_compress_into_takes_the_triton_op_on_cuda(monkeypatch) -> None:
     run_step(d2o_evict_one_reference, want, 6554, *D2O().split(6554)[::2], "code")
     got = dict(layer, tau=cache.state[TAU], tau_set=cache.state[TAU_SET])
     assert_same({n: t.cpu() for n, t in got.items()}, {n: t.cpu() for n, t in want.items()}, "policy")
+
+
+@pytest.mark.parametrize("variant", ["paper", "code"])
+def test_triton_equals_reference_with_the_merge_guard_and_bias(variant: str, triton_device: str) -> None:
+    """D2O's options (a cosine floor, no merge into the sinks, the log-size bias) over several steps: the
+    kernels equal the reference (log-weights to float tolerance: another exp/log), and the reference does
+    what the options say: merges only at u >= floor, never into a slot below target_from, and the target's
+    log-weight becomes the log of the summed sizes."""
+    keep, sinks, recent, floor, dev = 12, 3, 2, 0.5, torch.device(triton_device)
+    merged_total = refused_by_floor = 0
+    for case in range(3):
+        want = random_layer(2, 3, keep, 16, seed=40 + case, dtype=torch.float32, near=0.5)
+        gen = torch.Generator().manual_seed(case)
+        for step in range(4):
+            got, before = copied(want, dev), copied(want, "cpu")
+            pick = pick_one(want["k"], want["v"], want["col_sum"], want["position"], want["length"], keep, sinks,
+                            recent, target_from=sinks)
+            tau, _ = ema_threshold(pick.u_star, pick.valid, want["tau"], want["tau_set"], 0.7)
+            merged, _, _ = merge_weights(pick.u_star, pick.valid, tau, variant, floor)
+            plain, _, _ = merge_weights(pick.u_star, pick.valid, tau, variant)
+            assert bool((pick.nearest[pick.valid] >= sinks).all())
+            assert bool((pick.u_star[merged] >= floor).all())
+            merged_total += int(merged.sum())
+            refused_by_floor += int((plain & ~merged).sum())
+            kwargs = dict(min_cos=floor, target_from=sinks, bias=True)
+            d2o_evict_one_reference(*_args(want, keep, sinks, recent, variant), **kwargs)
+            d2o_evict_one_triton(*_args(got, keep, sinks, recent, variant), **kwargs, splits=2, block_c=4, block_scan=8)
+            lw_got, lw_want = got.pop("log_weight").cpu(), want["log_weight"]
+            torch.testing.assert_close(lw_got, lw_want, rtol=0, atol=1e-6, msg=f"case {case} step {step}: log_weight")
+            assert_same({**got, "log_weight": lw_want}, want, f"case {case} step {step}")
+            # the bias: a merged target's size is the sum of both sizes (before the newest moves into e)
+            for b, g in merged[..., 0].nonzero().tolist():
+                n, e = int(pick.nearest[b, g, 0]), int(pick.e[b, g, 0])
+                size = before["log_weight"][b, g, n].exp() + before["log_weight"][b, g, e].exp()
+                slot = e if n == keep else n                              # slot C - 1 moves into e
+                assert abs(float(want["log_weight"][b, g, slot].exp() - size)) < 1e-5
+            decode_write(want, step, gen)
+    assert merged_total > 0 and refused_by_floor > 0, (merged_total, refused_by_floor)
+
+
+def _args(layer: dict[str, torch.Tensor], keep: int, sinks: int, recent: int, variant: str) -> tuple:
+    return (layer["k"], layer["v"], layer["col_sum"], layer["position"], layer["log_weight"], layer["length"],
+            layer["tau"], layer["tau_set"], [layer["window"]], keep, sinks, recent, 0.7, variant)

@@ -1,0 +1,124 @@
+"""Needle accuracy of D2O's options (and EMS's window scores) beside H2O and SnapKV, SmolLM2-135M-Instruct
+on the CPU: a short passphrase stated once as a plain sentence in an essay haystack, the question in the
+same user message (query-aware), greedy decoding. One prefill per prompt serves every policy of a stats
+group (``kvpass.eval.shared.stat_groups``), so each extra policy costs only its compression and decode.
+
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/merge_options_needle.py --prompts 10 --tokens 2000 --budgets 0.2 \
+        --json benchmarks/results/merge-options-needle-cpu.json
+
+Policies (``--policies`` picks a subset by label): see VARIANTS. A case is correct when the output holds
+the passphrase (case-insensitive). The JSON has one record per (policy label, budget, prompt) and a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+from kvpass.eval.shared import stat_groups
+from kvpass.models import load_model
+from kvpass.policies import get_policy
+from kvpass.prompts import chat_ids, haystack
+from kvpass.rewrites import RewrittenGraphs, capture_causal_lm, insert_compressed_cache, match_attention
+from kvpass.rewrites.insert_compressed_cache import build_prefill
+from kvpass.runtime import KVPassModel
+
+QUESTION = "What is the passphrase? Answer briefly."
+WORDS = ("amber", "cobalt", "falcon", "granite", "harbor", "indigo", "juniper", "kestrel", "lantern", "meadow",
+         "orchid", "quartz", "raven", "saffron", "thistle", "velvet", "willow", "zephyr")
+
+# label -> (policy name, keyword arguments)
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "full": ("full", {}),
+    "d2o": ("d2o", {}),
+    "d2o-window": ("d2o", dict(scores="window")),
+    "d2o-nomerge": ("d2o", dict(merge=False)),
+    "d2o-guard": ("d2o", dict(merge_floor=0.5, merge_into_sinks=False)),
+    "d2o-bias": ("d2o", dict(merge_bias=True)),
+    "d2o-first-decode": ("d2o", dict(first_compression="decode")),
+    "d2o-skip-extra": ("d2o", dict(skip_layers=(0, 1, -1), skip_memory="extra")),
+    "d2o-code": ("d2o", dict(d2o_variant="code")),
+    "d2o-window-guard-bias": ("d2o", dict(scores="window", merge_floor=0.5, merge_into_sinks=False, merge_bias=True)),
+    "h2o": ("h2o", {}),
+    "snapkv": ("snapkv", {}),
+    "ems": ("ems", {}),
+    "ems-window": ("ems", dict(scores="window")),
+}
+
+
+def needle_case(tok, tokens: int, index: int, count: int) -> tuple[list[int], str]:
+    """(token ids of the chat, passphrase): the sentence at depth (index + 0.5) / count of the haystack."""
+    rng = random.Random(index)
+    phrase = "-".join(rng.sample(WORDS, 2))
+    text = haystack(tok, tokens)
+    at = text.rfind(". ", 0, int((index + 0.5) / count * len(text)))
+    at = 0 if at < 0 else at + 1
+    text = f"{text[:at]} The passphrase is {phrase}.{text[at:]}"
+    return chat_ids(tok, [{"role": "user", "content": f"{text}\n\n{QUESTION}"}]), phrase
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--prompts", type=int, default=10)
+    p.add_argument("--tokens", type=int, default=2000)
+    p.add_argument("--budgets", type=float, nargs="+", default=[0.2])
+    p.add_argument("--policies", nargs="+", default=list(VARIANTS))
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--json")
+    args = p.parse_args()
+    model, tok = load_model("smollm2")
+    captured = capture_causal_lm(model)
+    sites = list(match_attention(captured, model.config))
+    policies = {label: get_policy(VARIANTS[label][0], **VARIANTS[label][1]) for label in args.policies}
+    graphs = {label: insert_compressed_cache(captured.gm, sites, pol) for label, pol in policies.items()}
+    models = {(label, b): KVPassModel(model, pol, b, captured, graphs[label])
+              for label, pol in policies.items() for b in args.budgets}
+    groups = []
+    for union, members in stat_groups(list(policies.values())):
+        prefill, keys = build_prefill(captured.gm, sites, union)
+        labels = [lab for lab, pol in policies.items() if any(pol is m for m in members)]
+        groups.append((RewrittenGraphs(prefill=prefill, decode=None, sites=tuple(sites), prefill_stats=keys,
+                                       decode_scores=()), labels))
+    eos = tok.eos_token_id
+    eos_ids = torch.tensor([eos] if isinstance(eos, int) else list(eos or []))
+    rows = []
+    for i in range(args.prompts):
+        ids, phrase = needle_case(tok, args.tokens, i, args.prompts)
+        input_ids = torch.tensor([ids])
+        for prefill_graphs, labels in groups:
+            t0 = time.time()
+            any_model = models[(labels[0], args.budgets[0])]
+            pre = any_model.prefill(input_ids, None, args.max_new_tokens, graphs=prefill_graphs)
+            shared_s = time.time() - t0
+            for label in labels:
+                for b in args.budgets:
+                    t1 = time.time()
+                    session = models[(label, b)].start_from(pre)
+                    new, _ = session.sample(args.max_new_tokens, eos_ids, eos if isinstance(eos, int) else 0, do_sample=False,
+                                            temperature=1.0, top_k=None, top_p=None, generator=None)
+                    text = tok.decode(new[0], skip_special_tokens=True).strip()
+                    ok = phrase.lower() in text.lower()
+                    rows.append(dict(policy=label, kwargs=VARIANTS[label][1], budget=b, prompt=i, n=len(ids),
+                                     answer=phrase, output=text, correct=ok, seconds=round(time.time() - t1, 2),
+                                     prefill_seconds=round(shared_s, 2)))
+                    print(f"prompt {i} n={len(ids)} {label:22s} b={b} ok={int(ok)} {phrase} -> {text[:50]!r} "
+                          f"({time.time() - t1:.1f}s)", flush=True)
+    summary = {}
+    for label in args.policies:
+        for b in args.budgets:
+            got = [r["correct"] for r in rows if r["policy"] == label and r["budget"] == b]
+            summary[f"{label}@{b}"] = f"{sum(got)}/{len(got)}"
+    print(json.dumps(summary, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(model="smollm2", tokens=args.tokens, question=QUESTION, max_new_tokens=args.max_new_tokens,
+                           mode="query_aware", device="cpu", torch_threads=torch.get_num_threads(),
+                           variants={k: VARIANTS[k] for k in args.policies}, summary=summary, cases=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
