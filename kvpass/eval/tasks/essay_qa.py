@@ -34,7 +34,7 @@ def generate(tokenizer, length: int, seed: int) -> SuiteCase:
     text_of = tokenizer.decode
     whole = text_of(ids[ctx.body[0]:])
     want = len(chat_parts(tokenizer, TEMPLATE.format(quote=""), ANSWER_PREFIX.format(quote=""))[1]) + 2 * QUOTED
-    last = len(ids) - QUOTED - 8
+    last = len(ids) - QUOTED - 16
     words = [i for i in range(ctx.body[0] + 1, last) if text_of(ids[i:i + 1])[:1].isspace()
              or text_of(ids[i - 1:i])[-1:] == "\n"]
     if not words:
@@ -43,7 +43,7 @@ def generate(tokenizer, length: int, seed: int) -> SuiteCase:
         target = ctx.body[0] + rng.random() * (ctx.body[1] - ctx.body[0])
         s = min((w for w in words if w >= target), default=words[-1])
         quote = text_of(ids[s:s + QUOTED])
-        m = re.match(r" ([A-Za-z]+)\b", text_of(ids[s + QUOTED:s + QUOTED + 6]))
+        m = re.match(r" ([A-Za-z]+)[^A-Za-z]", text_of(ids[s + QUOTED:s + QUOTED + 16]))
         if "\n" in quote or not m or not quote.strip() or whole.count(quote.strip()) != 1:
             continue
         word = m.group(1)
