@@ -219,6 +219,8 @@ def _suite_run_options(p: argparse.ArgumentParser, calibrate: bool) -> None:
         p.add_argument("--no-reference", dest="reference", action="store_false",
                        help="skip the plain transformers generate run per case")
         p.add_argument("--quick", action="store_true", help=f"a small CPU grid (minutes): {SUITE_QUICK}")
+        p.add_argument("--shard", type=_shard, default=None, metavar="I/N",
+                       help="run only every N-th case from the I-th (processes sharing a GPU; each its own store)")
         p.add_argument("--peers", action="append", default=[], metavar="PATH",
                        help="another store to read records from for the report (kvpress peers); repeatable")
     p.add_argument("--modes", nargs="+", default=["query_aware", "query_agnostic"],
@@ -322,6 +324,8 @@ def cmd_suite(args: argparse.Namespace) -> int:
     if not args.report_only:
         loaded = _load_suite(args)
         items = _suite_cases(args, loaded.tokenizer)
+        if getattr(args, "shard", None):
+            items = [c for k, c in enumerate(items) if k % args.shard[1] == args.shard[0]]
         deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
         finished = suite.run(loaded, items, suite.cells(policies, budgets, args.modes, reference=reference), store,
                              batch=args.batch, deadline=deadline)

@@ -17,6 +17,7 @@ COMMON = 3
 SHARE = 0.06            # each common word is this fraction of the list's entries
 PREAMBLE = "Below is a list of words. Some words appear many times in the list, the others only once.\n"
 QUESTION = "What are the three most common words in the list above? Answer with the three words only."
+ANSWER_PREFIX = "The three most common words in the list are"
 
 
 @lru_cache(maxsize=1)
@@ -45,6 +46,7 @@ def generate(tokenizer, length: int, seed: int) -> SuiteCase:
         ids += ids_of(tokenizer, (" " if i else "") + w + ",")
     while len(ids) < room:                      # top up with rare words; the cut falls in one of them
         ids += ids_of(tokenizer, f" {next(rare)},")
-    ctx = build(tokenizer, length, QUESTION, [], rng, preamble=PREAMBLE, filler=ids, filler_starts=[0])
+    ctx = build(tokenizer, length, QUESTION, [], rng, preamble=PREAMBLE, filler=ids, filler_starts=[0],
+                answer_prefix=ANSWER_PREFIX)
     return SuiteCase(NAME, length, seed, None, ctx.context_ids, ctx.question_ids, tuple(common), "all",
                      MAX_NEW_TOKENS)

@@ -76,9 +76,12 @@ class Context:
         return round((start - self.body[0]) / max(others, 1), 4)
 
 
-def chat_parts(tokenizer, question: str) -> tuple[list[int], list[int]]:
-    """(chat prefix ids up to the user's message, question ids after it) from ``common.split_chat``."""
-    return split_chat(tokenizer, "", question)
+def chat_parts(tokenizer, question: str, answer_prefix: str = "") -> tuple[list[int], list[int]]:
+    """(chat prefix ids up to the user's message, question ids after it) from ``common.split_chat``;
+    ``answer_prefix`` (e.g. 'The passphrase is') follows the generation prompt, as the start of the
+    model's reply (RULER's answer prefixes): the answer is then the reply's first words."""
+    prefix, question_ids = split_chat(tokenizer, "", question)
+    return prefix, question_ids + (ids_of(tokenizer, answer_prefix) if answer_prefix else [])
 
 
 def haystack(tokenizer, n: int, rng: random.Random) -> tuple[list[int], list[int]]:
@@ -94,12 +97,12 @@ def haystack(tokenizer, n: int, rng: random.Random) -> tuple[list[int], list[int
 
 
 def build(tokenizer, length: int, question: str, inserts: Sequence[Insert], rng: random.Random,
-          preamble: str = "", filler: list[int] | None = None, filler_starts: list[int] | None = None) -> Context:
+          preamble: str = "", answer_prefix: str = "", filler: list[int] | None = None, filler_starts: list[int] | None = None) -> Context:
     """A context of exactly ``length`` tokens: chat prefix, ``preamble``, then the haystack (essay
     text from ``rng``, or ``filler`` ids whose sentence starts are ``filler_starts``) cut so that the
     inserts fit, each insert at the boundary at or before its depth (inserts at one boundary keep
     their order)."""
-    prefix, question_ids = chat_parts(tokenizer, question)
+    prefix, question_ids = chat_parts(tokenizer, question, answer_prefix)
     pre = ids_of(tokenizer, preamble) if preamble else []
     pieces = [ids_of(tokenizer, " " + ins.text.strip()) for ins in inserts]
     room = length - len(prefix) - len(pre) - sum(map(len, pieces))

@@ -1,8 +1,9 @@
-"""Extractive question over one essay sentence: the question quotes the first words of a sentence
+"""Extractive question over the essay text: the question quotes a phrase of one line
 of the haystack (at a seeded depth) and asks for the word that follows; the answer is that word of
 the essay's own text. No synthetic needle: the policy must have kept an ordinary sentence, not a
 salient outlier, which is where eviction hurts most; scoring is exact (the word, case-insensitive).
-A cloze over real text is extractive QA whose answer is unambiguous and checkable by containment."""
+A cloze over real text is extractive QA whose answer is unambiguous and checkable by containment;
+quoting a fixed number of tokens keeps the question token counts equal (large batches)."""
 
 from __future__ import annotations
 
@@ -13,43 +14,52 @@ from kvpass.eval.tasks import SuiteCase
 from kvpass.eval.tasks.context import build, chat_parts
 
 NAME = "essay_qa"
-MAX_NEW_TOKENS = 10
+MAX_NEW_TOKENS = 6
 ABOUT = "the word after a quoted phrase of one essay sentence"
-QUOTED = 7            # words of the sentence quoted in the question
+QUOTED = 12           # tokens of the essay quoted in the question
 TEMPLATE = 'In the text above, which word comes right after "{quote}"? Answer with that word only.'
+ANSWER_PREFIX = 'The word after "{quote}" is "'
 _STOP = {"that", "this", "with", "have", "from", "they", "what", "which", "there", "their", "would", "about",
          "been", "were", "when", "will", "more", "than", "then", "them", "some", "into", "your", "also", "just"}
 
 
 def generate(tokenizer, length: int, seed: int) -> SuiteCase:
+    """A phrase of ``QUOTED`` tokens on one line of the haystack, starting at a word near a seeded
+    depth, unique in the context and followed by an ordinary word (4+ letters, not a stop word). The
+    first 300 tries also require the question's token count to be the family's (the template's plus
+    ``QUOTED``), so that the family's questions batch together; later tries take any count."""
     rng = random.Random(f"{NAME}/{seed}")
     ctx = build(tokenizer, length, TEMPLATE.format(quote=""), [], rng)
     ids = ctx.context_ids
     text_of = tokenizer.decode
     whole = text_of(ids[ctx.body[0]:])
-    last = len(ids) - 12 * QUOTED - 16
-    sentences = [s for s in ctx.starts if s < last]
-    words = [i for i in range(ctx.body[0] + 1, last) if text_of(ids[i - 1:i])[-1:].isspace()
-             or text_of(ids[i:i + 1])[:1].isspace()]
-    for attempt in range(200):                 # a sentence (after 50 tries: any word) near a seeded depth
-        depth = rng.random()                   # whose quote is unique and is followed by an ordinary word
-        target = ctx.body[0] + depth * (ctx.body[1] - ctx.body[0])
-        starts = sentences if attempt < 50 and sentences else words
-        if not starts:
-            break
-        s = min((s for s in starts if s >= target), default=starts[-1])
-        head = text_of(ids[s:s + 12 * QUOTED + 16])
-        m = re.match(r"\s*((?:[^\s]+\s+){%d})([A-Za-z]+)\b" % QUOTED, head)
-        if not m:
+    want = len(chat_parts(tokenizer, TEMPLATE.format(quote=""), ANSWER_PREFIX.format(quote=""))[1]) + 2 * QUOTED
+    last = len(ids) - QUOTED - 16
+    words = [i for i in range(ctx.body[0] + 1, last) if text_of(ids[i:i + 1])[:1].isspace()
+             or text_of(ids[i - 1:i])[-1:] == "\n"]
+    if not words:
+        raise ValueError(f"{NAME}: length {length} leaves no phrase to quote")
+    for attempt in range(600):
+        target = ctx.body[0] + rng.random() * (ctx.body[1] - ctx.body[0])
+        s = min((w for w in words if w >= target), default=words[-1])
+        quote = text_of(ids[s:s + QUOTED])
+        m = re.match(r" ([A-Za-z]+)[^A-Za-z]", text_of(ids[s + QUOTED:s + QUOTED + 16]))
+        if "\n" in quote or not m or not quote.strip() or whole.count(quote.strip()) != 1:
             continue
-        quote, word = " ".join(m.group(1).split()), m.group(2)
-        if len(word) < 4 or word.lower() in _STOP or whole.count(m.group(1).rstrip()) != 1:
+        word = m.group(1)
+        if len(word) < 4 or word.lower() in _STOP:
             continue
-        end = next(e for e in range(s + 1, min(s + 12 * QUOTED + 17, len(ids) + 1)) if word in text_of(ids[s:e])[len(m.group(1)):])
-        question = TEMPLATE.format(quote=quote)
-        _, question_ids = chat_parts(tokenizer, question)
-        span = (s, end)
+        _, question_ids = chat_parts(tokenizer, TEMPLATE.format(quote=quote.strip()),
+                                     ANSWER_PREFIX.format(quote=quote.strip()))
+        if attempt < 300 and len(question_ids) != want:
+            continue
         real = (s - ctx.body[0]) / max(ctx.body[1] - ctx.body[0], 1)
         return SuiteCase(NAME, length, seed, round(real, 4), ids, question_ids, (word,), "all", MAX_NEW_TOKENS,
-                         (span,))
-    raise ValueError(f"{NAME}: no usable sentence for length {length}, seed {seed}")
+                         ((s, _end_of(tokenizer, ids, s + QUOTED, word)),))
+    raise ValueError(f"{NAME}: no usable phrase for length {length}, seed {seed}")
+
+
+def _end_of(tokenizer, ids: list[int], start: int, word: str) -> int:
+    """The first token index after ``start`` by which ``word`` has been decoded."""
+    return next((e for e in range(start + 1, len(ids) + 1) if word in tokenizer.decode(ids[start:e])), len(ids))
+

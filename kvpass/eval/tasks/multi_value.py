@@ -9,7 +9,7 @@ from kvpass.eval.tasks import SuiteCase
 from kvpass.eval.tasks.context import NOUNS, Insert, build, digits, same_length
 
 NAME = "multi_value"
-MAX_NEW_TOKENS = 40
+MAX_NEW_TOKENS = 32
 ABOUT = "all 3 numbers stated for one key"
 VALUES = 3
 
@@ -22,6 +22,6 @@ def generate(tokenizer, length: int, seed: int) -> SuiteCase:
     question = f"What are the special numbers for {key} mentioned in the text above? List them briefly."
     ctx = build(tokenizer, length, question,
                 [Insert(d, f"One of the special numbers for {key} is {v}.") for v, d in zip(values, depths, strict=True)],
-                rng)
+                rng, answer_prefix=f"The special numbers for {key} are")
     return SuiteCase(NAME, length, seed, ctx.depth_of(0), ctx.context_ids, ctx.question_ids, tuple(values), "all",
                      MAX_NEW_TOKENS, ctx.spans)

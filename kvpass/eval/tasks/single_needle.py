@@ -9,7 +9,7 @@ from kvpass.eval.tasks import SuiteCase
 from kvpass.eval.tasks.context import NOUNS, Insert, build, digits
 
 NAME = "single_needle"
-MAX_NEW_TOKENS = 16
+MAX_NEW_TOKENS = 12
 ABOUT = "the one passphrase stated in an essay haystack"
 
 # (what the needle names, a value generator): the seed picks one per case
@@ -26,6 +26,7 @@ def generate(tokenizer, length: int, seed: int) -> SuiteCase:
     value = make(rng)
     depth = rng.random()
     question = f"What is the secret {noun} mentioned in the text above? Give a brief answer."
-    ctx = build(tokenizer, length, question, [Insert(depth, f"The secret {noun} is {value}.")], rng)
+    ctx = build(tokenizer, length, question, [Insert(depth, f"The secret {noun} is {value}.")], rng,
+                answer_prefix=f"The secret {noun} is")
     return SuiteCase(NAME, length, seed, ctx.depth_of(0), ctx.context_ids, ctx.question_ids, (value,), "all",
                      MAX_NEW_TOKENS, ctx.spans)

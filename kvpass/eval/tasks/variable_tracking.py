@@ -27,6 +27,7 @@ def generate(tokenizer, length: int, seed: int) -> SuiteCase:
     depths = sorted(rng.random() for _ in names)
     lines = [f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in zip(names, names[1:])]
     question = f"Which variables are assigned the value {value} in the text above? List their names."
-    ctx = build(tokenizer, length, question, [Insert(d, t) for d, t in zip(depths, lines, strict=True)], rng)
+    ctx = build(tokenizer, length, question, [Insert(d, t) for d, t in zip(depths, lines, strict=True)], rng,
+                answer_prefix=f"The variables assigned the value {value} are")
     return SuiteCase(NAME, length, seed, ctx.depth_of(0), ctx.context_ids, ctx.question_ids, tuple(names), "all",
                      MAX_NEW_TOKENS, ctx.spans)

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# The long-context quality suite (kvpass eval suite run) for one model on one CUDA GPU.
+#
+# One `kvpass eval suite run --device cuda` process per policy (several shards for the slow ones:
+# d2o decodes its rows one at a time, cam / clusterkv / ems run long decode steps), all sharing the
+# GPU; each writes its own resumable store under OUT/<policy>[-<shard>]/ and stops starting new
+# sessions after SECONDS (--time-limit; exit 0), so a second run with the same OUT carries on where a
+# timed-out one stopped. Afterwards the stores are merged into OUT/quality-suite-MODEL-cases.json
+# (merge_suite_stores.py) and the report is written to OUT (quality-suite-MODEL.md/.json/.png).
+#
+# Usage: benchmarks/suite_gpu.sh OUT SECONDS MODEL [POLICY ...]   (default: every registered policy)
+#   MODEL: smollm2 or gemma3-270m (the GGUF from KVPASS_GGUF_SMOLLM2 / KVPASS_GGUF_GEMMA3_270M where
+#   the model packages are not installed). The grid is the model's calibrated cells
+#   (kvpass/eval/tasks/calibration.json), with CASES seeds per cell so that every (policy, budget,
+#   mode) row gets >= MIN_CASES cases (default 300); CALIBRATE=1 runs the calibration instead.
+# Environment: SHARDS="cam=4 ems=2" overrides the shard counts; BATCH (default 16) rows per session;
+#   CASES overrides the seeds per (family, length); LENGTHS="2048 4096" restricts the lengths.
+set -u
+out=$1
+seconds=$2
+model=$3
+shift 3
+mkdir -p "$out"
+py=${PYTHON:-python3}
+lengths=${LENGTHS:-}
+if [ "${CALIBRATE:-0}" = 1 ]; then
+  # full + transformers per (family, length) over every family at the model's default lengths
+  declare -A cal_lengths=([smollm2]="2048 4096 8000" [gemma3-270m]="4096 8192 16384")
+  ls=${lengths:-${cal_lengths[$model]}}
+  jobs=()
+  for l in $ls; do
+    OMP_NUM_THREADS=1 TQDM_MININTERVAL=20 timeout $((seconds + 120)) $py -m kvpass.cli eval suite calibrate \
+      --model "$model" --device cuda --lengths $l --cases "${CASES:-30}" --batch "${BATCH:-16}" \
+      --time-limit "$seconds" --store "$out/cal-$l/cases.json" --out-dir "$out/cal-$l" --no-write \
+      >"$out/cal-$l.log" 2>&1 &
+  done
+  wait
+  stores=()
+  for l in $ls; do stores+=(--store "$out/cal-$l/cases.json"); done
+  # one report over every length, written into kvpass/eval/tasks/calibration.json when complete
+  $py -m kvpass.cli eval suite calibrate --model "$model" --lengths $ls --cases "${CASES:-30}" --report-only \
+    --store "$out/cal-merged.json" "${stores[@]}" --out-dir "$out" | tee "$out/calibration-$model.md"
+  exit 0
+fi
+# seeds per (family, length): enough for MIN_CASES cases per row over the calibrated cells
+cells=$($py -c "
+from kvpass.eval.suite import calibrated_grid, DEFAULT_LENGTHS
+from kvpass.eval.tasks import FAMILIES
+g = calibrated_grid('$model') or [(f, n) for f in FAMILIES for n in DEFAULT_LENGTHS['$model']]
+ls = '$lengths'.split()
+print(len([c for c in g if not ls or str(c[1]) in ls]))")
+min_cases=${MIN_CASES:-300}
+cases=${CASES:-$(((min_cases + cells - 1) / cells))}
+echo "$model: $cells calibrated cells x $cases cases = $((cells * cases)) cases per (policy, budget, mode)"
+grid="--model $model --budgets 0.1 0.2 0.5 --cases $cases --batch ${BATCH:-16} --time-limit $seconds"
+[ -n "$lengths" ] && grid="$grid --lengths $lengths"
+declare -A shards=([d2o]=4 [cam]=3 [clusterkv]=3 [ems]=2)
+for kv in ${SHARDS:-}; do shards[${kv%%=*}]=${kv#*=}; done
+policies=("$@")
+[ ${#policies[@]} -gt 0 ] || read -ra policies <<<"$($py -c 'from kvpass.policies import POLICIES; print(*sorted(POLICIES))')"
+jobs=()
+for p in "${policies[@]}"; do
+  n=${shards[$p]:-1}
+  for ((i = 0; i < n; i++)); do
+    ref=--no-reference
+    [ "$p" = full ] && ref=""                       # the transformers reference runs once, beside full
+    shard=""; name=$p
+    [ "$n" -gt 1 ] && shard="--shard $i/$n" && name=$p-$i
+    jobs+=("$name|--policies $p $ref $shard")
+  done
+done
+echo "${#jobs[@]} processes: ${jobs[*]%%|*}"
+for job in "${jobs[@]}"; do
+  name=${job%%|*}
+  # the time limit stops new sessions; the outer timeout only catches a hung process
+  # shellcheck disable=SC2086
+  OMP_NUM_THREADS=1 TQDM_MININTERVAL=20 timeout $((seconds + 300)) $py -m kvpass.cli eval suite run \
+    --device cuda $grid ${job#*|} --store "$out/$name/quality-suite-$model-cases.json" --out-dir "$out/$name" \
+    >"$out/$name.log" 2>&1 &
+done
+wait
+$py benchmarks/merge_suite_stores.py "$out" "$out/quality-suite-$model-cases.json" "$model"
+# shellcheck disable=SC2086
+$py -m kvpass.cli eval suite run --model "$model" --budgets 0.1 0.2 0.5 --cases "$cases" \
+  ${lengths:+--lengths $lengths} --report-only --store "$out/quality-suite-$model-cases.json" --out-dir "$out" \
+  ${PEERS:+--peers $PEERS} | tail -n +1 >"$out/report.log"
+echo "report: $out/quality-suite-$model.md"
