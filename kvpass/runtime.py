@@ -31,9 +31,11 @@ from kvpass.cache import (
     entries_from_prompt,
     load_into,
     put_rows,
+    put_rows_at,
     ring_from_prompt,
     select_heads,
     split_rows,
+    take_rows,
     with_capacity,
 )
 from kvpass.decode_step import StaticDecodeStep, fork_side_by_side, join_pending
@@ -70,6 +72,9 @@ class GenerationReport:
     host_bytes: int = 0          # cache tensors kept in host memory while the model runs on an accelerator
     policy_stats: dict[str, float] = field(default_factory=dict)   # Policy.report (e.g. a recall hit rate)
     full_heads: dict[int, tuple[int, ...]] = field(default_factory=dict)   # layer -> KV heads that keep every token
+    # per batch row: layer -> that row's budget (``layer_budgets`` holds the max over rows, the buffers' size);
+    # each row's are what it gets alone (its own prompt length and, for D2O, its own attention variance)
+    row_layer_budgets: list[dict[int, int]] = field(default_factory=list)
 
     @property
     def tokens_per_second(self) -> float:
@@ -129,9 +134,29 @@ class _Layer:
     sliding: bool = False        # a sliding-window layer: dense decode op, no policy inputs, never prepared
     full: LayerCache | None = None   # the layer's KV heads kept full (split-group layout, §0.6 b); ``cache``
                                      # then holds only its other heads
+    # Per batch row (each row as if alone): its budget, the length at which it is compressed (its own
+    # capacity: budget + interval, at most its own prompt + new tokens) and its live entries (max over
+    # heads, tracked on the host). ``budget`` is their max and sets the buffers' capacity. Empty: the
+    # layer is never compressed (rows are not tracked).
+    row_budgets: list[int] = field(default_factory=list)
+    row_caps: list[int] = field(default_factory=list)
+    row_len: list[int] = field(default_factory=list)
 
     def caches(self) -> list[LayerCache]:
         return [self.cache] if self.full is None else [self.cache, self.full]
+
+    def due_rows(self) -> list[int]:
+        """The rows whose entries reached their own capacity: compressed before the next step."""
+        return [b for b, (n, cap) in enumerate(zip(self.row_len, self.row_caps, strict=True)) if n >= cap]
+
+    def whole(self, rows: Sequence[int]) -> bool:
+        """Whether compressing ``rows`` is compressing the whole layer at one budget in its own buffers."""
+        return (len(rows) == len(self.row_budgets) and len(set(self.row_budgets)) == 1
+                and all(cap == self.cache.capacity for cap in self.row_caps))
+
+    def set_row_len(self, lengths: Sequence[int]) -> None:
+        self.row_len = [int(n) for n in lengths]
+        self.host_len = max(self.row_len, default=self.host_len)
 
 
 # A stacked group's K holds at most this many elements (the kernels' offsets stay within int32), and its
@@ -217,7 +242,8 @@ class KVPassModel(nn.Module):
         self.decode_step = StaticDecodeStep()
         # Rows prefilled at a time (None: the whole batch). Smaller groups bound the prefill's memory (the
         # full K, V of every layer exist only for the group being compressed), so larger batches fit;
-        # per-layer budgets (D2O, PyramidKV) are then those of the first group [OURS].
+        # per-layer budgets (D2O, PyramidKV) are then those of the first group's largest [OURS]: the one
+        # place where a row's budgets depend on its batch-mates (the stacked buffers need one layout).
         self.prefill_rows: int | None = None
 
     @property
@@ -272,20 +298,50 @@ class KVPassModel(nn.Module):
         got = getattr(self.generation_config, name, None) if self.generation_config is not None else None
         return fallback if got is None else got
 
+    def _row_budgets(self, total: int, row_total: list[int]) -> list[int]:
+        """Each row's token budget per compressed layer, from its own prompt + new tokens (``row_total``), as
+        if it ran alone; where the policy cannot hold rows of different budgets in one cache
+        (``Policy.ragged_rows`` False), every row gets the batch's (from ``total``, its longest row)."""
+        if not self.policy.ragged_rows:
+            return [self._check_min_budget(total)] * len(row_total)
+        return [self._check_min_budget(t) for t in row_total]
+
+    def _row_layer_budgets(self, row_budget: list[int], caches: list[LayerCache]) -> list[list[int]]:
+        """[row][layer] budgets of the compressed layers: the policy's ``layer_budgets`` of each row's own
+        caches and budget, so a row's layer budgets never depend on its batch-mates. One call for the
+        batch where every row has one budget and the policy keeps one budget for all layers."""
+        if type(self.policy).layer_budgets is Policy.layer_budgets or not self.policy.ragged_rows:
+            if len(set(row_budget)) == 1 or not self.policy.ragged_rows:
+                return [self.policy.layer_budgets(max(row_budget), caches)] * len(row_budget)
+        if len(row_budget) == 1:
+            return [self.policy.layer_budgets(row_budget[0], caches)]
+        return [self.policy.layer_budgets(budget, [take_rows(c, [b]) for c in caches])
+                for b, budget in enumerate(row_budget)]
+
     def _build_layers(self, kv: Sequence[Tensor], stats: dict[int, dict[str, Tensor]], pad: Tensor,
                       total: int, budget: int, recall_budget: int,
                       layer_budgets: list[int] | None = None) -> tuple[list[_Layer], int]:
+        """The layers' caches after prefill. Every row is budgeted as if alone: its budget from its own prompt
+        + new tokens, its own per-layer budgets (D2O, PyramidKV), its own capacity; the buffers hold the
+        largest. ``layer_budgets`` (groups of rows prefilled apart, ``prefill_rows``) gives every row those."""
         layers: list[_Layer] = []
-        prompt_len = int(kv[0].shape[2] - pad.min())
+        t = kv[0].shape[2]
+        new = total - t
+        row_tokens = [t - p for p in pad.tolist()]                          # each row's prompt
+        row_total = [n + new for n in row_tokens]
+        prompt_len = max(row_tokens)
         compressions = 0
         full_heads = self.graphs.full_heads
+        row_budget = self._row_budgets(total, row_total) if self.policy.compresses else list(row_total)
         if full_heads:              # §1.10: the other heads share what the full ones leave of the total
             heads = sum(s.n_kv_heads for s in self.graphs.sites if s.window is None)
-            budget = budget_with_full_heads(self.budget, total, heads, sum(map(len, full_heads.values())))
-            if budget < self.policy.min_budget():
-                raise ValueError(f"budget {self.budget!r} of {total} tokens leaves {budget} entries per compressed "
-                                 f"head after keeping {full_heads} full, below {self.policy.name}'s minimum of "
-                                 f"{self.policy.min_budget()}; raise the budget")
+            n_full = sum(map(len, full_heads.values()))
+            totals = row_total if self.policy.ragged_rows else [total] * len(row_total)
+            row_budget = [budget_with_full_heads(self.budget, n, heads, n_full) for n in totals]
+            if min(row_budget) < self.policy.min_budget():
+                raise ValueError(f"budget {self.budget!r} of {total} tokens leaves {min(row_budget)} entries per "
+                                 f"compressed head after keeping {full_heads} full, below {self.policy.name}'s minimum "
+                                 f"of {self.policy.min_budget()}; raise the budget")
         for site in self.graphs.sites:
             k, v = kv[2 * site.layer], kv[2 * site.layer + 1]
             if site.window is not None and site.window < total:
@@ -301,40 +357,63 @@ class KVPassModel(nn.Module):
             if compressible and kept_full:
                 compressed_heads = [h for h in range(site.n_kv_heads) if h not in kept_full]
                 cache, full = select_heads(cache, compressed_heads), select_heads(cache, kept_full)
-            layers.append(_Layer(cache, None, compressible, total, prompt_len, site.window is not None, full))
+            lay = _Layer(cache, None, compressible, total, prompt_len, site.window is not None, full)
+            if compressible:
+                lay.row_len = list(row_tokens)
+            layers.append(lay)
         compressed = [lay for lay in layers if lay.compressible]
         if compressed:
-            budgets = layer_budgets or self.policy.layer_budgets(budget, [lay.cache for lay in compressed])
-            for lay, b in zip(compressed, budgets, strict=True):
-                lay.budget = int(b)
-            due = [lay for lay in compressed if lay.host_len > lay.budget]
+            if layer_budgets:
+                per_row = [list(layer_budgets)] * len(row_tokens)
+            else:
+                per_row = self._row_layer_budgets(row_budget, [lay.cache for lay in compressed])
+            interval = getattr(self.policy, "interval", 1)
+            for i, lay in enumerate(compressed):
+                lay.row_budgets = [int(r[i]) for r in per_row]
+                lay.budget = max(lay.row_budgets)
+                totals = row_total if self.policy.ragged_rows else [total] * len(row_total)
+                lay.row_caps = [min(b + interval, n) for b, n in zip(lay.row_budgets, totals, strict=True)]
+            due = [lay for lay in compressed if any(n > b for n, b in zip(lay.row_len, lay.row_budgets, strict=True))]
             self._compress_prompt(due)
             compressions += len(due)
         for lay in layers:
             if lay.window is None:
-                interval = getattr(self.policy, "interval", 1) if lay.compressible else 0
-                capacity = total if not lay.compressible else min(lay.budget + interval, total)
+                capacity = total if not lay.compressible else max(lay.row_caps)
                 lay.cache = with_capacity(lay.cache, max(capacity, lay.host_len))
             if lay.full is not None:
                 lay.full = with_capacity(lay.full, total)
         on_host = self.device.type != "cpu"
+        row_recall = [budget_tokens(self.budget, n) for n in row_total]
+        recall: int | Tensor = recall_budget
+        if len(set(row_recall)) > 1:              # each row's own tokens attended per step (Quest, ClusterKV)
+            recall = torch.tensor(row_recall, dtype=torch.long, device=self.device)
         for site, lay in zip(self.graphs.sites, layers, strict=True):
             if lay.sliding:
                 continue
-            lay.cache = self.policy.prepare(lay.cache, site.layer, lay.budget if lay.compressible else recall_budget)
+            lay.cache = self.policy.prepare(lay.cache, site.layer, lay.budget if lay.compressible else recall)
             for name in self.policy.host_resident if on_host else ():
                 setattr(lay.cache, name, getattr(lay.cache, name).to("cpu").pin_memory())
         return layers, compressions
 
     def _compress_prompt(self, layers: list[_Layer]) -> None:
-        """Compress each layer's prompt cache to its budget (``Policy.compress``). Where the policy's rows are
+        """Compress each layer's prompt cache to its budget (``Policy.compress``). A layer whose rows all
+        hold the same number of tokens and have one budget is compressed whole; otherwise each row that
+        exceeds its budget is compressed alone, at its own budget, in a cache of its own prompt's length
+        (rows of one length and budget together), exactly as it would be in a batch of one.
+        Whole layers: where the policy's rows are
         independent (``Policy.rows_independent``), layers of one budget and layout are compressed as one cache
         of their stacked rows (``stacked_groups``): a layer's compression is a few hundred small kernels, so
         at batch 1 the host's launches, not the GPU, set its time, once per group instead of once per layer.
         Where any layers are stacked, the groups run one after the other (their kernels fill the GPU, and one
         group's temporaries are freed before the next's); where none are, the layers run side by side on CUDA,
         on the decode step's side streams.
-        Then one sync reads every layer's new length back, not one sync a layer."""
+        Then one sync reads every layer's new lengths back, not one sync a layer."""
+        ragged = [lay for lay in layers if self.policy.ragged_rows and
+                  (len(set(lay.row_len)) > 1 or len(set(lay.row_budgets)) > 1)]
+        for lay in ragged:
+            self._compress_prompt_rows(lay)
+        layers_whole = [lay for lay in layers if all(lay is not r for r in ragged)]
+
         def compress(group: list[_Layer]) -> None:
             keep = group[0].budget
             if len(group) == 1:
@@ -348,10 +427,10 @@ class KVPassModel(nn.Module):
         if self.device.type == "cuda":              # what a stacked group may take: its copy and the steps' temporaries
             free, _ = torch.cuda.mem_get_info(self.device)
             spare = free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        groups = stacked_groups(layers, self.policy.rows_independent, spare)
-        inputs = [lay.cache for lay in layers]    # alive until the side streams are joined
+        groups = stacked_groups(layers_whole, self.policy.rows_independent, spare)
+        inputs = [lay.cache for lay in layers_whole]    # alive until the side streams are joined
         calls = [functools.partial(compress, group) for group in groups]
-        if len(groups) < len(layers):
+        if len(groups) < len(layers_whole):
             for call in calls:
                 call()
         else:
@@ -359,15 +438,45 @@ class KVPassModel(nn.Module):
         del inputs
         if self.device.type == "cuda":
             main = torch.cuda.current_stream(self.device)
-            for lay in layers:                    # made on a side stream, used on this one from now on
+            for lay in layers_whole:              # made on a side stream, used on this one from now on
                 for t in lay.cache.tensors():
                     t.record_stream(main)
         if layers:
-            for lay, n in zip(layers, torch.stack([lay.cache.length.max() for lay in layers]).tolist(), strict=True):
-                lay.host_len = int(n)
+            for lay, n in zip(layers, torch.stack([lay.cache.length.amax(-1) for lay in layers]).tolist(), strict=True):
+                lay.set_row_len(n)
                 self._check_within_budget(lay)
 
+    def _compress_prompt_rows(self, lay: _Layer) -> None:
+        """Each row of ``lay`` above its budget compressed alone (rows of one prompt length and budget
+        together) in a copy of its own prompt's length, then put back into the layer's cache."""
+        out = with_capacity(lay.cache, lay.cache.capacity)          # new buffers: the prefill stays unchanged
+        out.state = {n: t.clone() for n, t in out.state.items()}
+        groups: dict[tuple[int, int], list[int]] = {}
+        for b, (n, keep) in enumerate(zip(lay.row_len, lay.row_budgets, strict=True)):
+            if n > keep:
+                groups.setdefault((keep, n), []).append(b)
+        for (keep, n), rows in groups.items():
+            put_rows_at(out, self.policy.compress(take_rows(lay.cache, rows, n), keep), rows)
+        lay.cache = out
+
+    def _compress_rows_into(self, lay: _Layer, rows: list[int]) -> None:
+        """Decode time, eager: the due ``rows`` of ``lay`` compressed each to its own budget in a copy of its
+        own capacity (rows of one budget and capacity together, ``Policy.compress_into`` as a batch of one
+        would run it), written back into the layer's buffers; then their lengths are read back (a sync)."""
+        groups: dict[tuple[int, int], list[int]] = {}
+        for b in rows:
+            groups.setdefault((lay.row_budgets[b], lay.row_caps[b]), []).append(b)
+        for (keep, cap), part_rows in groups.items():
+            part = take_rows(lay.cache, part_rows, cap)
+            self.policy.compress_into(part, keep)
+            put_rows_at(lay.cache, part, part_rows)
+        lay.set_row_len(lay.cache.length.amax(-1).tolist())
+        self._check_within_budget(lay)
+
     def _check_within_budget(self, lay: _Layer) -> None:
+        for b, (n, keep) in enumerate(zip(lay.row_len, lay.row_budgets, strict=True)):
+            if n > keep:
+                raise RuntimeError(f"policy {self.policy.name} left {n} entries in batch row {b} for a budget of {keep}")
         if lay.host_len > lay.budget:
             raise RuntimeError(f"policy {self.policy.name} left {lay.host_len} entries for a budget of {lay.budget}")
 
@@ -501,11 +610,16 @@ def _stack_sessions(groups: Iterable[DecodeSession], batch: int) -> DecodeSessio
         if out is None:
             layers = [_Layer(empty_rows(lay.cache, batch), lay.window, lay.compressible, lay.budget, 0, lay.sliding,
                              None if lay.full is None else empty_rows(lay.full, batch)) for lay in session.layers]
+            for lay in layers:
+                lay.row_len = []
             out = DecodeSession(session.owner, layers, session.pos, session.logits, session.budget, 0, 0)
         for dst, src in zip(out.layers, session.layers, strict=True):
             for d, c in zip(dst.caches(), src.caches(), strict=True):
                 put_rows(d, c, start)
             dst.host_len = max(dst.host_len, src.host_len)
+            dst.row_budgets += src.row_budgets
+            dst.row_caps += src.row_caps
+            dst.row_len += src.row_len
         start += session.batch
         pos.append(session.pos)
         logits.append(session.logits)
@@ -542,12 +656,22 @@ class DecodeSession:
     def step(self, tokens: Tensor) -> Tensor:
         """tokens: [B] int64 -> logits [B, V] for the position after them."""
         start = time.perf_counter()
-        due = tuple(i for i, lay in enumerate(self.layers) if lay.compressible and lay.host_len >= lay.cache.capacity)
+        whole: list[int] = []
+        for i, lay in enumerate(self.layers):
+            rows = lay.due_rows() if lay.compressible else []
+            if not rows:
+                continue
+            if lay.whole(rows):                   # every row at one budget in the layer's own buffers
+                whole.append(i)
+            else:                                 # some rows, or rows of their own budgets: each as if alone
+                self.owner._compress_rows_into(lay, rows)
+                self.compressions += 1
+        due = tuple(whole)
         if due and not self.owner.decode_step.graphed(self.logits.device, due):
             for i in due:                         # eager: compress, check the budget (a sync), then the step
                 lay = self.layers[i]
                 self.policy.compress_into(lay.cache, lay.budget)
-                lay.host_len = int(lay.cache.length.max())
+                lay.set_row_len(lay.cache.length.amax(-1).tolist())
                 self.owner._check_within_budget(lay)
             due_in_step: tuple[int, ...] = ()
         else:
@@ -555,7 +679,8 @@ class DecodeSession:
         self.logits = self._device_step(tokens, due_in_step)
         for i in due:
             # the policy contract: a compressed row holds at most `budget` entries (checked when eager)
-            self.layers[i].host_len = min(self.layers[i].host_len, self.layers[i].budget)
+            lay = self.layers[i]
+            lay.set_row_len([min(n, b) for n, b in zip(lay.row_len, lay.row_budgets, strict=True)])
             self.compressions += 1
         for lay in self.layers:
             self._advance_host(lay)
@@ -682,6 +807,7 @@ class DecodeSession:
     def _advance_host(lay: _Layer) -> None:
         """The host copy of the step's length change (no device sync)."""
         lay.host_len = min(lay.host_len + 1, lay.window) if lay.window is not None else lay.host_len + 1
+        lay.row_len = [n + 1 for n in lay.row_len]
 
     def report(self) -> GenerationReport:
         """Cache bytes and timings now; ``new_tokens`` counts the positions after the prompt (steps + 1)."""
@@ -700,4 +826,6 @@ class DecodeSession:
             policy_stats=self.policy.report([lay.cache for lay in layers if not lay.sliding]),
             compressions=self.compressions, prefill_seconds=self.prefill_seconds,
             decode_seconds=self.decode_seconds, entries={i: lay.host_len for i, lay in enumerate(layers)},
-            full_heads=dict(self.owner.graphs.full_heads))
+            full_heads=dict(self.owner.graphs.full_heads),
+            row_layer_budgets=[{i: lay.row_budgets[r] for i, lay in enumerate(layers) if lay.compressible}
+                               for r in range(b)])

@@ -123,6 +123,7 @@ class EMS(Policy):
     Not implemented: ``ems_glo_rows`` (§4.10), ``ems_rerotate_slots`` (§4.9).
     """
 
+    ragged_rows: ClassVar[bool] = False     # the slot table's size follows the budget: one budget per batch
     name: ClassVar[str] = "ems"
     section: ClassVar[str] = "§4"
     summary: ClassVar[str] = "global-local score; evict, then merge into class centres expanded by a slot table"
