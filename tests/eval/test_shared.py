@@ -122,7 +122,11 @@ def test_batched_needle_run_equals_per_case(loaded, models, tmp_path):
                 continue
             tokens, report = niah.answer_kvpass(models.get(cell.policy, cell.budget), case, cell.mode, NEW)
             assert got["output_ids"] == tokens, (cell, spec)
-            assert (got["cache_bytes"], got["full_cache_bytes"]) == (report.cache_bytes, report.full_cache_bytes)
+            assert got["full_cache_bytes"] == report.full_cache_bytes
+            if cell.policy == "d2o":   # rows of their own layer budgets share buffers sized to the largest: a case's
+                assert got["cache_bytes"] >= report.cache_bytes      # share of them is at least what it holds alone
+            else:
+                assert got["cache_bytes"] == report.cache_bytes
 
 
 def test_batches_group_equal_token_counts(tokenizer):
