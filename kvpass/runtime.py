@@ -16,6 +16,7 @@ Data flow of ``generate``:
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,18 @@ from kvpass.rewrites import CapturedModel, RewrittenGraphs
 from kvpass.rewrites.fuse_sibling_linears import fuse_sibling_linears
 from kvpass.rewrites.linears_to_gemv import linears_to_gemv
 from kvpass.sampling import next_token
+from kvpass.validation import (
+    MEMORY_ADVICE,
+    as_input_ids,
+    check_generate_kwargs,
+    check_max_new_tokens,
+    check_memory,
+    check_sampling,
+    estimate_prefill_bytes,
+    in_use,
+    left_pads,
+    refuse,
+)
 
 
 @dataclass
@@ -198,19 +211,6 @@ _GENERATE_ARGS = ("input_ids", "attention_mask", "max_new_tokens", "do_sample", 
                   "output_logits")
 
 
-def _left_pads(mask: Tensor) -> Tensor:
-    """attention_mask [B, T] of 0/1 -> left pads [B]; raises unless each row is 0...0 1...1."""
-    mask = mask.long()
-    if bool(((mask != 0) & (mask != 1)).any()):
-        raise ValueError("attention_mask must hold only 0 and 1")
-    if bool((mask[:, 1:] < mask[:, :-1]).any()):
-        raise ValueError("kvpass needs left padding (each attention_mask row 0...0 1...1); "
-                         "set tokenizer.padding_side = 'left'")
-    if bool((mask.sum(-1) == 0).any()):
-        raise ValueError("a row of attention_mask has no tokens")
-    return (mask == 0).sum(-1)
-
-
 class KVPassModel(nn.Module):
     """A causal LM whose attention runs over a compressed KV cache. Built by ``kvpass.apply``; shares
     the original model's weights and leaves its modules and values unchanged. With ``fuse_linears``
@@ -245,6 +245,10 @@ class KVPassModel(nn.Module):
         # per-layer budgets (D2O, PyramidKV) are then those of the first group's largest [OURS]: the one
         # place where a row's budgets depend on its batch-mates (the stacked buffers need one layout).
         self.prefill_rows: int | None = None
+        self._lock = threading.Lock()              # held by generate(): a second thread gets ModelInUse
+        # bytes free on the device for the pre-prefill memory check (None: validation.free_device_bytes, which
+        # asks CUDA and skips other devices); tests set a function to exercise the check on the CPU
+        self.free_bytes = None
 
     @property
     def model(self) -> nn.Module:
@@ -273,24 +277,24 @@ class KVPassModel(nn.Module):
 
     # ---------------------------------------------------------------- generate
     def _prepare(self, input_ids, attention_mask, max_new_tokens) -> tuple[Tensor, Tensor, Tensor]:
-        ids = torch.as_tensor(input_ids, device=self.device)
-        if ids.dim() == 1:
-            ids = ids[None]
-        if ids.dim() != 2 or ids.shape[1] == 0:
-            raise ValueError(f"input_ids must be [batch, tokens] with at least one token, got shape {tuple(ids.shape)}")
-        mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask, device=ids.device)
-        if mask.shape != ids.shape:
-            raise ValueError(f"attention_mask shape {tuple(mask.shape)} differs from input_ids {tuple(ids.shape)}")
-        pad = _left_pads(mask)
+        """ids [B, T], left pads [B], positions [B, T] after every input check (``kvpass.validation``)."""
+        ids = as_input_ids(input_ids, self.device, self.vocab_size)
+        mask, pad = left_pads(attention_mask, ids)
         longest = int(ids.shape[1] - pad.min())
         ctx = self.captured.context_length
         if longest > ctx:
-            raise ValueError(f"prompt of {longest} tokens is longer than the model's context of {ctx} tokens")
+            raise refuse("input_ids.context", got=longest, context=ctx)
         if longest + max_new_tokens > ctx:
-            raise ValueError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
-                             f"context of {ctx} tokens")
-        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+            raise refuse("max_new_tokens.context", prompt=longest, got=max_new_tokens, context=ctx)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
         return ids, pad, pos
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Token ids must lie in [0, vocab_size): the input embedding's rows."""
+        emb = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
+        weight = getattr(emb, "weight", None)
+        return int(weight.shape[0]) if weight is not None else getattr(self.config, "vocab_size", None)
 
     def _gen_default(self, name: str, value, fallback):
         if value is not None:
@@ -484,8 +488,8 @@ class KVPassModel(nn.Module):
         """The token budget per compressed layer for ``total`` tokens; raises below the policy's minimum."""
         budget = total if not self.policy.compresses else budget_tokens(self.budget, total)
         if self.policy.compresses and budget < self.policy.min_budget():
-            raise ValueError(f"budget of {budget} tokens (from {self.budget!r} of {total}) is smaller than "
-                             f"{self.policy.name}'s minimum of {self.policy.min_budget()} (sinks + window)")
+            raise refuse("budget.minimum", got=budget, source=f" (from {self.budget!r} of {total})",
+                         policy=self.policy.name, minimum=self.policy.min_budget())
         return budget
 
     @torch.no_grad()
@@ -534,13 +538,14 @@ class KVPassModel(nn.Module):
         compressed to the budget for ``T + max_new_tokens`` tokens. Returns the session to step.
 
         ``max_new_tokens`` counts every token that will go through ``step``/``feed`` afterwards."""
-        ids = torch.as_tensor(input_ids)
+        ids = as_input_ids(input_ids, self.device, self.vocab_size)
+        mask, _ = left_pads(attention_mask, ids)
         self._check_min_budget(ids.shape[-1] + max_new_tokens)
-        batch = ids.shape[0] if ids.dim() == 2 else 1
+        batch = ids.shape[0]
         rows = self.prefill_rows or batch
+        self._check_memory(min(rows, batch), ids.shape[1], ids.shape[1] + max_new_tokens)
         if rows >= batch:
-            return self.start_from(self.prefill(input_ids, attention_mask, max_new_tokens))
-        mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask)
+            return self.start_from(self.prefill(ids, mask, max_new_tokens))
 
         def groups() -> Iterator[DecodeSession]:     # prefill and compress a group of rows at a time
             budgets = None
@@ -552,6 +557,18 @@ class KVPassModel(nn.Module):
                 del session                         # not alive while the next group prefills
 
         return _stack_sessions(groups(), batch)
+
+    def _check_memory(self, batch: int, tokens: int, total: int) -> None:
+        """Refuse before the prefill when its estimated memory (``validation.estimate_prefill_bytes``) exceeds
+        what is free on the device (CUDA; ``validation.free_device_bytes``)."""
+        if self.device.type != "cuda" and self.free_bytes is None:
+            return
+        kv_width = sum(s.n_kv_heads * s.head_dim for s in self.graphs.sites)
+        slots = total if not self.policy.compresses else budget_tokens(self.budget, total) + getattr(
+            self.policy, "interval", 1)
+        need = estimate_prefill_bytes(self.config, batch, tokens, total, slots, next(self.model.parameters()).dtype,
+                                      kv_width)
+        check_memory(need, self.device, batch, tokens, self.free_bytes)
 
     @torch.no_grad()
     def generate(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
@@ -566,36 +583,52 @@ class KVPassModel(nn.Module):
         ``GenerateOutput`` with ``return_dict_in_generate``. ``self.last_report`` holds cache bytes
         and timings. As in transformers, ``eos_token_id`` / ``pad_token_id`` left out come from the
         model's generation config, and an explicit None means none."""
-        if unsupported:
-            raise TypeError(f"generate() got unsupported argument(s) {', '.join(sorted(unsupported))}; "
-                            f"supported: {', '.join(_GENERATE_ARGS)}")
+        check_generate_kwargs(unsupported, _GENERATE_ARGS)
         if input_ids is None:
-            raise ValueError("generate() needs input_ids")
-        max_new_tokens = int(self._gen_default("max_new_tokens", max_new_tokens, 20))
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        sampling = dict(do_sample=bool(self._gen_default("do_sample", do_sample, False)),
-                        temperature=float(self._gen_default("temperature", temperature, 1.0)),
-                        top_k=self._gen_default("top_k", top_k, None), top_p=self._gen_default("top_p", top_p, None),
-                        generator=generator)
-        eos = self._gen_default("eos_token_id", None, None) if eos_token_id is _UNSET else eos_token_id
-        eos_ids = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), device=self.device)
-        pad_id = self._gen_default("pad_token_id", None, None) if pad_token_id is _UNSET else pad_token_id
-        if pad_id is None:
-            pad_id = int(eos_ids[0]) if len(eos_ids) else 0
-
-        session = self.start(input_ids, attention_mask, max_new_tokens)
-        ids = torch.as_tensor(input_ids, device=self.device).reshape(session.batch, -1)
-        if streamer is not None:
-            streamer.put(ids.cpu())
-        new, step_logits = session.sample(max_new_tokens, eos_ids, pad_id, streamer, output_logits, **sampling)
-        if streamer is not None:
-            streamer.end()
-        self.last_report = session.report()
+            raise refuse("input_ids.missing")
+        if not self._lock.acquire(blocking=False):      # one generate at a time: the decode step's buffers are shared
+            raise in_use()
+        session = None
+        try:
+            max_new_tokens = check_max_new_tokens(self._gen_default("max_new_tokens", max_new_tokens, 20))
+            sampling = dict(do_sample=bool(self._gen_default("do_sample", do_sample, False)),
+                            temperature=self._gen_default("temperature", temperature, 1.0),
+                            top_k=self._gen_default("top_k", top_k, None), top_p=self._gen_default("top_p", top_p, None),
+                            generator=generator)
+            check_sampling(sampling["do_sample"], sampling["temperature"], sampling["top_k"], sampling["top_p"])
+            sampling["temperature"] = float(sampling["temperature"])
+            eos = self._gen_default("eos_token_id", None, None) if eos_token_id is _UNSET else eos_token_id
+            eos_ids = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), device=self.device)
+            pad_id = self._gen_default("pad_token_id", None, None) if pad_token_id is _UNSET else pad_token_id
+            if pad_id is None:
+                pad_id = int(eos_ids[0]) if len(eos_ids) else 0
+            ids = as_input_ids(input_ids, self.device, self.vocab_size)
+            session = self.start(ids, attention_mask, max_new_tokens)
+            if streamer is not None:
+                streamer.put(ids.cpu())
+            new, step_logits = session.sample(max_new_tokens, eos_ids, pad_id, streamer, output_logits, **sampling)
+            if streamer is not None:
+                streamer.end()
+            self.last_report = session.report()
+        except torch.OutOfMemoryError as err:           # free what this call holds, then say what to change
+            batch, tokens = _shape_of(input_ids)
+            session = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            raise refuse("memory.oom", batch=batch, tokens=tokens, advice=MEMORY_ADVICE.capitalize() + ".") from err
+        finally:
+            session = None                             # never outlives the call, whatever happened
+            self._lock.release()
         sequences = torch.cat([ids, new], dim=1)
         if return_dict_in_generate:
             return GenerateOutput(sequences, step_logits, self.last_report)
         return sequences
+
+
+def _shape_of(input_ids) -> tuple[int, int]:
+    """(batch, tokens) of whatever input_ids is, for messages."""
+    shape = tuple(getattr(input_ids, "shape", ()) or ())
+    return (shape[0], shape[-1]) if len(shape) == 2 else (1, shape[-1] if shape else 0)
 
 
 def _stack_sessions(groups: Iterable[DecodeSession], batch: int) -> DecodeSession:

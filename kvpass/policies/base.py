@@ -48,9 +48,12 @@ class Attention(Enum):
 
 
 def require(condition: bool, message: str) -> None:
-    """Raise ValueError(message) unless condition: for validating user-supplied hyperparameters."""
+    """Raise ``InvalidValue(message)`` (a ValueError; rule ``policy.value`` of kvpass.validation) unless
+    condition: for validating user-supplied hyperparameters."""
     if not condition:
-        raise ValueError(message)
+        from kvpass.errors import InvalidValue
+
+        raise InvalidValue(message, "policy_kwargs")
 
 
 @dataclass(frozen=True)
