@@ -615,7 +615,7 @@ class KVPassModel(nn.Module):
             session = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            raise refuse("memory.oom", batch=batch, tokens=tokens, advice=MEMORY_ADVICE.capitalize() + ".") from err
+            raise refuse("memory.oom", batch=batch, tokens=tokens, advice=MEMORY_ADVICE[0].upper() + MEMORY_ADVICE[1:] + ".") from err
         finally:
             session = None                             # never outlives the call, whatever happened
             self._lock.release()

@@ -96,7 +96,7 @@ RULES: tuple[Rule, ...] = (
          "options has unknown key(s) {got}; allowed: {names}"),
     Rule("options.value", "torch.compile(backend='kvpass', options=...)", "options",
          "policy not a name, policy_kwargs not a dict, a bad budget, mode not an Inductor mode",
-         "option {name!r} must be {allowed}, got {got!r}"),
+         "options[{name!r}] must be {allowed}, got {got!r}"),
     # ------------------------------------------------------------------ the inputs
     Rule("input_ids.missing", GENERATE, "input_ids", "None", "generate() needs input_ids"),
     Rule("input_ids.type", GENERATE, "input_ids", "not a tensor or a list of ints",
@@ -155,10 +155,11 @@ RULES: tuple[Rule, ...] = (
          "again for a second, independent KVPassModel (weights are shared)", ModelInUse),
     Rule("memory.estimate", GENERATE, "input_ids", "the prompt, batch and cache need more device memory than is "
          "free (estimated before the prefill, CUDA)",
-         "the prompt ({batch} x {tokens} tokens) needs about {need_mib} MiB of device memory for the prefill and "
+         "input_ids ({batch} x {tokens} tokens) needs about {need_mib} MiB of device memory for the prefill and "
          "cache, {free_mib} MiB are free; {advice}", OutOfDeviceMemory),
     Rule("memory.oom", GENERATE, "input_ids", "a CUDA out-of-memory error during generate (the session is freed)",
-         "out of device memory during generate (batch {batch} x {tokens} tokens); the session was freed. {advice}",
+         "out of device memory during generate (input_ids: {batch} x {tokens} tokens); the session was freed. "
+         "{advice}",
          OutOfDeviceMemory),
 )
 RULE: dict[str, Rule] = {r.key: r for r in RULES}

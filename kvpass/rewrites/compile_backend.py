@@ -92,7 +92,7 @@ class CompileOptions:
         try:
             check_budget(opts.budget)
         except TypeError as err:                 # torch.compile reports backend errors as ValueErrors alike
-            raise InvalidValue(str(err), "options") from err
+            raise InvalidValue(f"options['budget']: {err}", "options") from err
         if opts.mode not in _INDUCTOR_MODES:
             raise refuse("options.value", name="mode", got=opts.mode, allowed=", ".join(_INDUCTOR_MODES))
         return opts
