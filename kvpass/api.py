@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from kvpass.budget import check_budget
+from kvpass.validation import check_budget_for_model, check_fuse_linears, check_model, refuse
 from kvpass.policies import DEFAULT_POLICY, Policy, get_policy
 from kvpass.rewrites import rewrite_model
 from kvpass.runtime import KVPassModel
@@ -23,11 +24,18 @@ def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float
     fuse_linears: run sibling projections (q/k/v, gate/up) as one GEMM over concatenated weights; the
         parameters become views of that tensor (same values, no extra memory). Default: on CUDA only.
     policy_kwargs: the policy's hyperparameters (e.g. ``sinks=4`` for streamingllm).
+
+    Bad arguments are refused before any work (``kvpass.validation.RULES``, docs/errors.md): a KVPassError
+    that is a TypeError or ValueError naming the argument, the value and what is allowed.
     """
-    chosen = get_policy(policy, **policy_kwargs)       # unknown name / parameter: fails before any tracing
+    check_model(model)                                 # every refusal before any tracing (kvpass.validation)
+    chosen = get_policy(policy, **policy_kwargs)
     check_budget(budget)
+    check_fuse_linears(fuse_linears)
     if chosen.compresses and isinstance(budget, int) and budget < chosen.min_budget():
-        raise ValueError(f"budget of {budget} tokens is smaller than {chosen.name}'s minimum of "
-                         f"{chosen.min_budget()} (sinks + window)")
+        raise refuse("budget.minimum", got=budget, source="", policy=chosen.name, minimum=chosen.min_budget())
+    context = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    if isinstance(context, int):
+        check_budget_for_model(budget, context)
     captured, graphs = rewrite_model(model, chosen)
     return KVPassModel(model, chosen, budget, captured, graphs, fuse_linears=fuse_linears)

@@ -15,13 +15,11 @@ import math
 
 
 def check_budget(budget: float | int) -> None:
-    """Raise for a budget that is neither a fraction in (0, 1] nor a token count >= 1."""
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise TypeError(f"budget must be a float fraction in (0, 1] or an int token count, got {budget!r}")
-    if isinstance(budget, float) and not (0.0 < budget <= 1.0):
-        raise ValueError(f"budget {budget} is a fraction and must lie in (0, 1]; pass an int for a token count")
-    if isinstance(budget, int) and budget < 1:
-        raise ValueError(f"budget {budget} is a token count and must be >= 1")
+    """Raise for a budget that is neither a fraction in (0, 1] nor a token count >= 1 (``kvpass.validation``:
+    InvalidType / InvalidValue, a TypeError / ValueError)."""
+    from kvpass.validation import check_budget as check
+
+    check(budget)
 
 
 def budget_tokens(budget: float | int, total_tokens: int) -> int:

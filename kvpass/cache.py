@@ -255,3 +255,54 @@ def select_heads(cache: LayerCache, heads: Sequence[int]) -> LayerCache:
     return LayerCache(k=pick(cache.k), v=pick(cache.v), log_weight=pick(cache.log_weight), length=pick(cache.length),
                       position=pick(cache.position), slot_meta={n: pick(t) for n, t in cache.slot_meta.items()},
                       state=dict(cache.state))
+
+
+def _row_tensor(t: Tensor, b: int) -> bool:
+    """Whether a state tensor is per batch row (first dimension B); per-layer state is shared by the rows."""
+    return t.dim() > 0 and t.shape[0] == b
+
+
+def take_rows(cache: LayerCache, rows: Sequence[int], capacity: int | None = None) -> LayerCache:
+    """Copies of the batch rows ``rows`` of a cache, cut to slots [0, capacity) (default: all): [B, Hkv, C, ...]
+    -> [len(rows), Hkv, capacity, ...]. Per-row state is taken alike, per-layer state shared. The rows' live
+    entries must lie below ``capacity`` (the caller knows: no device sync). ``put_rows_at`` writes them back.
+    This is how a batch row is compressed to its own budget in its own capacity, as it would be alone."""
+    b = cache.length.shape[0]
+    cap = cache.capacity if capacity is None else capacity
+    idx = torch.as_tensor(list(rows), dtype=torch.long, device=cache.k.device)
+
+    def slots(t: Tensor) -> Tensor:
+        return t.index_select(0, idx)[:, :, :cap].contiguous()
+
+    return LayerCache(k=slots(cache.k), v=slots(cache.v), log_weight=slots(cache.log_weight),
+                      length=cache.length.index_select(0, idx), position=slots(cache.position),
+                      slot_meta={n: slots(t) for n, t in cache.slot_meta.items()},
+                      state={n: t.index_select(0, idx) if _row_tensor(t, b) else t for n, t in cache.state.items()})
+
+
+def put_rows_at(dst: LayerCache, src: LayerCache, rows: Sequence[int]) -> None:
+    """In place, the inverse of ``take_rows``: rows ``rows`` of ``dst`` become ``src``'s (slots past ``src``'s
+    capacity empty), in ``dst``'s own buffers (addresses kept). Slot metadata or per-row state that ``src``
+    has and ``dst`` lacks is added to ``dst`` (zeros in its other rows); slot metadata ``src`` lacks is zeroed
+    in these rows. ValueError where ``src`` has more slots than ``dst``."""
+    if src.capacity > dst.capacity:
+        raise ValueError(f"cannot put rows of {src.capacity} slots into a cache of {dst.capacity}")
+    b = dst.length.shape[0]
+    src = with_capacity(src, dst.capacity, check=False) if src.capacity < dst.capacity else src
+    idx = torch.as_tensor(list(rows), dtype=torch.long, device=dst.k.device)
+    for name in ENTRY_FIELDS:
+        getattr(dst, name).index_copy_(0, idx, getattr(src, name).to(getattr(dst, name).dtype))
+    for name, t in src.slot_meta.items():
+        if name not in dst.slot_meta:
+            dst.slot_meta[name] = t.new_zeros((b, *t.shape[1:]))
+        dst.slot_meta[name].index_copy_(0, idx, t)
+    for name, t in dst.slot_meta.items():
+        if name not in src.slot_meta:
+            t.index_fill_(0, idx, 0)
+    for name, t in src.state.items():
+        if not _row_tensor(t, len(rows)) or (name in dst.state and not _row_tensor(dst.state[name], b)):
+            dst.state[name] = t                   # per-layer state: shared by every row
+            continue
+        if name not in dst.state:
+            dst.state[name] = t.new_zeros((b, *t.shape[1:]))
+        dst.state[name].index_copy_(0, idx, t)

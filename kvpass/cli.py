@@ -18,7 +18,9 @@ def parse_policy_args(items: list[str]) -> dict[str, object]:
     out: dict[str, object] = {}
     for item in items:
         if "=" not in item:
-            raise SystemExit(f"--set expects NAME=VALUE, got {item!r}")
+            from kvpass.validation import refuse
+
+            raise refuse("cli.set", got=item)
         name, value = item.split("=", 1)
         parsed: object = value
         for cast in (int, float):
@@ -49,9 +51,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from kvpass.models import load_model
     from kvpass.prompts import chat_ids, needle_prompt
 
+    from kvpass.validation import check_readable_file
+
     policy_kwargs = parse_policy_args(args.policy_args)
     kvpass.get_policy(args.policy, **policy_kwargs)              # fail fast, before loading the model
     kvpass.check_budget(args.budget)
+    if args.prompt_file:
+        check_readable_file("--prompt-file", args.prompt_file)
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model)
     print(f"loaded {args.model} ({model.config.model_type}, {model.config.num_hidden_layers} layers) "

@@ -76,23 +76,27 @@ class CompileOptions:
     @classmethod
     def parse(cls, options: dict | None) -> CompileOptions:
         """Validate a user options dict; raises ValueError naming the bad key or value."""
+        from kvpass.errors import InvalidValue
+        from kvpass.validation import refuse
+
+        if options is not None and not isinstance(options, dict):
+            raise refuse("options.type", got=options)
         options = dict(options or {})
         unknown = set(options) - {"policy", "budget", "policy_kwargs", "mode"}
         if unknown:
-            raise ValueError(f"unknown kvpass compile option(s) {', '.join(sorted(unknown))}; "
-                             "known: policy, budget, policy_kwargs, mode")
+            raise refuse("options.key", got=", ".join(sorted(unknown)), names="policy, budget, policy_kwargs, mode")
         opts = cls(**options)
         if not isinstance(opts.policy, str):
-            raise ValueError(f"option 'policy' must be a policy name, got {opts.policy!r}")
+            raise refuse("options.value", name="policy", got=opts.policy, allowed="a policy name")
         if not isinstance(opts.policy_kwargs, dict):
-            raise ValueError(f"option 'policy_kwargs' must be a dict, got {opts.policy_kwargs!r}")
+            raise refuse("options.value", name="policy_kwargs", got=opts.policy_kwargs, allowed="a dict")
         get_policy(opts.policy, **opts.policy_kwargs)                    # ValueError: unknown name / parameter
         try:
             check_budget(opts.budget)
-        except TypeError as err:
-            raise ValueError(str(err)) from err
+        except TypeError as err:                 # torch.compile reports backend errors as ValueErrors alike
+            raise InvalidValue(f"options['budget']: {err}", "options") from err
         if opts.mode not in _INDUCTOR_MODES:
-            raise ValueError(f"option 'mode' must be one of {', '.join(_INDUCTOR_MODES)}, got {opts.mode!r}")
+            raise refuse("options.value", name="mode", got=opts.mode, allowed=", ".join(_INDUCTOR_MODES))
         return opts
 
 

@@ -16,6 +16,7 @@ Data flow of ``generate``:
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -31,18 +32,31 @@ from kvpass.cache import (
     entries_from_prompt,
     load_into,
     put_rows,
+    put_rows_at,
     ring_from_prompt,
     select_heads,
     split_rows,
+    take_rows,
     with_capacity,
 )
 from kvpass.decode_step import StaticDecodeStep, fork_side_by_side, join_pending
 from kvpass.policies.base import Policy, Stat
 from kvpass.rewrites import CapturedModel, RewrittenGraphs
-from kvpass.rewrites.insert_compressed_cache import DECODE_STATS
 from kvpass.rewrites.fuse_sibling_linears import fuse_sibling_linears
 from kvpass.rewrites.linears_to_gemv import linears_to_gemv
 from kvpass.sampling import next_token
+from kvpass.validation import (
+    MEMORY_ADVICE,
+    as_input_ids,
+    check_generate_kwargs,
+    check_max_new_tokens,
+    check_memory,
+    check_sampling,
+    estimate_prefill_bytes,
+    in_use,
+    left_pads,
+    refuse,
+)
 
 
 @dataclass
@@ -71,6 +85,9 @@ class GenerationReport:
     host_bytes: int = 0          # cache tensors kept in host memory while the model runs on an accelerator
     policy_stats: dict[str, float] = field(default_factory=dict)   # Policy.report (e.g. a recall hit rate)
     full_heads: dict[int, tuple[int, ...]] = field(default_factory=dict)   # layer -> KV heads that keep every token
+    # per batch row: layer -> that row's budget (``layer_budgets`` holds the max over rows, the buffers' size);
+    # each row's are what it gets alone (its own prompt length and, for D2O, its own attention variance)
+    row_layer_budgets: list[dict[int, int]] = field(default_factory=list)
 
     @property
     def tokens_per_second(self) -> float:
@@ -130,9 +147,29 @@ class _Layer:
     sliding: bool = False        # a sliding-window layer: dense decode op, no policy inputs, never prepared
     full: LayerCache | None = None   # the layer's KV heads kept full (split-group layout, §0.6 b); ``cache``
                                      # then holds only its other heads
+    # Per batch row (each row as if alone): its budget, the length at which it is compressed (its own
+    # capacity: budget + interval, at most its own prompt + new tokens) and its live entries (max over
+    # heads, tracked on the host). ``budget`` is their max and sets the buffers' capacity. Empty: the
+    # layer is never compressed (rows are not tracked).
+    row_budgets: list[int] = field(default_factory=list)
+    row_caps: list[int] = field(default_factory=list)
+    row_len: list[int] = field(default_factory=list)
 
     def caches(self) -> list[LayerCache]:
         return [self.cache] if self.full is None else [self.cache, self.full]
+
+    def due_rows(self) -> list[int]:
+        """The rows whose entries reached their own capacity: compressed before the next step."""
+        return [b for b, (n, cap) in enumerate(zip(self.row_len, self.row_caps, strict=True)) if n >= cap]
+
+    def whole(self, rows: Sequence[int]) -> bool:
+        """Whether compressing ``rows`` is compressing the whole layer at one budget in its own buffers."""
+        return (len(rows) == len(self.row_budgets) and len(set(self.row_budgets)) == 1
+                and all(cap == self.cache.capacity for cap in self.row_caps))
+
+    def set_row_len(self, lengths: Sequence[int]) -> None:
+        self.row_len = [int(n) for n in lengths]
+        self.host_len = max(self.row_len, default=self.host_len)
 
 
 # A stacked group's K holds at most this many elements (the kernels' offsets stay within int32), and its
@@ -174,19 +211,6 @@ _GENERATE_ARGS = ("input_ids", "attention_mask", "max_new_tokens", "do_sample", 
                   "output_logits")
 
 
-def _left_pads(mask: Tensor) -> Tensor:
-    """attention_mask [B, T] of 0/1 -> left pads [B]; raises unless each row is 0...0 1...1."""
-    mask = mask.long()
-    if bool(((mask != 0) & (mask != 1)).any()):
-        raise ValueError("attention_mask must hold only 0 and 1")
-    if bool((mask[:, 1:] < mask[:, :-1]).any()):
-        raise ValueError("kvpass needs left padding (each attention_mask row 0...0 1...1); "
-                         "set tokenizer.padding_side = 'left'")
-    if bool((mask.sum(-1) == 0).any()):
-        raise ValueError("a row of attention_mask has no tokens")
-    return (mask == 0).sum(-1)
-
-
 class KVPassModel(nn.Module):
     """A causal LM whose attention runs over a compressed KV cache. Built by ``kvpass.apply``; shares
     the original model's weights and leaves its modules and values unchanged. With ``fuse_linears``
@@ -218,8 +242,13 @@ class KVPassModel(nn.Module):
         self.decode_step = StaticDecodeStep()
         # Rows prefilled at a time (None: the whole batch). Smaller groups bound the prefill's memory (the
         # full K, V of every layer exist only for the group being compressed), so larger batches fit;
-        # per-layer budgets (D2O, PyramidKV) are then those of the first group [OURS].
+        # per-layer budgets (D2O, PyramidKV) are then those of the first group's largest [OURS]: the one
+        # place where a row's budgets depend on its batch-mates (the stacked buffers need one layout).
         self.prefill_rows: int | None = None
+        self._lock = threading.Lock()              # held by generate(): a second thread gets ModelInUse
+        # bytes free on the device for the pre-prefill memory check (None: validation.free_device_bytes, which
+        # asks CUDA and skips other devices); tests set a function to exercise the check on the CPU
+        self.free_bytes = None
 
     @property
     def model(self) -> nn.Module:
@@ -248,24 +277,24 @@ class KVPassModel(nn.Module):
 
     # ---------------------------------------------------------------- generate
     def _prepare(self, input_ids, attention_mask, max_new_tokens) -> tuple[Tensor, Tensor, Tensor]:
-        ids = torch.as_tensor(input_ids, device=self.device)
-        if ids.dim() == 1:
-            ids = ids[None]
-        if ids.dim() != 2 or ids.shape[1] == 0:
-            raise ValueError(f"input_ids must be [batch, tokens] with at least one token, got shape {tuple(ids.shape)}")
-        mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask, device=ids.device)
-        if mask.shape != ids.shape:
-            raise ValueError(f"attention_mask shape {tuple(mask.shape)} differs from input_ids {tuple(ids.shape)}")
-        pad = _left_pads(mask)
+        """ids [B, T], left pads [B], positions [B, T] after every input check (``kvpass.validation``)."""
+        ids = as_input_ids(input_ids, self.device, self.vocab_size)
+        mask, pad = left_pads(attention_mask, ids)
         longest = int(ids.shape[1] - pad.min())
         ctx = self.captured.context_length
         if longest > ctx:
-            raise ValueError(f"prompt of {longest} tokens is longer than the model's context of {ctx} tokens")
+            raise refuse("input_ids.context", got=longest, context=ctx)
         if longest + max_new_tokens > ctx:
-            raise ValueError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
-                             f"context of {ctx} tokens")
-        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+            raise refuse("max_new_tokens.context", prompt=longest, got=max_new_tokens, context=ctx)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
         return ids, pad, pos
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Token ids must lie in [0, vocab_size): the input embedding's rows."""
+        emb = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
+        weight = getattr(emb, "weight", None)
+        return int(weight.shape[0]) if weight is not None else getattr(self.config, "vocab_size", None)
 
     def _gen_default(self, name: str, value, fallback):
         if value is not None:
@@ -273,20 +302,50 @@ class KVPassModel(nn.Module):
         got = getattr(self.generation_config, name, None) if self.generation_config is not None else None
         return fallback if got is None else got
 
+    def _row_budgets(self, total: int, row_total: list[int]) -> list[int]:
+        """Each row's token budget per compressed layer, from its own prompt + new tokens (``row_total``), as
+        if it ran alone; where the policy cannot hold rows of different budgets in one cache
+        (``Policy.ragged_rows`` False), every row gets the batch's (from ``total``, its longest row)."""
+        if not self.policy.ragged_rows:
+            return [self._check_min_budget(total)] * len(row_total)
+        return [self._check_min_budget(t) for t in row_total]
+
+    def _row_layer_budgets(self, row_budget: list[int], caches: list[LayerCache]) -> list[list[int]]:
+        """[row][layer] budgets of the compressed layers: the policy's ``layer_budgets`` of each row's own
+        caches and budget, so a row's layer budgets never depend on its batch-mates. One call for the
+        batch where every row has one budget and the policy keeps one budget for all layers."""
+        if type(self.policy).layer_budgets is Policy.layer_budgets or not self.policy.ragged_rows:
+            if len(set(row_budget)) == 1 or not self.policy.ragged_rows:
+                return [self.policy.layer_budgets(max(row_budget), caches)] * len(row_budget)
+        if len(row_budget) == 1:
+            return [self.policy.layer_budgets(row_budget[0], caches)]
+        return [self.policy.layer_budgets(budget, [take_rows(c, [b]) for c in caches])
+                for b, budget in enumerate(row_budget)]
+
     def _build_layers(self, kv: Sequence[Tensor], stats: dict[int, dict[str, Tensor]], pad: Tensor,
                       total: int, budget: int, recall_budget: int,
                       layer_budgets: list[int] | None = None) -> tuple[list[_Layer], int]:
+        """The layers' caches after prefill. Every row is budgeted as if alone: its budget from its own prompt
+        + new tokens, its own per-layer budgets (D2O, PyramidKV), its own capacity; the buffers hold the
+        largest. ``layer_budgets`` (groups of rows prefilled apart, ``prefill_rows``) gives every row those."""
         layers: list[_Layer] = []
-        prompt_len = int(kv[0].shape[2] - pad.min())
+        t = kv[0].shape[2]
+        new = total - t
+        row_tokens = [t - p for p in pad.tolist()]                          # each row's prompt
+        row_total = [n + new for n in row_tokens]
+        prompt_len = max(row_tokens)
         compressions = 0
         full_heads = self.graphs.full_heads
+        row_budget = self._row_budgets(total, row_total) if self.policy.compresses else list(row_total)
         if full_heads:              # §1.10: the other heads share what the full ones leave of the total
             heads = sum(s.n_kv_heads for s in self.graphs.sites if s.window is None)
-            budget = budget_with_full_heads(self.budget, total, heads, sum(map(len, full_heads.values())))
-            if budget < self.policy.min_budget():
-                raise ValueError(f"budget {self.budget!r} of {total} tokens leaves {budget} entries per compressed "
-                                 f"head after keeping {full_heads} full, below {self.policy.name}'s minimum of "
-                                 f"{self.policy.min_budget()}; raise the budget")
+            n_full = sum(map(len, full_heads.values()))
+            totals = row_total if self.policy.ragged_rows else [total] * len(row_total)
+            row_budget = [budget_with_full_heads(self.budget, n, heads, n_full) for n in totals]
+            if min(row_budget) < self.policy.min_budget():
+                raise ValueError(f"budget {self.budget!r} of {total} tokens leaves {min(row_budget)} entries per "
+                                 f"compressed head after keeping {full_heads} full, below {self.policy.name}'s minimum "
+                                 f"of {self.policy.min_budget()}; raise the budget")
         full_attention = [s.layer for s in self.graphs.sites if s.window is None]
         kept_whole = {full_attention[i] for i in self.policy.uncompressed_layers(len(full_attention))}
         deferred = self.policy.prompt_compression_deferred()
@@ -306,42 +365,66 @@ class KVPassModel(nn.Module):
             if compressible and kept_full:
                 compressed_heads = [h for h in range(site.n_kv_heads) if h not in kept_full]
                 cache, full = select_heads(cache, compressed_heads), select_heads(cache, kept_full)
-            layers.append(_Layer(cache, None, compressible, total, prompt_len, site.window is not None, full))
+            lay = _Layer(cache, None, compressible, total, prompt_len, site.window is not None, full)
+            if compressible:
+                lay.row_len = list(row_tokens)
+            layers.append(lay)
         compressed = [lay for lay in layers if lay.compressible]
         if compressed:
-            budgets = layer_budgets or self.policy.layer_budgets(budget, [lay.cache for lay in compressed])
-            for lay, b in zip(compressed, budgets, strict=True):
-                lay.budget = int(b)
-            due = [] if deferred else [lay for lay in compressed if lay.host_len > lay.budget]
+            if layer_budgets:
+                per_row = [list(layer_budgets)] * len(row_tokens)
+            else:
+                per_row = self._row_layer_budgets(row_budget, [lay.cache for lay in compressed])
+            interval = getattr(self.policy, "interval", 1)
+            for i, lay in enumerate(compressed):
+                lay.row_budgets = [int(r[i]) for r in per_row]
+                lay.budget = max(lay.row_budgets)
+                totals = row_total if self.policy.ragged_rows else [total] * len(row_total)
+                lay.row_caps = [min(b + interval, n) for b, n in zip(lay.row_budgets, totals, strict=True)]
+            due = [] if deferred else [lay for lay in compressed
+                                       if any(n > b for n, b in zip(lay.row_len, lay.row_budgets, strict=True))]
             self._compress_prompt(due)
             compressions += len(due)
         for lay in layers:
             if lay.window is None:
-                interval = getattr(self.policy, "interval", 1) if lay.compressible else 0
-                capacity = total if not lay.compressible else min(lay.budget + interval, total)
+                capacity = total if not lay.compressible else max(lay.row_caps)
                 if deferred and lay.compressible and lay.host_len > lay.budget:   # the prompt and the first step
                     capacity = min(kv[0].shape[2] + 1, total)
                 lay.cache = with_capacity(lay.cache, max(capacity, lay.host_len))
             if lay.full is not None:
                 lay.full = with_capacity(lay.full, total)
         on_host = self.device.type != "cpu"
+        row_recall = [budget_tokens(self.budget, n) for n in row_total]
+        recall: int | Tensor = recall_budget
+        if len(set(row_recall)) > 1:              # each row's own tokens attended per step (Quest, ClusterKV)
+            recall = torch.tensor(row_recall, dtype=torch.long, device=self.device)
         for site, lay in zip(self.graphs.sites, layers, strict=True):
             if lay.sliding:
                 continue
-            lay.cache = self.policy.prepare(lay.cache, site.layer, lay.budget if lay.compressible else recall_budget)
+            lay.cache = self.policy.prepare(lay.cache, site.layer, lay.budget if lay.compressible else recall)
             for name in self.policy.host_resident if on_host else ():
                 setattr(lay.cache, name, getattr(lay.cache, name).to("cpu").pin_memory())
         return layers, compressions
 
     def _compress_prompt(self, layers: list[_Layer]) -> None:
-        """Compress each layer's prompt cache to its budget (``Policy.compress``). Where the policy's rows are
+        """Compress each layer's prompt cache to its budget (``Policy.compress``). A layer whose rows all
+        hold the same number of tokens and have one budget is compressed whole; otherwise each row that
+        exceeds its budget is compressed alone, at its own budget, in a cache of its own prompt's length
+        (rows of one length and budget together), exactly as it would be in a batch of one.
+        Whole layers: where the policy's rows are
         independent (``Policy.rows_independent``), layers of one budget and layout are compressed as one cache
         of their stacked rows (``stacked_groups``): a layer's compression is a few hundred small kernels, so
         at batch 1 the host's launches, not the GPU, set its time, once per group instead of once per layer.
         Where any layers are stacked, the groups run one after the other (their kernels fill the GPU, and one
         group's temporaries are freed before the next's); where none are, the layers run side by side on CUDA,
         on the decode step's side streams.
-        Then one sync reads every layer's new length back, not one sync a layer."""
+        Then one sync reads every layer's new lengths back, not one sync a layer."""
+        ragged = [lay for lay in layers if self.policy.ragged_rows and
+                  (len(set(lay.row_len)) > 1 or len(set(lay.row_budgets)) > 1)]
+        for lay in ragged:
+            self._compress_prompt_rows(lay)
+        layers_whole = [lay for lay in layers if all(lay is not r for r in ragged)]
+
         def compress(group: list[_Layer]) -> None:
             keep = group[0].budget
             if len(group) == 1:
@@ -355,10 +438,10 @@ class KVPassModel(nn.Module):
         if self.device.type == "cuda":              # what a stacked group may take: its copy and the steps' temporaries
             free, _ = torch.cuda.mem_get_info(self.device)
             spare = free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        groups = stacked_groups(layers, self.policy.rows_independent, spare)
-        inputs = [lay.cache for lay in layers]    # alive until the side streams are joined
+        groups = stacked_groups(layers_whole, self.policy.rows_independent, spare)
+        inputs = [lay.cache for lay in layers_whole]    # alive until the side streams are joined
         calls = [functools.partial(compress, group) for group in groups]
-        if len(groups) < len(layers):
+        if len(groups) < len(layers_whole):
             for call in calls:
                 call()
         else:
@@ -366,15 +449,45 @@ class KVPassModel(nn.Module):
         del inputs
         if self.device.type == "cuda":
             main = torch.cuda.current_stream(self.device)
-            for lay in layers:                    # made on a side stream, used on this one from now on
+            for lay in layers_whole:              # made on a side stream, used on this one from now on
                 for t in lay.cache.tensors():
                     t.record_stream(main)
         if layers:
-            for lay, n in zip(layers, torch.stack([lay.cache.length.max() for lay in layers]).tolist(), strict=True):
-                lay.host_len = int(n)
+            for lay, n in zip(layers, torch.stack([lay.cache.length.amax(-1) for lay in layers]).tolist(), strict=True):
+                lay.set_row_len(n)
                 self._check_within_budget(lay)
 
+    def _compress_prompt_rows(self, lay: _Layer) -> None:
+        """Each row of ``lay`` above its budget compressed alone (rows of one prompt length and budget
+        together) in a copy of its own prompt's length, then put back into the layer's cache."""
+        out = with_capacity(lay.cache, lay.cache.capacity)          # new buffers: the prefill stays unchanged
+        out.state = {n: t.clone() for n, t in out.state.items()}
+        groups: dict[tuple[int, int], list[int]] = {}
+        for b, (n, keep) in enumerate(zip(lay.row_len, lay.row_budgets, strict=True)):
+            if n > keep:
+                groups.setdefault((keep, n), []).append(b)
+        for (keep, n), rows in groups.items():
+            put_rows_at(out, self.policy.compress(take_rows(lay.cache, rows, n), keep), rows)
+        lay.cache = out
+
+    def _compress_rows_into(self, lay: _Layer, rows: list[int]) -> None:
+        """Decode time, eager: the due ``rows`` of ``lay`` compressed each to its own budget in a copy of its
+        own capacity (rows of one budget and capacity together, ``Policy.compress_into`` as a batch of one
+        would run it), written back into the layer's buffers; then their lengths are read back (a sync)."""
+        groups: dict[tuple[int, int], list[int]] = {}
+        for b in rows:
+            groups.setdefault((lay.row_budgets[b], lay.row_caps[b]), []).append(b)
+        for (keep, cap), part_rows in groups.items():
+            part = take_rows(lay.cache, part_rows, cap)
+            self.policy.compress_into(part, keep)
+            put_rows_at(lay.cache, part, part_rows)
+        lay.set_row_len(lay.cache.length.amax(-1).tolist())
+        self._check_within_budget(lay)
+
     def _check_within_budget(self, lay: _Layer) -> None:
+        for b, (n, keep) in enumerate(zip(lay.row_len, lay.row_budgets, strict=True)):
+            if n > keep:
+                raise RuntimeError(f"policy {self.policy.name} left {n} entries in batch row {b} for a budget of {keep}")
         if lay.host_len > lay.budget:
             raise RuntimeError(f"policy {self.policy.name} left {lay.host_len} entries for a budget of {lay.budget}")
 
@@ -382,8 +495,8 @@ class KVPassModel(nn.Module):
         """The token budget per compressed layer for ``total`` tokens; raises below the policy's minimum."""
         budget = total if not self.policy.compresses else budget_tokens(self.budget, total)
         if self.policy.compresses and budget < self.policy.min_budget():
-            raise ValueError(f"budget of {budget} tokens (from {self.budget!r} of {total}) is smaller than "
-                             f"{self.policy.name}'s minimum of {self.policy.min_budget()} (sinks + window)")
+            raise refuse("budget.minimum", got=budget, source=f" (from {self.budget!r} of {total})",
+                         policy=self.policy.name, minimum=self.policy.min_budget())
         return budget
 
     @torch.no_grad()
@@ -432,13 +545,14 @@ class KVPassModel(nn.Module):
         compressed to the budget for ``T + max_new_tokens`` tokens. Returns the session to step.
 
         ``max_new_tokens`` counts every token that will go through ``step``/``feed`` afterwards."""
-        ids = torch.as_tensor(input_ids)
+        ids = as_input_ids(input_ids, self.device, self.vocab_size)
+        mask, _ = left_pads(attention_mask, ids)
         self._check_min_budget(ids.shape[-1] + max_new_tokens)
-        batch = ids.shape[0] if ids.dim() == 2 else 1
+        batch = ids.shape[0]
         rows = self.prefill_rows or batch
+        self._check_memory(min(rows, batch), ids.shape[1], ids.shape[1] + max_new_tokens)
         if rows >= batch:
-            return self.start_from(self.prefill(input_ids, attention_mask, max_new_tokens))
-        mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask)
+            return self.start_from(self.prefill(ids, mask, max_new_tokens))
 
         def groups() -> Iterator[DecodeSession]:     # prefill and compress a group of rows at a time
             budgets = None
@@ -450,6 +564,18 @@ class KVPassModel(nn.Module):
                 del session                         # not alive while the next group prefills
 
         return _stack_sessions(groups(), batch)
+
+    def _check_memory(self, batch: int, tokens: int, total: int) -> None:
+        """Refuse before the prefill when its estimated memory (``validation.estimate_prefill_bytes``) exceeds
+        what is free on the device (CUDA; ``validation.free_device_bytes``)."""
+        if self.device.type != "cuda" and self.free_bytes is None:
+            return
+        kv_width = sum(s.n_kv_heads * s.head_dim for s in self.graphs.sites)
+        slots = total if not self.policy.compresses else budget_tokens(self.budget, total) + getattr(
+            self.policy, "interval", 1)
+        need = estimate_prefill_bytes(self.config, batch, tokens, total, slots, next(self.model.parameters()).dtype,
+                                      kv_width)
+        check_memory(need, self.device, batch, tokens, self.free_bytes)
 
     @torch.no_grad()
     def generate(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
@@ -464,36 +590,52 @@ class KVPassModel(nn.Module):
         ``GenerateOutput`` with ``return_dict_in_generate``. ``self.last_report`` holds cache bytes
         and timings. As in transformers, ``eos_token_id`` / ``pad_token_id`` left out come from the
         model's generation config, and an explicit None means none."""
-        if unsupported:
-            raise TypeError(f"generate() got unsupported argument(s) {', '.join(sorted(unsupported))}; "
-                            f"supported: {', '.join(_GENERATE_ARGS)}")
+        check_generate_kwargs(unsupported, _GENERATE_ARGS)
         if input_ids is None:
-            raise ValueError("generate() needs input_ids")
-        max_new_tokens = int(self._gen_default("max_new_tokens", max_new_tokens, 20))
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        sampling = dict(do_sample=bool(self._gen_default("do_sample", do_sample, False)),
-                        temperature=float(self._gen_default("temperature", temperature, 1.0)),
-                        top_k=self._gen_default("top_k", top_k, None), top_p=self._gen_default("top_p", top_p, None),
-                        generator=generator)
-        eos = self._gen_default("eos_token_id", None, None) if eos_token_id is _UNSET else eos_token_id
-        eos_ids = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), device=self.device)
-        pad_id = self._gen_default("pad_token_id", None, None) if pad_token_id is _UNSET else pad_token_id
-        if pad_id is None:
-            pad_id = int(eos_ids[0]) if len(eos_ids) else 0
-
-        session = self.start(input_ids, attention_mask, max_new_tokens)
-        ids = torch.as_tensor(input_ids, device=self.device).reshape(session.batch, -1)
-        if streamer is not None:
-            streamer.put(ids.cpu())
-        new, step_logits = session.sample(max_new_tokens, eos_ids, pad_id, streamer, output_logits, **sampling)
-        if streamer is not None:
-            streamer.end()
-        self.last_report = session.report()
+            raise refuse("input_ids.missing")
+        if not self._lock.acquire(blocking=False):      # one generate at a time: the decode step's buffers are shared
+            raise in_use()
+        session = None
+        try:
+            max_new_tokens = check_max_new_tokens(self._gen_default("max_new_tokens", max_new_tokens, 20))
+            sampling = dict(do_sample=bool(self._gen_default("do_sample", do_sample, False)),
+                            temperature=self._gen_default("temperature", temperature, 1.0),
+                            top_k=self._gen_default("top_k", top_k, None), top_p=self._gen_default("top_p", top_p, None),
+                            generator=generator)
+            check_sampling(sampling["do_sample"], sampling["temperature"], sampling["top_k"], sampling["top_p"])
+            sampling["temperature"] = float(sampling["temperature"])
+            eos = self._gen_default("eos_token_id", None, None) if eos_token_id is _UNSET else eos_token_id
+            eos_ids = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), device=self.device)
+            pad_id = self._gen_default("pad_token_id", None, None) if pad_token_id is _UNSET else pad_token_id
+            if pad_id is None:
+                pad_id = int(eos_ids[0]) if len(eos_ids) else 0
+            ids = as_input_ids(input_ids, self.device, self.vocab_size)
+            session = self.start(ids, attention_mask, max_new_tokens)
+            if streamer is not None:
+                streamer.put(ids.cpu())
+            new, step_logits = session.sample(max_new_tokens, eos_ids, pad_id, streamer, output_logits, **sampling)
+            if streamer is not None:
+                streamer.end()
+            self.last_report = session.report()
+        except torch.OutOfMemoryError as err:           # free what this call holds, then say what to change
+            batch, tokens = _shape_of(input_ids)
+            session = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            raise refuse("memory.oom", batch=batch, tokens=tokens, advice=MEMORY_ADVICE[0].upper() + MEMORY_ADVICE[1:] + ".") from err
+        finally:
+            session = None                             # never outlives the call, whatever happened
+            self._lock.release()
         sequences = torch.cat([ids, new], dim=1)
         if return_dict_in_generate:
             return GenerateOutput(sequences, step_logits, self.last_report)
         return sequences
+
+
+def _shape_of(input_ids) -> tuple[int, int]:
+    """(batch, tokens) of whatever input_ids is, for messages."""
+    shape = tuple(getattr(input_ids, "shape", ()) or ())
+    return (shape[0], shape[-1]) if len(shape) == 2 else (1, shape[-1] if shape else 0)
 
 
 def _stack_sessions(groups: Iterable[DecodeSession], batch: int) -> DecodeSession:
@@ -508,11 +650,16 @@ def _stack_sessions(groups: Iterable[DecodeSession], batch: int) -> DecodeSessio
         if out is None:
             layers = [_Layer(empty_rows(lay.cache, batch), lay.window, lay.compressible, lay.budget, 0, lay.sliding,
                              None if lay.full is None else empty_rows(lay.full, batch)) for lay in session.layers]
+            for lay in layers:
+                lay.row_len = []
             out = DecodeSession(session.owner, layers, session.pos, session.logits, session.budget, 0, 0)
         for dst, src in zip(out.layers, session.layers, strict=True):
             for d, c in zip(dst.caches(), src.caches(), strict=True):
                 put_rows(d, c, start)
             dst.host_len = max(dst.host_len, src.host_len)
+            dst.row_budgets += src.row_budgets
+            dst.row_caps += src.row_caps
+            dst.row_len += src.row_len
         start += session.batch
         pos.append(session.pos)
         logits.append(session.logits)
@@ -550,12 +697,22 @@ class DecodeSession:
         """tokens: [B] int64 -> logits [B, V] for the position after them."""
         start = time.perf_counter()
         self._deferred_prompt_compression()
-        due = tuple(i for i, lay in enumerate(self.layers) if lay.compressible and lay.host_len >= lay.cache.capacity)
+        whole: list[int] = []
+        for i, lay in enumerate(self.layers):
+            rows = lay.due_rows() if lay.compressible and not self._still_wide(lay) else []
+            if not rows:
+                continue
+            if lay.whole(rows):                   # every row at one budget in the layer's own buffers
+                whole.append(i)
+            else:                                 # some rows, or rows of their own budgets: each as if alone
+                self.owner._compress_rows_into(lay, rows)
+                self.compressions += 1
+        due = tuple(whole)
         if due and not self.owner.decode_step.graphed(self.logits.device, due):
             for i in due:                         # eager: compress, check the budget (a sync), then the step
                 lay = self.layers[i]
                 self.policy.compress_into(lay.cache, lay.budget)
-                lay.host_len = int(lay.cache.length.max())
+                lay.set_row_len(lay.cache.length.amax(-1).tolist())
                 self.owner._check_within_budget(lay)
             due_in_step: tuple[int, ...] = ()
         else:
@@ -563,7 +720,8 @@ class DecodeSession:
         self.logits = self._device_step(tokens, due_in_step)
         for i in due:
             # the policy contract: a compressed row holds at most `budget` entries (checked when eager)
-            self.layers[i].host_len = min(self.layers[i].host_len, self.layers[i].budget)
+            lay = self.layers[i]
+            lay.set_row_len([min(n, b) for n, b in zip(lay.row_len, lay.row_budgets, strict=True)])
             self.compressions += 1
         for lay in self.layers:
             self._advance_host(lay)
@@ -576,22 +734,34 @@ class DecodeSession:
         self.decode_seconds += time.perf_counter() - start
         return self.logits
 
+    def _still_wide(self, lay: _Layer) -> bool:
+        """A layer whose prompt compression ``Policy.prompt_compression_deferred`` put off: its buffers
+        still hold the whole prompt and the first decode step (wider than any row's budget + interval)."""
+        return bool(lay.row_caps) and lay.cache.capacity > max(lay.row_caps)
+
     def _deferred_prompt_compression(self) -> None:
-        """``Policy.prompt_compression_deferred``: a layer still holding its whole prompt (a buffer wider than
-        budget + interval) and full after the first decode step is compressed now, eagerly, and moves to
-        buffers of budget + interval slots (new addresses: a CUDA-graphed step re-captures)."""
+        """``Policy.prompt_compression_deferred``: a layer still holding its whole prompt and full after the
+        first decode step is compressed now, eagerly, each row to its own budget (rows of one budget
+        together), into buffers of the rows' largest budget + interval (new addresses: a CUDA-graphed
+        step re-captures)."""
         if not self.policy.prompt_compression_deferred():
             return
-        interval = getattr(self.policy, "interval", 1)
         for lay in self.layers:
-            wide = lay.compressible and lay.cache.capacity > lay.budget + interval
-            if wide and lay.host_len >= lay.cache.capacity:
-                total = lay.cache.capacity
-                out = self.policy.compress(lay.cache, lay.budget)
-                lay.cache = with_capacity(out, max(min(lay.budget + interval, total), out.capacity), check=False)
-                lay.host_len = int(lay.cache.length.max())
-                self.owner._check_within_budget(lay)
-                self.compressions += 1
+            if not (lay.compressible and self._still_wide(lay) and lay.host_len >= lay.cache.capacity):
+                continue
+            groups: dict[int, list[int]] = {}
+            for b, keep in enumerate(lay.row_budgets):
+                groups.setdefault(keep, []).append(b)
+            out = None
+            for keep, rows in groups.items():
+                part = self.policy.compress(take_rows(lay.cache, rows), keep)
+                part = take_rows(part, range(len(rows)), max(lay.row_caps))
+                out = out if out is not None else empty_rows(part, self.batch)
+                put_rows_at(out, part, rows)
+            lay.cache = out
+            lay.set_row_len(lay.cache.length.amax(-1).tolist())
+            self.owner._check_within_budget(lay)
+            self.compressions += 1
 
     @torch.no_grad()
     def feed(self, tokens: Tensor) -> Tensor:
@@ -648,10 +818,9 @@ class DecodeSession:
             flat = [x for lay, slot in zip(layers, slots, strict=True) for x in self._decode_inputs(lay, slot)]
             outs = graphs.decode(tokens[:, None], pos, *flat)
             join_pending()
-            if graphs.decode_scores:              # one multi-tensor launch per statistic, for every layer
-                for stat in sorted(self.policy.stats & DECODE_STATS, key=lambda s: s.value):
-                    metas = [layers[i].cache.slot_meta[stat.value] for i in graphs.decode_scores]
-                    (torch._foreach_add_ if stat.accumulates else torch._foreach_copy_)(metas, list(outs[1:]))
+            if graphs.decode_scores:              # one multi-tensor launch for every layer's accumulation
+                torch._foreach_add_([layers[i].cache.slot_meta[Stat.COLUMN_SUM.value] for i in graphs.decode_scores],
+                                    list(outs[1:]))
             self._advance(layers)
             return (outs[0][:, -1].float(),)
 
@@ -708,6 +877,7 @@ class DecodeSession:
     def _advance_host(lay: _Layer) -> None:
         """The host copy of the step's length change (no device sync)."""
         lay.host_len = min(lay.host_len + 1, lay.window) if lay.window is not None else lay.host_len + 1
+        lay.row_len = [n + 1 for n in lay.row_len]
 
     def report(self) -> GenerationReport:
         """Cache bytes and timings now; ``new_tokens`` counts the positions after the prompt (steps + 1)."""
@@ -726,4 +896,6 @@ class DecodeSession:
             policy_stats=self.policy.report([lay.cache for lay in layers if not lay.sliding]),
             compressions=self.compressions, prefill_seconds=self.prefill_seconds,
             decode_seconds=self.decode_seconds, entries={i: lay.host_len for i, lay in enumerate(layers)},
-            full_heads=dict(self.owner.graphs.full_heads))
+            full_heads=dict(self.owner.graphs.full_heads),
+            row_layer_budgets=[{i: lay.row_budgets[r] for i, lay in enumerate(layers) if lay.compressible}
+                               for r in range(b)])

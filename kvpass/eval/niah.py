@@ -230,11 +230,11 @@ def run(loaded: Loaded, specs: Sequence[NeedleSpec], cell_list: Sequence[Cell], 
     largest batches first; the transformers reference runs after every kvpass cell.
     Per batch and mode, one prefill serves every (policy, budget) cell (``shared``: the union of the
     policies' statistics; one prefill per group of policies whose statistic options conflict); each
-    cell starts from it, restricted to the rows it still lacks, and decodes them in one session
-    (policies in ``shared.ROW_COUPLED``: one session per row, so each case is as if alone). The
+    cell starts from it, restricted to the rows it still lacks, and decodes them in one session (every
+    row as if alone: tests/runtime/test_rows_independent.py). The
     reference is one batched ``generate``. A case's ``seconds`` is its share of the batch's wall time:
     the cell's time over its rows plus the prefill's time over the (row, cell) pairs it served."""
-    from kvpass.eval.shared import ROW_COUPLED, Models, stat_groups
+    from kvpass.eval.shared import Models, stat_groups
 
     mine = [s for k, s in enumerate(specs) if k % shard[1] == shard[0]]
     keyed = {(s, c): key_of(loaded.name, c, s, max_new_tokens) for s in spread(mine) for c in cell_list}
@@ -278,19 +278,15 @@ def run(loaded: Loaded, specs: Sequence[NeedleSpec], cell_list: Sequence[Cell], 
                 mine_rows = [j for j, case in enumerate(rows_cases) if (case.spec, cell) in todo]
                 if not mine_rows:
                     continue
-                # rows of a row-coupled policy run one at a time (shared.ROW_COUPLED)
-                sessions = [[j] for j in mine_rows] if cell.policy in ROW_COUPLED else [mine_rows]
-                for session_rows in sessions:
-                    cases = [rows_cases[j] for j in session_rows]
-                    bar.set_postfix_str(f"{cell.policy}@{cell.budget} {mode} x{len(cases)} "
-                                        f"L={cases[0].prompt_tokens}")
-                    with Timer() as t:
-                        got = answer_kvpass(models.get(cell.policy, cell.budget), cases, mode, max_new_tokens,
-                                            prefill=shared.rows(session_rows))
-                    store.add_many([_record(loaded, cell, case, tokens, size, max_new_tokens,
-                                            t.seconds / len(cases) + prefill_share)
-                                    for case, (tokens, size) in zip(cases, got, strict=True)])
-                    bar.update(len(cases))
+                cases = [rows_cases[j] for j in mine_rows]
+                bar.set_postfix_str(f"{cell.policy}@{cell.budget} {mode} x{len(cases)} L={cases[0].prompt_tokens}")
+                with Timer() as t:
+                    got = answer_kvpass(models.get(cell.policy, cell.budget), cases, mode, max_new_tokens,
+                                        prefill=shared.rows(mine_rows))
+                store.add_many([_record(loaded, cell, case, tokens, size, max_new_tokens,
+                                        t.seconds / len(cases) + prefill_share)
+                                for case, (tokens, size) in zip(cases, got, strict=True)])
+                bar.update(len(cases))
             del shared
     bar.close()
     return store

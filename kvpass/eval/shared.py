@@ -24,11 +24,10 @@ from kvpass.policies import Policy, Stat, get_policy
 from kvpass.rewrites import RewrittenGraphs, capture_causal_lm, insert_compressed_cache, match_attention
 from kvpass.runtime import KVPassModel, Prefill
 
-# Policies whose decisions couple the rows of a batch: D2O's layer budgets come from the attention
-# variance averaged over the batch rows (policies/d2o.py), so a row's cache depends on its batch-mates.
-# The harness decodes their cases one row at a time (from the shared prefill's rows). A test runs
-# every registered policy batched and alone (tests/eval/test_shared.py) and flags any other.
-ROW_COUPLED = frozenset({"d2o"})
+# Policies whose decisions would couple the rows of a batch: none. Every policy budgets each row as if alone
+# (per-row budgets and D2O per-row layer budgets, kvpass/runtime.py; tests/runtime/test_rows_independent.py),
+# so the harness batches every policy's cases. Kept, empty, for code that still reads the name.
+ROW_COUPLED: frozenset[str] = frozenset()
 
 
 def _options_key(options: dict[str, object]) -> tuple:

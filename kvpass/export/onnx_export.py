@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 from torch.export import Dim
 
+from kvpass.errors import InvalidValue
 from kvpass.budget import budget_tokens
 from kvpass.export.graphs import (
     CompressGraph,
@@ -79,21 +80,21 @@ def _export(module: torch.nn.Module, args: tuple, path: Path, input_names: list[
 
 def _validate(model: KVPassModel, max_length: int, check: str, example_length: int) -> None:
     if not isinstance(model, KVPassModel):
-        raise ValueError(f"kvpass.export.onnx needs a KVPassModel (from kvpass.apply), got {type(model).__name__}")
+        raise InvalidValue(f"kvpass.export.onnx needs a KVPassModel (from kvpass.apply), got {type(model).__name__}")
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
-        raise ValueError(f"max_length must be an int >= 2 (prompt + new tokens), got {max_length!r}")
+        raise InvalidValue(f"max_length must be an int >= 2 (prompt + new tokens), got {max_length!r}")
     if max_length > model.captured.context_length:
-        raise ValueError(f"max_length {max_length} exceeds the model's context of {model.captured.context_length}")
+        raise InvalidValue(f"max_length {max_length} exceeds the model's context of {model.captured.context_length}")
     if check not in _CHECK_MODES:
-        raise ValueError(f"tensorrt_check must be one of {', '.join(_CHECK_MODES)}, got {check!r}")
+        raise InvalidValue(f"tensorrt_check must be one of {', '.join(_CHECK_MODES)}, got {check!r}")
     if not 2 <= example_length < max_length:
-        raise ValueError(f"example_length must lie in [2, max_length), got {example_length}")
+        raise InvalidValue(f"example_length must lie in [2, max_length), got {example_length}")
     windowed = [s.layer for s in model.graphs.sites if s.window is not None]
     if windowed:
-        raise ValueError(f"layers {windowed} use sliding-window attention; ONNX export does not support "
+        raise InvalidValue(f"layers {windowed} use sliding-window attention; ONNX export does not support "
                          "sliding-window rings yet")
     if model.graphs.full_heads:
-        raise ValueError(f"KV heads {model.graphs.full_heads} keep a full cache (a calibration file); ONNX export "
+        raise InvalidValue(f"KV heads {model.graphs.full_heads} keep a full cache (a calibration file); ONNX export "
                          "does not support the split-group layout yet")
 
 
@@ -133,7 +134,7 @@ def graph_specs(model: KVPassModel, max_length: int, budget: int | None = None,
     policy = model.policy
     budget = budget_tokens(model.budget if budget is None else budget, max_length)
     if policy.compresses and budget < policy.min_budget():
-        raise ValueError(f"budget {budget} is below {policy.name}'s minimum of {policy.min_budget()}")
+        raise InvalidValue(f"budget {budget} is below {policy.name}'s minimum of {policy.min_budget()}")
     sites = list(model.graphs.sites)
     n = len(sites)
     meta, pstate = _layer_meta(model)
@@ -236,7 +237,7 @@ def onnx(model: KVPassModel, out_dir: str | Path, max_length: int = 512, budget:
         for f in found:
             log.warning("TensorRT: %s: %s", spec.file, f)
         if found and tensorrt_check == "error":
-            raise ValueError(f"{spec.file}: {len(found)} node(s) the TensorRT ONNX parser rejects or restricts: "
+            raise InvalidValue(f"{spec.file}: {len(found)} node(s) the TensorRT ONNX parser rejects or restricts: "
                              + "; ".join(str(f) for f in found[:5]))
 
     policy = model.policy

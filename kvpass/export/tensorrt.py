@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from kvpass.errors import InvalidValue
 from kvpass.runtime import KVPassModel
 
 _PRECISIONS = {"fp16": torch.float16, "fp32": torch.float32, "bf16": torch.bfloat16}
@@ -59,9 +60,9 @@ def tensorrt(model: KVPassModel, out_dir: str | Path, max_length: int = 512, bud
     prompt length follow their torch.export dims. Raises TensorRTUnavailable (before any work) when
     torch-tensorrt is not installed, ValueError for a bad precision. Returns {graph key: engine file}."""
     if precision not in _PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(_PRECISIONS)}, got {precision!r}")
+        raise InvalidValue(f"precision must be one of {', '.join(_PRECISIONS)}, got {precision!r}")
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-        raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
+        raise InvalidValue(f"max_batch must be an int >= 1, got {max_batch!r}")
     if not tensorrt_available():
         raise TensorRTUnavailable(
             "kvpass.export.tensorrt needs torch-tensorrt (with TensorRT and a CUDA GPU), which is not installed. "

@@ -25,20 +25,29 @@ DEFAULT_POLICY = "d2o"
 
 def get_policy(name: str | Policy, **kwargs) -> Policy:
     """The policy called ``name`` with ``kwargs`` overriding its defaults. A Policy instance passes through."""
+    from kvpass.validation import refuse
+
     if isinstance(name, Policy):
         if kwargs:
-            raise TypeError("policy keyword arguments go with a policy name, not an instance")
+            raise refuse("policy.kwargs_with_instance", names=", ".join(sorted(kwargs)))
         return name
+    if not isinstance(name, str):
+        raise refuse("policy.type", got=type(name).__name__, names=", ".join(sorted(POLICIES)))
     if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; available: {', '.join(sorted(POLICIES))}")
+        raise refuse("policy.unknown", got=name, names=", ".join(sorted(POLICIES)))
     cls = POLICIES[name]
     unknown = set(kwargs) - set(cls.defaults())
     if unknown:
         owners = sorted(n for n, c in POLICIES.items() if unknown & set(c.defaults()))
         hint = f" ({', '.join(sorted(unknown))} belongs to: {', '.join(owners)})" if owners else ""
-        raise ValueError(f"policy {name!r} has no parameter(s) {', '.join(sorted(unknown))}; "
-                         f"its parameters: {', '.join(cls.defaults()) or 'none'}{hint}")
-    return cls(**kwargs)
+        raise refuse("policy.parameter", policy=name, got=", ".join(sorted(unknown)),
+                     names=", ".join(cls.defaults()) or "none", hint=hint)
+    try:
+        return cls(**kwargs)
+    except TypeError as err:                     # a dataclass field given a value its code cannot take
+        from kvpass.errors import InvalidValue
+
+        raise InvalidValue(f"{name}: {err}", "policy_kwargs") from err
 
 
 __all__ = ["POLICIES", "DEFAULT_POLICY", "Attention", "Policy", "Stat", "get_policy"]

@@ -55,9 +55,12 @@ class Attention(Enum):
 
 
 def require(condition: bool, message: str) -> None:
-    """Raise ValueError(message) unless condition: for validating user-supplied hyperparameters."""
+    """Raise ``InvalidValue(message)`` (a ValueError; rule ``policy.value`` of kvpass.validation) unless
+    condition: for validating user-supplied hyperparameters."""
     if not condition:
-        raise ValueError(message)
+        from kvpass.errors import InvalidValue
+
+        raise InvalidValue(message, "policy_kwargs")
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,11 @@ class Policy:
     # may compress several layers of one budget as one cache of their stacked rows (one set of launches
     # for all of them: a prompt's compression is otherwise launch-bound on the GPU).
     rows_independent: ClassVar[bool] = False
+    # True: the cache of one layer may hold batch rows of different budgets (each row compressed to its own,
+    # as if alone: the runtime compresses a row in a copy of its own capacity and writes it back). False
+    # (a policy whose metadata shapes depend on the budget, e.g. EMS's slot table): every row of a batch
+    # gets the budget of the batch's longest row.
+    ragged_rows: ClassVar[bool] = True
     expand_kv_heads: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
@@ -154,7 +162,7 @@ class Policy:
         """Called once per full-attention layer after prefill (and after any compression): build the
         decode-time tensors ``decode_inputs`` names (page summaries, cluster centroids...). ``layer`` is
         the decoder layer index, ``budget`` the layer's token budget (for recall policies: the tokens
-        attended per step). Sliding-window layers are never prepared. Default: unchanged."""
+        attended per step; an int, or a [B] int64 tensor when the batch rows' budgets differ). Sliding-window layers are never prepared. Default: unchanged."""
         return cache
 
     def maintenance_due(self, new_tokens: int) -> bool:

@@ -81,10 +81,11 @@ class ClusterKV(Policy):
         centroids = torch.zeros(b, hkv, k_max, d, device=dev)
         sizes = torch.zeros(b, hkv, k_max, dtype=torch.long, device=dev)
         centroids[:, :, :n0], sizes[:, :, :n0] = found.centroids, found.sizes
+        budget = torch.as_tensor(budget, dtype=torch.long, device=dev).reshape(-1, 1)   # [B or 1, 1] per row
         fits = cache.length <= budget
         cache.slot_meta = {**cache.slot_meta, "cluster": found.labels + 1, "cluster_rank": found.rank}
         cache.state = {**cache.state, "centroids": centroids, "cluster_size": sizes,
-                       "cluster_count": torch.full((b, hkv), n0, device=dev),
+                       "cluster_count": per_row.clamp(max=n0) if selecting else torch.full((b, hkv), n0, device=dev),
                        "recall_budget": torch.where(fits | (not selecting), FULL_BUDGET, budget - self.sinks),
                        "recall_prev": torch.zeros(b, hkv, c, dtype=torch.bool, device=dev),
                        "recall_hits": torch.zeros(b, hkv, 2, device=dev)}
@@ -100,20 +101,21 @@ class ClusterKV(Policy):
             return cache
         slot = torch.arange(cache.capacity, device=cache.log_weight.device)
         pending = cache.live & (cache.slot_meta["cluster"] == 0) & (slot >= self.sinks)
-        start = int(cache.state["cluster_count"].max())
-        end = start + self.window_clusters
-        if end > cache.state["centroids"].shape[2] or not bool(pending.any()):
+        count = cache.state["cluster_count"]                        # [B, Hkv]: each row's clusters so far
+        if int(count.max()) + self.window_clusters > cache.state["centroids"].shape[2] or not bool(pending.any()):
             return cache
         keys = cache.k.to(pending.device, non_blocking=True)        # host-resident keys: cluster on the device
         found = cosine_kmeans(keys, pending, self.window_clusters, self.kmeans_iters, self.seed + layer)
         state = dict(cache.state)
-        state["centroids"] = state["centroids"].clone()
-        state["cluster_size"] = state["cluster_size"].clone()
-        state["centroids"][:, :, start:end] = found.centroids.to(state["centroids"].device)
-        state["cluster_size"][:, :, start:end] = found.sizes
-        state["cluster_count"] = state["cluster_count"] + self.window_clusters
+        # each row's new clusters go after its own (a row's ids do not depend on its batch-mates)
+        new_ids = count[..., None] + torch.arange(self.window_clusters, device=count.device)   # [B, Hkv, W]
+        state["centroids"] = state["centroids"].clone().scatter_(
+            2, new_ids[..., None].expand(*new_ids.shape, found.centroids.shape[-1]),
+            found.centroids.to(state["centroids"].device))
+        state["cluster_size"] = state["cluster_size"].clone().scatter_(2, new_ids, found.sizes)
+        state["cluster_count"] = count + self.window_clusters
         meta = dict(cache.slot_meta)
-        meta["cluster"] = torch.where(pending, found.labels + 1 + start, meta["cluster"])
+        meta["cluster"] = torch.where(pending, found.labels + 1 + count[..., None], meta["cluster"])
         meta["cluster_rank"] = torch.where(pending, found.rank, meta["cluster_rank"])
         return LayerCache(k=cache.k, v=cache.v, log_weight=cache.log_weight, length=cache.length,
                           position=cache.position, slot_meta=meta, state=state)

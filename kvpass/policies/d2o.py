@@ -35,8 +35,8 @@ class D2O(Policy):
     window + merging of evicted tokens into their nearest kept key under an EMA threshold (§5).
 
     Layer level (§5.4, code form): per query head the unbiased variance of the prefill column sums
-    (``Stat.HEAD_VARIANCE``), min-max normalised within the layer, averaged over heads (and over batch
-    rows: budgets are per layer) -> sig_l; rho = softmax(-sig); budget_l = L * rho_l * budget, clamped
+    (``Stat.HEAD_VARIANCE``), min-max normalised within the layer, averaged over heads -> sig_l, per batch
+    row: the runtime calls ``layer_budgets`` with each row's own caches, so a row's budgets are its own; rho = softmax(-sig); budget_l = L * rho_l * budget, clamped
     to [1, prompt length] like the code's r_l in [0.01, 1] and then re-split so the total is exactly
     L * budget [OURS: the code does not conserve it; kvpass's budget contract requires it].
     Token level (§5.5-5.6): of a budget b, the recent window is M = floor(b * m / (n + m)) and the rest
@@ -187,7 +187,8 @@ class D2O(Policy):
 
     # ------------------------------------------------------------------ layer level (§5.4)
     def layer_density(self, caches: list[LayerCache]) -> list[float]:
-        """sig_l per compressed layer from state['attn_var'] [B, Hq] (batch rows averaged)."""
+        """sig_l per compressed layer from state['attn_var'] [B, Hq] (the runtime passes one row at a time
+        when a batch has several, ``KVPassModel._row_layer_budgets``; rows given together are averaged)."""
         out = []
         for cache in caches:
             var = cache.state[Stat.HEAD_VARIANCE.value].double()               # [B, Hq]

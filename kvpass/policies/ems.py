@@ -126,6 +126,7 @@ class EMS(Policy):
     windows of L_win queries), without the global part, so the question's attention alone ranks [OURS].
     """
 
+    ragged_rows: ClassVar[bool] = False     # the slot table's size follows the budget: one budget per batch
     name: ClassVar[str] = "ems"
     section: ClassVar[str] = "§4"
     summary: ClassVar[str] = "global-local score; evict, then merge into class centres expanded by a slot table"

@@ -53,7 +53,9 @@ class Quest(Policy):
         cache = with_capacity(cache, pages * self.page_size)
         page_max, page_min = page_summaries(cache.k, cache.live, pages)
         shape = cache.length.shape
-        budget_t = torch.full(shape, FULL_BUDGET if layer < self.full_layers else budget, device=cache.k.device)
+        per_row = torch.as_tensor(budget, dtype=torch.long, device=cache.k.device).reshape(-1, 1)   # [B or 1, 1]
+        budget_t = (torch.full(shape, FULL_BUDGET, dtype=torch.long, device=cache.k.device) if layer < self.full_layers
+                    else per_row.expand(shape).contiguous())
         cache.state = {**cache.state, "page_max": page_max, "page_min": page_min, "recall_budget": budget_t,
                        "force_last_page": torch.full(shape, self.force_last_page, device=cache.k.device)}
         return cache

@@ -82,8 +82,8 @@ def test_empty_union_is_the_plain_prefill(models, loaded):
 
 
 def test_batched_rows_answer_as_alone(models):
-    """Every registered policy except the ROW_COUPLED ones gives each batch row what it gives the row
-    alone; a policy that fails here must join shared.ROW_COUPLED."""
+    """Every registered policy gives each batch row what it gives the row alone (no policy is row-coupled:
+    shared.ROW_COUPLED is empty; tests/runtime/test_rows_independent.py covers left padding)."""
     from kvpass.eval.shared import ROW_COUPLED
     from kvpass.policies import POLICIES as REGISTERED
 
@@ -97,7 +97,7 @@ def test_batched_rows_answer_as_alone(models):
             if not torch.equal(batch_tokens[row:row + 1], alone_tokens) or not torch.allclose(
                     batch_logits[row:row + 1], alone_logits, rtol=1e-4, atol=1e-4):
                 coupled.add(name)
-    assert coupled <= ROW_COUPLED
+    assert coupled == set() and ROW_COUPLED == frozenset()
     # a subset of the rows of a prefill is the prefill of those rows
     kv = models.get("snapkv", 0.4)
     batch_tokens, _ = _greedy(kv.start(ids, max_new_tokens=NEW), NEW)
@@ -122,7 +122,11 @@ def test_batched_needle_run_equals_per_case(loaded, models, tmp_path):
                 continue
             tokens, report = niah.answer_kvpass(models.get(cell.policy, cell.budget), case, cell.mode, NEW)
             assert got["output_ids"] == tokens, (cell, spec)
-            assert (got["cache_bytes"], got["full_cache_bytes"]) == (report.cache_bytes, report.full_cache_bytes)
+            assert got["full_cache_bytes"] == report.full_cache_bytes
+            if cell.policy == "d2o":   # rows of their own layer budgets share buffers sized to the largest: a case's
+                assert got["cache_bytes"] >= report.cache_bytes      # share of them is at least what it holds alone
+            else:
+                assert got["cache_bytes"] == report.cache_bytes
 
 
 def test_batches_group_equal_token_counts(tokenizer):

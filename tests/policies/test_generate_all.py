@@ -44,7 +44,9 @@ def test_policy_generates(arch: str, policy: str, prompt_ids: torch.Tensor) -> N
     assert torch.isfinite(logits).all()
     budget = report.budget_tokens
     interval = model.policy.interval
-    assert sum(report.layer_budgets.values()) == len(report.layer_budgets) * budget
+    for row in report.row_layer_budgets:         # every row's layer budgets keep its total (rows: equal prompts)
+        assert sum(row.values()) == len(row) * budget
+    assert report.layer_budgets == {i: max(r[i] for r in report.row_layer_budgets) for i in report.layer_budgets}
     for layer, b in report.layer_budgets.items():
         assert report.entries[layer] <= b + interval
     if report.layer_budgets:          # something was compressed: the model computes something else

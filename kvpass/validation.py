@@ -1,0 +1,427 @@
+"""One validation layer for every entry point: what each argument accepts, checked before any work starts.
+
+``RULES`` is the table of every refusal: a key, the entry points that check it, the argument, the condition
+and the message (a template filled with the values). ``refuse(key, **values)`` raises the rule's error
+(``kvpass.errors``: ``InvalidValue`` is a ValueError, ``InvalidType`` a TypeError, both ``KVPassError``s) with
+``.argument`` set; docs/errors.md is generated from the table (``errors_markdown``), and a test checks that the
+file is what the table gives, so the two cannot drift. The checks below are the only places that refuse
+user input; ``kvpass.apply``, ``KVPassModel.generate``/``__call__``/``start``, the compile backend's options,
+``kvpass.export.*`` and the CLI call them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from kvpass.errors import InvalidType, InvalidValue, KVPassError, ModelInUse, OutOfDeviceMemory, UnsupportedModel
+
+APPLY = "kvpass.apply, torch.compile(backend='kvpass'), CLI"
+GENERATE = "KVPassModel.generate / __call__ / start / prefill, CLI generate"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One refusal: ``message`` is formatted with the values ``refuse`` gets."""
+
+    key: str
+    entry: str
+    argument: str
+    condition: str
+    message: str
+    error: type[KVPassError] = InvalidValue
+
+
+RULES: tuple[Rule, ...] = (
+    # ------------------------------------------------------------------ the model
+    Rule("model.type", APPLY, "model", "not a torch.nn.Module",
+         "model must be a torch.nn.Module (a transformers *ForCausalLM), got {got}", InvalidType),
+    Rule("model.rewritten", APPLY, "model", "already a KVPassModel (kvpass.apply ran on it)",
+         "model is already rewritten by kvpass ({got}); pass the original transformers model "
+         "(KVPassModel.model)", InvalidType),
+    Rule("model.config", APPLY, "model", "no transformers config (model.config)",
+         "model {got} has no transformers config (model.config); kvpass rewrites transformers causal LMs",
+         UnsupportedModel),
+    Rule("model.encoder_decoder", APPLY, "model", "config.is_encoder_decoder (T5, BART, Whisper...)",
+         "model {got} is an encoder-decoder; kvpass rewrites decoder-only causal LMs (*ForCausalLM)",
+         UnsupportedModel),
+    Rule("model.not_causal_lm", APPLY, "model",
+         "not a causal LM: encoder-only (BERT), a vision tower (ViT), a base model without an LM head",
+         "model {got} is not a causal language model; kvpass needs a decoder with an LM head "
+         "(a *ForCausalLM / *LMHeadModel class)", UnsupportedModel),
+    Rule("model.cross_attention", APPLY, "model", "config.add_cross_attention (a decoder attending to an encoder)",
+         "model {got} has cross-attention (config.add_cross_attention); kvpass can only prove causal "
+         "self-attention", UnsupportedModel),
+    Rule("model.score_bias", APPLY, "model", "attention score biases (ALiBi: config.alibi, bloom, mpt)",
+         "model {got} adds a position bias to the attention scores ({bias}); kvpass cannot prove the "
+         "rewritten attention equal, so it refuses it", UnsupportedModel),
+    Rule("model.meta", APPLY, "model", "weights on the meta device (not loaded)",
+         "model {got} has weights on the meta device ({names}); load the weights (no device_map='meta' / "
+         "init_empty_weights) before kvpass.apply", UnsupportedModel),
+    Rule("model.spread", APPLY, "model", "weights spread over several devices (device_map)",
+         "model {got} has weights on several devices ({devices}); kvpass runs a model on one device: "
+         "load it with device_map=None and .to(device)", UnsupportedModel),
+    Rule("model.attention", APPLY, "model", "no attention found, or attention in a form the rewrite cannot prove "
+         "(kvpass/rewrites/attention_sites.py)", "(the message names the layer and what was found)",
+         UnsupportedModel),
+    # ------------------------------------------------------------------ the policy and budget
+    Rule("policy.type", APPLY, "policy", "neither a policy name (str) nor a Policy instance",
+         "policy must be a policy name ({names}) or a kvpass Policy, got {got}", InvalidType),
+    Rule("policy.unknown", APPLY, "policy", "a name that is not registered",
+         "unknown policy {got!r}; available: {names}"),
+    Rule("policy.kwargs_with_instance", APPLY, "policy_kwargs", "keyword arguments with a Policy instance",
+         "policy keyword arguments ({names}) go with a policy name, not a Policy instance", InvalidType),
+    Rule("policy.parameter", APPLY, "policy_kwargs", "a parameter the policy does not have",
+         "policy {policy!r} has no parameter(s) {got}; its parameters: {names}{hint}"),
+    Rule("policy.value", APPLY, "policy_kwargs", "a parameter of the wrong type or out of range (each policy's "
+         "__post_init__)", "(the policy's message, e.g. 'd2o: beta must lie in [0, 1], got 2')"),
+    Rule("budget.type", APPLY, "budget", "not a float or an int (bool, str, None)",
+         "budget must be a float fraction in (0, 1] or an int token count, got {got!r}", InvalidType),
+    Rule("budget.fraction", APPLY, "budget", "a float outside (0, 1]",
+         "budget {got} is a fraction and must lie in (0, 1]; pass an int for a token count"),
+    Rule("budget.tokens", APPLY, "budget", "an int < 1", "budget {got} is a token count and must be >= 1"),
+    Rule("budget.context", APPLY, "budget", "an int above the model's context",
+         "budget {got} tokens exceeds the model's context of {context} tokens; at most {context} (or a fraction)"),
+    Rule("budget.minimum", APPLY + "; " + GENERATE, "budget",
+         "fewer tokens than the policy's minimum (sinks + window), given or from a fraction of a prompt",
+         "budget of {got} tokens{source} is smaller than {policy}'s minimum of {minimum} (sinks + window)"),
+    Rule("fuse_linears.type", APPLY, "fuse_linears", "not True, False or None",
+         "fuse_linears must be True, False or None (on CUDA only), got {got!r}", InvalidType),
+    Rule("options.type", "torch.compile(backend='kvpass', options=...)", "options", "not a dict",
+         "options must be a dict like {{'policy': 'd2o', 'budget': 0.2}}, got {got!r}", InvalidType),
+    Rule("options.key", "torch.compile(backend='kvpass', options=...)", "options", "an unknown key",
+         "options has unknown key(s) {got}; allowed: {names}"),
+    Rule("options.value", "torch.compile(backend='kvpass', options=...)", "options",
+         "policy not a name, policy_kwargs not a dict, a bad budget, mode not an Inductor mode",
+         "options[{name!r}] must be {allowed}, got {got!r}"),
+    # ------------------------------------------------------------------ the inputs
+    Rule("input_ids.missing", GENERATE, "input_ids", "None", "generate() needs input_ids"),
+    Rule("input_ids.type", GENERATE, "input_ids", "not a tensor or a list of ints",
+         "input_ids must be a LongTensor [batch, tokens] (or a list of ints), got {got}", InvalidType),
+    Rule("input_ids.dtype", GENERATE, "input_ids", "a float or bool tensor",
+         "input_ids must hold integer token ids, got dtype {got}; use .long()", InvalidType),
+    Rule("input_ids.shape", GENERATE, "input_ids", "not 1-D or 2-D, or no tokens",
+         "input_ids must be [batch, tokens] (or [tokens]) with at least one token, got shape {got}"),
+    Rule("input_ids.device", GENERATE, "input_ids", "a tensor on another device than the model",
+         "input_ids is on {got}, the model on {device}; move it with .to({device!r})"),
+    Rule("input_ids.range", GENERATE, "input_ids", "an id < 0 or >= the vocabulary size",
+         "input_ids holds token id {got} (row {row}), outside the vocabulary [0, {vocab})"),
+    Rule("input_ids.context", GENERATE, "input_ids", "a prompt longer than the model's context",
+         "prompt of {got} tokens is longer than the model's context of {context} tokens"),
+    Rule("max_new_tokens.context", GENERATE, "max_new_tokens", "prompt + max_new_tokens beyond the context",
+         "prompt of {prompt} tokens + max_new_tokens={got} exceeds the model's context of {context} tokens"),
+    Rule("attention_mask.type", GENERATE, "attention_mask", "not a tensor or list",
+         "attention_mask must be a tensor [batch, tokens] of 0/1, got {got}", InvalidType),
+    Rule("attention_mask.shape", GENERATE, "attention_mask", "another shape than input_ids",
+         "attention_mask shape {got} differs from input_ids {want}"),
+    Rule("attention_mask.values", GENERATE, "attention_mask", "values other than 0 and 1",
+         "attention_mask must hold only 0 and 1, got {got}"),
+    Rule("attention_mask.padding", GENERATE, "attention_mask", "right padding or holes (a row not 0...0 1...1)",
+         "kvpass needs left padding (each attention_mask row 0...0 1...1), row {row} is not; "
+         "set tokenizer.padding_side = 'left'"),
+    Rule("attention_mask.empty_row", GENERATE, "attention_mask", "a row of only padding",
+         "row {row} of attention_mask has no tokens (all padding)"),
+    # ------------------------------------------------------------------ generation settings
+    Rule("max_new_tokens.type", GENERATE, "max_new_tokens", "not an int", "max_new_tokens must be an int, got {got!r}",
+         InvalidType),
+    Rule("max_new_tokens.range", GENERATE, "max_new_tokens", "<= 0", "max_new_tokens must be >= 1, got {got}"),
+    Rule("temperature.range", GENERATE, "temperature", "<= 0 (or not finite) with do_sample=True",
+         "temperature must be > 0 when sampling (do_sample=True), got {got}; use do_sample=False for greedy"),
+    Rule("top_p.range", GENERATE, "top_p", "outside (0, 1]", "top_p must lie in (0, 1], got {got}"),
+    Rule("top_k.range", GENERATE, "top_k", "< 0 or not an int", "top_k must be an int >= 0 (0 or None: off), got {got!r}"),
+    Rule("generate.refused", GENERATE, "(the argument named)",
+         "a transformers generation feature kvpass does not implement, at a non-default value: num_beams > 1, "
+         "num_return_sequences > 1, assistant_model, prompt_lookup_num_tokens, penalty_alpha, constraints, "
+         "force_words_ids, output_attentions, output_hidden_states, use_cache=False",
+         "{name}={got!r} ({feature}) is not supported by kvpass: {advice}", InvalidType),
+    Rule("generate.unknown", GENERATE, "(the argument named)", "an argument generate() does not know",
+         "generate() got unsupported argument(s) {got}; supported: {names}", InvalidType),
+    Rule("export.value", "kvpass.export.onnx / tensorrt", "(the argument named)",
+         "not a KVPassModel; max_length < 2 or beyond the context; example_length outside [2, max_length); an "
+         "unknown tensorrt_check, precision or max_batch < 1; sliding-window layers or full-cache heads (ONNX)",
+         "(the message names the argument, the value and what is allowed: kvpass/export/onnx_export.py _validate, "
+         "kvpass/export/tensorrt.py)"),
+    # ------------------------------------------------------------------ files (CLI)
+    Rule("file.missing", "CLI (--prompt-file), calibration files", "(the file option)",
+         "a path that does not exist or is not a readable file",
+         "{name} {got!r} is not a readable file"),
+    Rule("cli.set", "CLI --set", "--set", "not NAME=VALUE", "--set expects NAME=VALUE, got {got!r}"),
+    # ------------------------------------------------------------------ state and resources
+    Rule("generate.in_use", GENERATE, "(the model)", "another thread is generating with the same KVPassModel",
+         "this KVPassModel is in use by another thread's generate(); wait for it, or kvpass.apply the model "
+         "again for a second, independent KVPassModel (weights are shared)", ModelInUse),
+    Rule("memory.estimate", GENERATE, "input_ids", "the prompt, batch and cache need more device memory than is "
+         "free (estimated before the prefill, CUDA)",
+         "input_ids ({batch} x {tokens} tokens) needs about {need_mib} MiB of device memory for the prefill and "
+         "cache, {free_mib} MiB are free; {advice}", OutOfDeviceMemory),
+    Rule("memory.oom", GENERATE, "input_ids", "a CUDA out-of-memory error during generate (the session is freed)",
+         "out of device memory during generate (input_ids: {batch} x {tokens} tokens); the session was freed. "
+         "{advice}",
+         OutOfDeviceMemory),
+)
+RULE: dict[str, Rule] = {r.key: r for r in RULES}
+MEMORY_ADVICE = "use a smaller batch, a shorter prompt, a smaller budget, or set KVPassModel.prefill_rows"
+
+
+def refuse(key: str, **values) -> KVPassError:
+    """The error of rule ``key`` with its message filled in (raise it: ``raise refuse(...)``)."""
+    rule = RULE[key]
+    argument = values.pop("argument", rule.argument)
+    return rule.error(rule.message.format(**values), argument)
+
+
+def errors_markdown() -> str:
+    """docs/errors.md: the table of every refusal, from ``RULES``."""
+    lines = ["# Errors kvpass raises for bad input", "",
+             "Generated from `kvpass.validation.RULES` (`python -m kvpass.validation > docs/errors.md`); "
+             "tests/test_validation.py checks that this file is what the table gives.", "",
+             "Every refusal is a `kvpass.errors.KVPassError` and also the builtin you would catch: `InvalidValue` "
+             "is a `ValueError`, `InvalidType` and the refused generation features a `TypeError`, `UnsupportedModel` "
+             "a `ValueError`; `ModelInUse` and `OutOfDeviceMemory` are `RuntimeError`s. `err.argument` names the "
+             "argument. `{...}` in a message is filled with the values.", "",
+             "| key | entry points | argument | refused when | error | message |", "|---|---|---|---|---|---|"]
+    for r in RULES:
+        cells = [f"`{r.key}`", r.entry, f"`{r.argument}`", r.condition, r.error.__name__, r.message]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------- the model
+_ALIBI_TYPES = ("bloom", "mpt")
+
+
+def check_model(model: object) -> None:
+    """Refuse what is not a single-device, loaded, decoder-only transformers causal LM kvpass has not rewritten."""
+    from kvpass.runtime import KVPassModel
+
+    if isinstance(model, KVPassModel):
+        raise refuse("model.rewritten", got=repr(model))
+    if not isinstance(model, nn.Module):
+        raise refuse("model.type", got=type(model).__name__)
+    name = type(model).__name__
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        raise refuse("model.config", got=name)
+    if getattr(config, "is_encoder_decoder", False):
+        raise refuse("model.encoder_decoder", got=name)
+    if not _is_causal_lm(model):
+        raise refuse("model.not_causal_lm", got=f"{name} ({getattr(config, 'model_type', '?')})")
+    if getattr(config, "add_cross_attention", False):
+        raise refuse("model.cross_attention", got=name)
+    if getattr(config, "alibi", False) or getattr(config, "model_type", "") in _ALIBI_TYPES:
+        raise refuse("model.score_bias", got=name, bias="ALiBi")
+    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise refuse("model.meta", got=name, names=", ".join(meta[:3]) + (", ..." if len(meta) > 3 else ""))
+    devices = {str(p.device) for p in model.parameters()}
+    device_map = getattr(model, "hf_device_map", None)
+    if isinstance(device_map, dict):
+        devices |= {str(d) for d in device_map.values()}
+    if len(devices) > 1:
+        raise refuse("model.spread", got=name, devices=", ".join(sorted(devices)))
+    if not devices:
+        raise refuse("model.type", got=f"{name} without parameters")
+
+
+def _is_causal_lm(model: nn.Module) -> bool:
+    name = type(model).__name__
+    if name.endswith(("ForCausalLM", "LMHeadModel")):
+        return True
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:                       # pragma: no cover (transformers always has it)
+        return False
+    return name in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
+# ---------------------------------------------------------------------------------------------- policy, budget
+def check_budget(budget: object) -> None:
+    """A float fraction in (0, 1] or an int token count >= 1."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise refuse("budget.type", got=budget)
+    if isinstance(budget, float) and not (0.0 < budget <= 1.0):
+        raise refuse("budget.fraction", got=budget)
+    if isinstance(budget, int) and budget < 1:
+        raise refuse("budget.tokens", got=budget)
+
+
+def check_budget_for_model(budget: float | int, context: int) -> None:
+    """An int budget no larger than the model's context."""
+    if isinstance(budget, int) and not isinstance(budget, bool) and budget > context:
+        raise refuse("budget.context", got=budget, context=context)
+
+
+def check_fuse_linears(value: object) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise refuse("fuse_linears.type", got=value)
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+def as_input_ids(input_ids: object, device: torch.device, vocab: int | None) -> Tensor:
+    """input_ids as a [B, T] int64 tensor on ``device``, after every check (type, dtype, shape, device, range).
+    A list (or a CPU tensor for a CPU model) is taken as is; a tensor on another device is refused."""
+    if input_ids is None:
+        raise refuse("input_ids.missing")
+    if isinstance(input_ids, Tensor):
+        ids = input_ids
+        if ids.device != device and not (ids.device.type == device.type == "cpu"):
+            raise refuse("input_ids.device", got=str(ids.device), device=str(device))
+    elif isinstance(input_ids, (list, tuple)):
+        try:
+            ids = torch.as_tensor(input_ids, device=device)
+        except (TypeError, ValueError, RuntimeError):
+            raise refuse("input_ids.type", got=f"a {type(input_ids).__name__} that is not a rectangle of ints") from None
+    else:
+        raise refuse("input_ids.type", got=type(input_ids).__name__)
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise refuse("input_ids.dtype", got=str(ids.dtype).replace("torch.", ""))
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.dim() != 2 or ids.shape[1] == 0 or ids.shape[0] == 0:
+        raise refuse("input_ids.shape", got=tuple(ids.shape))
+    ids = ids.long()
+    if vocab is not None:
+        bad = (ids < 0) | (ids >= vocab)
+        if bool(bad.any()):
+            row, col = (int(x) for x in bad.nonzero()[0])
+            raise refuse("input_ids.range", got=int(ids[row, col]), row=row, vocab=vocab)
+    return ids
+
+
+def left_pads(attention_mask: object, ids: Tensor) -> tuple[Tensor, Tensor]:
+    """(mask [B, T] int64, left pads [B]) after the checks: same shape as ids, only 0/1, each row 0...0 1...1
+    with at least one 1."""
+    if attention_mask is None:
+        mask = torch.ones_like(ids)
+    elif isinstance(attention_mask, (Tensor, list, tuple)):
+        mask = torch.as_tensor(attention_mask, device=ids.device)
+    else:
+        raise refuse("attention_mask.type", got=type(attention_mask).__name__)
+    if mask.dim() == 1 and ids.shape[0] == 1:
+        mask = mask[None]
+    if tuple(mask.shape) != tuple(ids.shape):
+        raise refuse("attention_mask.shape", got=tuple(mask.shape), want=tuple(ids.shape))
+    bad = (mask != 0) & (mask != 1)
+    if bool(bad.any()):
+        raise refuse("attention_mask.values", got=sorted({float(x) for x in mask[bad].unique()[:4].tolist()}))
+    mask = mask.long()
+    holes = (mask[:, 1:] < mask[:, :-1]).any(-1)
+    if bool(holes.any()):
+        raise refuse("attention_mask.padding", row=int(holes.nonzero()[0, 0]))
+    empty = mask.sum(-1) == 0
+    if bool(empty.any()):
+        raise refuse("attention_mask.empty_row", row=int(empty.nonzero()[0, 0]))
+    return mask, (mask == 0).sum(-1)
+
+
+# ---------------------------------------------------------------------------------------------- generation
+# transformers generate() arguments kvpass refuses by name unless at their neutral value: (neutral, feature, advice)
+REFUSED_GENERATE_ARGS: dict[str, tuple[object, str, str]] = {
+    "num_beams": (1, "beam search", "decode greedily or sample (num_beams=1)"),
+    "num_beam_groups": (1, "diverse beam search", "decode greedily or sample"),
+    "num_return_sequences": (1, "several sequences per prompt", "repeat the prompt in the batch"),
+    "assistant_model": (None, "assisted (speculative) decoding", "call generate without an assistant"),
+    "prompt_lookup_num_tokens": (None, "prompt-lookup decoding", "leave it unset"),
+    "penalty_alpha": (None, "contrastive search", "leave it unset"),
+    "constraints": (None, "constrained beam search", "leave it unset"),
+    "force_words_ids": (None, "constrained beam search", "leave it unset"),
+    "output_attentions": (False, "returning attention weights", "the compressed cache has no full attention map"),
+    "output_hidden_states": (False, "returning hidden states", "run the original model for hidden states"),
+    "output_scores": (False, "processed scores", "use output_logits=True (the raw logits)"),
+    "use_cache": (True, "decoding without a cache", "kvpass always decodes over its compressed cache"),
+    "past_key_values": (None, "a transformers cache", "kvpass holds its own cache; pass the whole prompt"),
+}
+
+
+def check_generate_kwargs(unsupported: dict[str, object], supported: tuple[str, ...]) -> None:
+    """Refuse every extra generate() argument: a known transformers feature by name (unless neutral), else
+    as unknown."""
+    unknown = []
+    for name, value in unsupported.items():
+        if name in REFUSED_GENERATE_ARGS:
+            neutral, feature, advice = REFUSED_GENERATE_ARGS[name]
+            if value is None and neutral is not None and name != "use_cache":
+                continue                                    # transformers' "unset"
+            if value == neutral or value is neutral:
+                continue
+            raise refuse("generate.refused", argument=name, name=name, got=value, feature=feature, advice=advice)
+        unknown.append(name)
+    if unknown:
+        raise refuse("generate.unknown", argument=", ".join(sorted(unknown)), got=", ".join(sorted(unknown)),
+                     names=", ".join(supported))
+
+
+def check_max_new_tokens(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, Tensor) and value.numel() == 1 and not value.dtype.is_floating_point:
+            value = int(value)
+        else:
+            raise refuse("max_new_tokens.type", got=value)
+    if value < 1:
+        raise refuse("max_new_tokens.range", got=value)
+    return value
+
+
+def check_sampling(do_sample: bool, temperature: float, top_k: object, top_p: object) -> None:
+    import math
+
+    if do_sample and not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise refuse("temperature.range", got=temperature)
+    if top_p is not None and not (isinstance(top_p, (int, float)) and not isinstance(top_p, bool) and 0 < top_p <= 1):
+        raise refuse("top_p.range", got=top_p)
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+        raise refuse("top_k.range", got=top_k)
+
+
+def check_readable_file(name: str, path: object) -> None:
+    """A path (CLI option ``name``) that exists and is a file kvpass can open."""
+    import os
+
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path) or not os.access(path, os.R_OK):
+        raise refuse("file.missing", argument=name, name=name, got=str(path))
+
+
+# ---------------------------------------------------------------------------------------------- resources
+def free_device_bytes(device: torch.device) -> int | None:
+    """Bytes the caching allocator can still hand out on ``device`` (free + reserved unused); None off CUDA.
+    Tests replace it to exercise the estimate on the CPU."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def estimate_prefill_bytes(config, batch: int, tokens: int, total: int, cache_slots: int, dtype: torch.dtype,
+                           kv_width: int) -> int:
+    """A lower estimate of the device memory a prefill needs: every layer's K, V of the prompt (the prefill
+    returns them all; ``kv_width`` = sum over layers of KV heads x head dim), the compressed caches' buffers
+    (``cache_slots`` per layer), one layer's activations (hidden, MLP, q) and the last logits. Real use is
+    higher (allocator slack, the compression's temporaries)."""
+    elem = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
+    hidden = getattr(config, "hidden_size", None) or kv_width
+    mlp = getattr(config, "intermediate_size", None) or 4 * hidden
+    kv_prompt = 2 * batch * tokens * kv_width * elem
+    cache = 2 * batch * min(cache_slots, total) * kv_width * elem
+    activations = batch * tokens * (3 * hidden + 2 * mlp) * elem
+    logits = batch * (getattr(config, "vocab_size", 0) or 0) * 4
+    return kv_prompt + cache + activations + logits
+
+
+def check_memory(need: int, device: torch.device, batch: int, tokens: int,
+                 free: Callable[[torch.device], int | None] | None = None) -> None:
+    """Refuse before the prefill when ``need`` bytes exceed what is free on ``device`` (CUDA only)."""
+    got = (free or free_device_bytes)(device)
+    if got is not None and need > got:
+        raise refuse("memory.estimate", batch=batch, tokens=tokens, need_mib=need >> 20, free_mib=got >> 20,
+                     advice=MEMORY_ADVICE)
+
+
+def in_use() -> ModelInUse:
+    return refuse("generate.in_use")
+
+
+if __name__ == "__main__":                    # python -m kvpass.validation > docs/errors.md
+    print(errors_markdown(), end="")
