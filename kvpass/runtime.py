@@ -125,7 +125,9 @@ class _Layer:
     window: int | None           # a ring of this many slots, or None
     compressible: bool
     budget: int
-    host_len: int                # max live entries over rows/heads, tracked without a device sync
+    host_len: int                # max live entries over rows/heads, tracked without a device sync; where a
+                                 # policy splits a layer's budget unevenly over heads (``head_capacity``), the
+                                 # entries per head on average (budget after a compression, + 1 a step)
     sliding: bool = False        # a sliding-window layer: dense decode op, no policy inputs, never prepared
     full: LayerCache | None = None   # the layer's KV heads kept full (split-group layout, §0.6 b); ``cache``
                                      # then holds only its other heads
@@ -313,7 +315,7 @@ class KVPassModel(nn.Module):
         for lay in layers:
             if lay.window is None:
                 interval = getattr(self.policy, "interval", 1) if lay.compressible else 0
-                capacity = total if not lay.compressible else min(lay.budget + interval, total)
+                capacity = total if not lay.compressible else min(self._head_limit(lay) + interval, total)
                 lay.cache = with_capacity(lay.cache, max(capacity, lay.host_len))
             if lay.full is not None:
                 lay.full = with_capacity(lay.full, total)
@@ -366,10 +368,18 @@ class KVPassModel(nn.Module):
             for lay, n in zip(layers, torch.stack([lay.cache.length.max() for lay in layers]).tolist(), strict=True):
                 lay.host_len = int(n)
                 self._check_within_budget(lay)
+                lay.host_len = min(lay.host_len, lay.budget)     # see _Layer.host_len
+
+    def _head_limit(self, lay: _Layer) -> int:
+        """The most entries one KV head of ``lay`` holds after a compression: its budget, or more where the
+        policy splits the layer's budget unevenly across heads (``Policy.head_capacity``)."""
+        return self.policy.head_capacity(lay.budget, lay.cache.length.shape[1])
 
     def _check_within_budget(self, lay: _Layer) -> None:
-        if lay.host_len > lay.budget:
-            raise RuntimeError(f"policy {self.policy.name} left {lay.host_len} entries for a budget of {lay.budget}")
+        limit = self._head_limit(lay)
+        if lay.host_len > limit:
+            raise RuntimeError(f"policy {self.policy.name} left {lay.host_len} entries in a head for a budget of "
+                               f"{lay.budget} (at most {limit} in one head)")
 
     def _check_min_budget(self, total: int) -> int:
         """The token budget per compressed layer for ``total`` tokens; raises below the policy's minimum."""
@@ -542,13 +552,14 @@ class DecodeSession:
     def step(self, tokens: Tensor) -> Tensor:
         """tokens: [B] int64 -> logits [B, V] for the position after them."""
         start = time.perf_counter()
-        due = tuple(i for i, lay in enumerate(self.layers) if lay.compressible and lay.host_len >= lay.cache.capacity)
+        due = tuple(i for i, lay in enumerate(self.layers) if lay.compressible and lay.host_len >= self._due_at(lay))
         if due and not self.owner.decode_step.graphed(self.logits.device, due):
             for i in due:                         # eager: compress, check the budget (a sync), then the step
                 lay = self.layers[i]
                 self.policy.compress_into(lay.cache, lay.budget)
                 lay.host_len = int(lay.cache.length.max())
                 self.owner._check_within_budget(lay)
+                lay.host_len = min(lay.host_len, lay.budget)
             due_in_step: tuple[int, ...] = ()
         else:
             due_in_step = due                     # graphed: compression is part of the replayed step
@@ -654,6 +665,12 @@ class DecodeSession:
             fork_side_by_side([(self.layers[i].cache.k, c) for i, c in zip(indices, calls, strict=True)], streams)
         else:
             self.owner.decode_step.run_all(calls, self.logits.device)
+
+    def _due_at(self, lay: _Layer) -> int:
+        """``host_len`` at which ``lay`` must be compressed before the step: when its buffer is full, or for
+        head-adaptive budgets (heads up to ``head_limit`` > budget entries) when the fullest head may be: the
+        capacity less the slots a head may hold beyond the budget. Equal to the capacity otherwise."""
+        return lay.cache.capacity - (self.owner._head_limit(lay) - lay.budget)
 
     @staticmethod
     def _slot(lay: _Layer, pos: Tensor) -> Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvpass.policies.adakv import AdaKV
 from kvpass.policies.base import Attention, Policy, Stat
 from kvpass.policies.cam import CaM
 from kvpass.policies.chelsea import Chelsea
@@ -17,7 +18,7 @@ from kvpass.policies.snapkv import SnapKV
 from kvpass.policies.streamingllm import StreamingLLM
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Full, StreamingLLM, D2O, H2O, SnapKV, PyramidKV, CaM,
-                                                          Chelsea, KVMerger, EMS, ClusterKV, Quest)}
+                                                          Chelsea, KVMerger, EMS, ClusterKV, Quest, AdaKV)}
 DEFAULT_POLICY = "d2o"
 
 
