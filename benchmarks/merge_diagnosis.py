@@ -163,7 +163,8 @@ def answer_of(session, tok, n: int) -> str:
 
 def with_provenance(prefill, needle: list[int]):
     """The prefill with every layer's values extended by one-hot channels of the needle tokens and a channel
-    of ones: [B, Hkv, T, D] -> [B, Hkv, T, D + len(needle) + 1]."""
+    of ones: [B, Hkv, T, D] -> [B, Hkv, T, D + len(needle) + 1]; keys by as many zero channels (the policies
+    assume K and V of one width; zeros change no dot product, norm or cosine, so no decision)."""
     kv = list(prefill.kv)
     for i in range(1, len(kv), 2):
         v = kv[i]
@@ -172,6 +173,7 @@ def with_provenance(prefill, needle: list[int]):
             extra[:, :, t, c] = 1.0
         extra[..., -1] = 1.0
         kv[i] = torch.cat([v, extra], -1)
+        kv[i - 1] = torch.cat([kv[i - 1], torch.zeros_like(extra)], -1)
     return replace(prefill, kv=kv)
 
 
@@ -206,7 +208,8 @@ def diagnose(policy: str, model, tok, case: dict, qk, full_answer_ids: list[int]
         for lay, real in zip(aug.layers, caches, strict=True):
             d = real.v.shape[-1]
             same = torch.equal(lay.cache.position, real.position) and torch.allclose(
-                lay.cache.v[..., :d], real.v, rtol=1e-4, atol=1e-5) and torch.allclose(lay.cache.k, real.k)
+                lay.cache.v[..., :d], real.v, rtol=1e-4, atol=1e-5) and torch.allclose(lay.cache.k[..., :d], real.k, rtol=1e-4,
+                                                                             atol=1e-5)
             if not same:
                 raise RuntimeError(f"{policy}: the provenance run made other decisions")
             prov.append(lay.cache.v[0, :, :, d:].double())          # [Hkv, C, needle + 1]
