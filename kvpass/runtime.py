@@ -143,7 +143,9 @@ class _Layer:
     window: int | None           # a ring of this many slots, or None
     compressible: bool
     budget: int
-    host_len: int                # max live entries over rows/heads, tracked without a device sync
+    host_len: int                # max live entries over rows/heads, tracked without a device sync; where a
+                                 # policy splits a layer's budget unevenly over heads (``head_capacity``), the
+                                 # entries per head on average (budget after a compression, + 1 a step)
     sliding: bool = False        # a sliding-window layer: dense decode op, no policy inputs, never prepared
     full: LayerCache | None = None   # the layer's KV heads kept full (split-group layout, §0.6 b); ``cache``
                                      # then holds only its other heads
@@ -154,13 +156,18 @@ class _Layer:
     row_budgets: list[int] = field(default_factory=list)
     row_caps: list[int] = field(default_factory=list)
     row_len: list[int] = field(default_factory=list)
+    row_extra: list[int] = field(default_factory=list)    # head_capacity(budget) - budget per row (adakv)
 
     def caches(self) -> list[LayerCache]:
         return [self.cache] if self.full is None else [self.cache, self.full]
 
     def due_rows(self) -> list[int]:
-        """The rows whose entries reached their own capacity: compressed before the next step."""
-        return [b for b, (n, cap) in enumerate(zip(self.row_len, self.row_caps, strict=True)) if n >= cap]
+        """The rows whose entries reached their own capacity: compressed before the next step. Where a
+        policy lets one head hold more than the budget (``row_extra``), the row's count is the entries per
+        head on average (clamped to the budget after a compression), so it is due ``row_extra`` earlier."""
+        extra = self.row_extra or [0] * len(self.row_len)
+        return [b for b, (n, cap, e) in enumerate(zip(self.row_len, self.row_caps, extra, strict=True))
+                if n >= cap - e]
 
     def whole(self, rows: Sequence[int]) -> bool:
         """Whether compressing ``rows`` is compressing the whole layer at one budget in its own buffers."""
@@ -380,7 +387,10 @@ class KVPassModel(nn.Module):
                 lay.row_budgets = [int(r[i]) for r in per_row]
                 lay.budget = max(lay.row_budgets)
                 totals = row_total if self.policy.ragged_rows else [total] * len(row_total)
-                lay.row_caps = [min(b + interval, n) for b, n in zip(lay.row_budgets, totals, strict=True)]
+                heads = lay.cache.length.shape[1]
+                lay.row_extra = [self.policy.head_capacity(b, heads) - b for b in lay.row_budgets]
+                lay.row_caps = [min(b + e + interval, n) for b, e, n in zip(lay.row_budgets, lay.row_extra, totals,
+                                                                            strict=True)]
             due = [] if deferred else [lay for lay in compressed
                                        if any(n > b for n, b in zip(lay.row_len, lay.row_budgets, strict=True))]
             self._compress_prompt(due)
@@ -485,11 +495,15 @@ class KVPassModel(nn.Module):
         self._check_within_budget(lay)
 
     def _check_within_budget(self, lay: _Layer) -> None:
-        for b, (n, keep) in enumerate(zip(lay.row_len, lay.row_budgets, strict=True)):
-            if n > keep:
-                raise RuntimeError(f"policy {self.policy.name} left {n} entries in batch row {b} for a budget of {keep}")
-        if lay.host_len > lay.budget:
-            raise RuntimeError(f"policy {self.policy.name} left {lay.host_len} entries for a budget of {lay.budget}")
+        """The policy's contract after a compression: no KV head of a row holds more than the row's budget
+        (more only where the policy splits a layer's budget unevenly over heads, ``row_extra``). Then the
+        host-side counts are clamped to the budgets (see ``_Layer.due_rows``)."""
+        extra = lay.row_extra or [0] * len(lay.row_len)
+        for b, (n, keep, e) in enumerate(zip(lay.row_len, lay.row_budgets, extra, strict=True)):
+            if n > keep + e:
+                raise RuntimeError(f"policy {self.policy.name} left {n} entries in a KV head of batch row {b} for a "
+                                   f"budget of {keep}" + (f" (at most {keep + e} in one head)" if e else ""))
+        lay.set_row_len([min(n, keep) for n, keep in zip(lay.row_len, lay.row_budgets, strict=True)])
 
     def _check_min_budget(self, total: int) -> int:
         """The token budget per compressed layer for ``total`` tokens; raises below the policy's minimum."""
@@ -660,6 +674,7 @@ def _stack_sessions(groups: Iterable[DecodeSession], batch: int) -> DecodeSessio
             dst.row_budgets += src.row_budgets
             dst.row_caps += src.row_caps
             dst.row_len += src.row_len
+            dst.row_extra += src.row_extra
         start += session.batch
         pos.append(session.pos)
         logits.append(session.logits)

@@ -165,7 +165,7 @@ def graph_specs(model: KVPassModel, max_length: int, budget: int | None = None,
     interval = int(getattr(policy, "interval", 1)) if policy.compresses else 0
     if policy.compresses:
         budgets = [int(b) for b in policy.layer_budgets(budget, caches)]
-        capacities = [b + interval for b in budgets]
+        capacities = [policy.head_capacity(b, caches[i].length.shape[1]) + interval for i, b in enumerate(budgets)]
     else:
         budgets, capacities = [max_length] * n, [max_length] * n
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvpass.policies.adakv import AdaKV
 from kvpass.policies.base import Attention, Policy, Stat
 from kvpass.policies.cam import CaM
 from kvpass.policies.chelsea import Chelsea
@@ -19,7 +20,8 @@ from kvpass.policies.streamingllm import StreamingLLM
 from kvpass.policies.tova import TOVA
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Full, StreamingLLM, D2O, H2O, SnapKV, PyramidKV, CaM,
-                                                          Chelsea, KVMerger, EMS, ClusterKV, Quest, Knorm, TOVA)}
+                                                          Chelsea, KVMerger, EMS, ClusterKV, Quest, Knorm, TOVA,
+                                                          AdaKV)}
 DEFAULT_POLICY = "d2o"
 
 

@@ -145,9 +145,15 @@ class Policy:
         ValueError when the policy's data was made for another model. Default: none."""
         return {}
 
+    def head_capacity(self, keep: int, heads: int) -> int:
+        """The most live entries one KV head may hold after compressing a layer of ``heads`` KV heads to
+        ``keep`` entries per head (on average): the runtime sizes each head's slots for it and checks it.
+        Default ``keep`` (every head keeps the same number); head-adaptive budgets (``adakv``) more."""
+        return keep
+
     def compress(self, cache: LayerCache, keep: int) -> LayerCache:
         """cache: one layer, capacity C, rows holding up to C entries. Returns a cache whose rows hold
-        at most ``keep`` live entries (any capacity >= that), in sequence order."""
+        at most ``head_capacity(keep, Hkv)`` live entries (``keep`` unless the policy splits budgets unevenly) (any capacity >= that), in sequence order."""
         raise NotImplementedError
 
     def compress_into(self, cache: LayerCache, keep: int) -> None:

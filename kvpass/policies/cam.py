@@ -35,7 +35,8 @@ class CaM(Policy):
         v[e+1 .. e+m] += mask * v[e] / m
 
     Entries leave in sequence order and the targets may leave later, carrying what they received
-    (evictions of one call are replayed one by one, as the streaming cache would have done them).
+    (evictions of one call give the values the streaming cache would have reached one eviction at a
+    time: ``merged_values`` solves that recurrence in blocks instead of looping over evictions).
     Keys of evicted entries are discarded; ``col_sum`` is not changed; attention is plain. Near the end
     of a row fewer than m targets exist: those present get v[e] / m each [OURS]. Draws are seeded
     per (position, KV head) (``hashed_uniform``).
@@ -46,6 +47,8 @@ class CaM(Policy):
     merge_window: m, the retained entries a dropped value is spread over (streaming version: 16).
     seed: seed of the Bernoulli draws.
     interval: decode steps between compressions; 1 = the streaming cache's one-in-one-out.
+    block: slots per triangular solve of the replayed merges (``merged_values``); speed only, the
+        result does not depend on it beyond rounding [OURS].
     """
 
     name: ClassVar[str] = "cam"
@@ -56,37 +59,77 @@ class CaM(Policy):
     merge_window: int = 16
     seed: int = 0
     interval: int = 1
+    block: int = 256
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require(isinstance(self.sinks, int) and self.sinks >= 0, f"cam: sinks must be an int >= 0, got {self.sinks!r}")
         require(isinstance(self.merge_window, int) and self.merge_window >= 1,
                 f"cam: merge_window must be an int >= 1, got {self.merge_window!r}")
+        require(isinstance(self.block, int) and self.block >= 1, f"cam: block must be an int >= 1, got {self.block!r}")
         require(isinstance(self.seed, int), f"cam: seed must be an int, got {self.seed!r}")
 
     def compress(self, cache: LayerCache, keep: int) -> LayerCache:
         """cache: k, v [B, Hkv, C, D]; slot_meta['col_sum'] [B, Hkv, C] fp32 -> capacity min(keep, C)."""
         sinks = min(self.sinks, keep - 1)
-        m = self.merge_window
         length = cache.length                                                   # [B, Hkv]
-        n_evict = (length - keep).clamp(min=0)
         c = cache.capacity
-        acc = cache.slot_meta[Stat.COLUMN_SUM.value].double()
-        v = cache.v.double().clone()
-        head = torch.arange(length.shape[1], device=length.device)[None, :].expand_as(length)
-        # a static bound (capacity - keep >= every row's n_evict) instead of n_evict.max(): no host sync,
-        # so the decode step (one iteration) stays inside the CUDA graph; extra offsets are masked (``on``)
-        for offset in range(max(c - keep, 0) if n_evict.numel() else 0):
-            e = sinks + offset
-            targets = slice(e + 1, min(e + 1 + m, c))
-            present = (torch.arange(targets.start, targets.stop, device=v.device) < length[..., None])   # [B, Hkv, m']
-            mean = (acc[:, :, targets] * present).sum(-1) / present.sum(-1)
-            p = torch.nan_to_num((acc[:, :, e] / mean).clamp(0.0, 1.0), nan=0.0)
-            draw = hashed_uniform(cache.position[:, :, e], head, self.seed) < p
-            on = draw & (offset < n_evict)                                       # [B, Hkv]
-            v[:, :, targets] += (on[..., None] & present)[..., None] * v[:, :, e:e + 1] / m
-        j = torch.arange(min(keep, c), device=v.device)
+        j = torch.arange(min(keep, c), device=length.device)
         idx = torch.where((j < sinks) | (length[..., None] <= keep), j, length[..., None] - keep + j)
+        v = merged_values(cache, keep, sinks, self.merge_window, self.seed, self.block)
         merged = LayerCache(k=cache.k, v=v.to(cache.v.dtype), log_weight=cache.log_weight, length=length,
                             position=cache.position, slot_meta=cache.slot_meta, state=cache.state)
         return keep_slots(merged, idx)
+
+
+def merge_draws(cache: LayerCache, keep: int, sinks: int, m: int, seed: int) -> Tensor:
+    """[B, Hkv, C] fp64: 1 where the entry in that slot leaves the window in this call (slots
+    [sinks, sinks + length - keep)) and its Bernoulli draw says merge, else 0. The draw of slot e compares
+    ``hashed_uniform`` with p = clamp(acc[e] / mean(acc over its present targets e+1 .. e+m), 0, 1)."""
+    length = cache.length[..., None]                                            # [B, Hkv, 1]
+    c = cache.capacity
+    e = torch.arange(c, device=length.device)
+    acc = cache.slot_meta[Stat.COLUMN_SUM.value].double()
+    acc = torch.where(e < length, acc, 0.0)                                      # absent targets count nothing
+    csum = torch.nn.functional.pad(acc.cumsum(-1), (1, 0))                       # csum[i] = sum(acc[:i])
+    stop = torch.minimum(e + 1 + m, length)                                      # targets e+1 .. stop-1
+    count = (stop - e - 1).clamp(min=0)
+    total = csum.gather(-1, stop.clamp(max=c)) - csum[..., 1:]                   # sum(acc[e+1 : stop])
+    p = torch.nan_to_num((acc / (total / count)).clamp(0.0, 1.0), nan=0.0)
+    head = torch.arange(length.shape[1], device=length.device)[None, :, None]
+    draw = hashed_uniform(cache.position, head.expand_as(cache.position), seed) < p
+    leaving = (e >= sinks) & (e < sinks + (length - keep).clamp(min=0))
+    return (draw & leaving).double()
+
+
+def merged_values(cache: LayerCache, keep: int, sinks: int, m: int, seed: int, block: int) -> Tensor:
+    """The values after replaying every eviction of one call: v: [B, Hkv, C, D] fp64.
+
+    Slots leave in sequence order and each adds v/m to the next m slots, so with a[i] = 1 for a slot that
+    leaves and merges, the final values solve the banded recurrence
+        x[j] = v[j] + sum_{i = j - m}^{j - 1} a[i] x[i] / m,
+    i.e. (I - L) x = v with L strictly lower triangular and banded. Solved block by block (``block``
+    slots at a time, the m slots before a block carried in as fixed rows): a few batched triangular
+    solves instead of one Python step per evicted entry. Only slots up to the last leaving one + m
+    change; the bound ``C - keep`` on the leaving count is a shape, so nothing reads data back to the
+    host (a decode-time compression stays inside a CUDA graph)."""
+    c = cache.capacity
+    v = cache.v.double()
+    a = merge_draws(cache, keep, sinks, m, seed)                                # [B, Hkv, C]
+    end = min(c, sinks + max(c - keep, 0) + m)                                   # slots past it receive nothing
+    if end <= sinks + 1:
+        return v.clone()
+    x = v.clone()
+    for start in range(sinks + 1, end, block):
+        stop = min(start + block, end)
+        lo = max(start - m, 0)
+        n_fixed, n = start - lo, stop - lo
+        r = torch.arange(n, device=v.device)
+        gap = r[:, None] - r[None, :]                                            # row (receiver) - column (giver)
+        band = ((gap > 0) & (gap <= m) & (r[:, None] >= n_fixed)).double() / m   # [n, n]
+        lower = band * a[:, :, lo:stop, None].transpose(-1, -2)                  # [B, Hkv, n, n]
+        eye = torch.eye(n, dtype=v.dtype, device=v.device)
+        rhs = torch.cat([x[:, :, lo:start], v[:, :, start:stop]], dim=2)
+        x[:, :, start:stop] = torch.linalg.solve_triangular(eye - lower, rhs, upper=False,
+                                                             unitriangular=True)[:, :, n_fixed:]
+    return x

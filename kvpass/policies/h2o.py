@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from torch import Tensor
+
 from kvpass.cache import LayerCache, keep_slots
 from kvpass.policies.base import Policy, Stat, require
-from kvpass.policies.selection import kept_slots, select_kept
+from kvpass.policies.selection import keep_priority, kept_slots, select_kept
 
 
 @dataclass(frozen=True)
@@ -37,9 +39,17 @@ class H2O(Policy):
         require(0.0 <= self.recent_ratio <= 1.0, f"h2o: recent_ratio must lie in [0, 1], got {self.recent_ratio!r}")
         require(isinstance(self.sinks, int) and self.sinks >= 0, f"h2o: sinks must be an int >= 0, got {self.sinks!r}")
 
+    def protected(self, keep: int) -> tuple[int, int]:
+        """(sinks, recent): the entries a row of ``keep`` keeps whatever their scores."""
+        recent = int(keep * self.recent_ratio)
+        return min(self.sinks, keep - recent), recent
+
+    def priority(self, cache: LayerCache, keep: int) -> Tensor:
+        """[B, Hkv, C] fp64: +inf protected, accumulated attention, -inf empty (``keep_priority``); what
+        the head-adaptive wrapper (``adakv``) ranks across heads."""
+        return keep_priority(cache.slot_meta[Stat.COLUMN_SUM.value], cache.length, *self.protected(keep))
+
     def compress(self, cache: LayerCache, keep: int) -> LayerCache:
         """cache: k, v [B, Hkv, C, D]; slot_meta['col_sum'] [B, Hkv, C] fp32 -> capacity min(keep, C)."""
-        recent = int(keep * self.recent_ratio)
-        sinks = min(self.sinks, keep - recent)
-        kept = select_kept(cache.slot_meta[Stat.COLUMN_SUM.value], cache.length, keep, sinks, recent)
+        kept = select_kept(cache.slot_meta[Stat.COLUMN_SUM.value], cache.length, keep, *self.protected(keep))
         return keep_slots(cache, kept_slots(kept, keep))

@@ -23,14 +23,25 @@ def select_kept(score: Tensor, length: Tensor, keep: int, sinks: int, recent: in
     j = torch.arange(c, device=score.device)
     n = length[..., None]
     live = j < n
-    forced = live & ((j < sinks) | (j >= n - recent))
-    prio = torch.where(forced, float("inf"), torch.where(live, score.double(), float("-inf")))
+    prio = keep_priority(score, length, sinks, recent)
     # `keep if keep < c else c`, not min(keep, c): exported with c >= keep + 1 slots (compress runs on more
     # slots than it keeps) the branch resolves at export time, so ONNX's TopK gets the constant K = keep
     top = prio.topk(keep if keep < c else c, dim=-1).indices
     kept = torch.zeros_like(live).scatter(-1, top, True) & live
     short = n <= keep                                       # and/or, not a boolean where (onnxruntime has none)
     return (short & live) | (~short & kept)
+
+
+def keep_priority(score: Tensor, length: Tensor, sinks: int, recent: int) -> Tensor:
+    """What a row keeps first: +inf for its sinks [0, sinks) and recent window [length - recent, length),
+    ``score`` for its other live slots, -inf for empty slots. A row keeps its top ``keep`` of this
+    (``select_kept``); head-adaptive budgets compare it across the heads of a layer (``head_budgets``).
+    score: [B, Hkv, C]; length: [B, Hkv] int64 -> [B, Hkv, C] fp64."""
+    j = torch.arange(score.shape[-1], device=score.device)
+    n = length[..., None]
+    live = j < n
+    forced = live & ((j < sinks) | (j >= n - recent))
+    return torch.where(forced, float("inf"), torch.where(live, score.double(), float("-inf")))
 
 
 def slot_places(mask: Tensor) -> Tensor:

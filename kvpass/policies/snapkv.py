@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from torch import Tensor
+
 from kvpass.cache import LayerCache, keep_slots
 from kvpass.policies.base import Policy, Stat, require
-from kvpass.policies.selection import kept_slots, select_kept
+from kvpass.policies.selection import keep_priority, kept_slots, select_kept
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,11 @@ class SnapKV(Policy):
 
     def stat_options(self, stat: Stat) -> dict[str, object]:
         return {"obs_window": self.window, "kernel": self.kernel, "pool": self.pool}
+
+    def priority(self, cache: LayerCache, keep: int) -> Tensor:
+        """[B, Hkv, C] fp64: +inf for the newest ``min(window, keep)`` entries, pooled window scores, -inf
+        empty (``keep_priority``); what the head-adaptive wrapper (``adakv``) ranks across heads."""
+        return keep_priority(cache.slot_meta[Stat.WINDOW_SCORES.value], cache.length, 0, min(self.window, keep))
 
     def compress(self, cache: LayerCache, keep: int) -> LayerCache:
         """cache: k, v [B, Hkv, C, D]; slot_meta['window_scores'] [B, Hkv, C] fp32 -> capacity min(keep, C)."""

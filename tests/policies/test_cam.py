@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvpass.policies import get_policy
-from kvpass.policies.cam import CaM, hashed_uniform
+from kvpass.policies.cam import CaM, hashed_uniform, merged_values
 from tests.policies.policy_helpers import live_positions, random_cache
 
 
@@ -64,3 +64,60 @@ def test_zero_scores_give_no_nan() -> None:
 def test_bad_merge_window_raises() -> None:
     with pytest.raises(ValueError, match="merge_window"):
         get_policy("cam", merge_window=0)
+
+
+def replayed_values(cache, keep: int, sinks: int, m: int, seed: int) -> torch.Tensor:
+    """The eviction-by-eviction replay CaM.compress used before ``merged_values`` (vectorised over rows,
+    one Python step per evicted slot): v [B, Hkv, C, D] fp64 before the kept slots are gathered."""
+    length = cache.length
+    n_evict = (length - keep).clamp(min=0)
+    c = cache.capacity
+    acc = cache.slot_meta["col_sum"].double()
+    v = cache.v.double().clone()
+    head = torch.arange(length.shape[1])[None, :].expand_as(length)
+    for offset in range(max(c - keep, 0)):
+        e = sinks + offset
+        targets = slice(e + 1, min(e + 1 + m, c))
+        present = torch.arange(targets.start, targets.stop) < length[..., None]
+        mean = (acc[:, :, targets] * present).sum(-1) / present.sum(-1)
+        p = torch.nan_to_num((acc[:, :, e] / mean).clamp(0.0, 1.0), nan=0.0)
+        on = (hashed_uniform(cache.position[:, :, e], head, seed) < p) & (offset < n_evict)
+        v[:, :, targets] += (on[..., None] & present)[..., None] * v[:, :, e:e + 1] / m
+    return v
+
+
+@pytest.mark.parametrize("lengths, c, keep, m, block", [
+    ([[300, 287, 300], [211, 300, 64]], 300, 40, 16, 256),   # several blocks, ragged rows, one short row
+    ([[300, 287, 300], [211, 300, 64]], 300, 40, 16, 7),     # blocks smaller than the merge window
+    ([[120, 97]], 130, 9, 3, 16),
+    ([[17]], 17, 16, 16, 256),                                # one eviction (a decode-time compression)
+])
+def test_merged_values_match_the_replay(lengths, c, keep, m, block) -> None:
+    cache = random_cache(lengths, c=c, seed=11)
+    sinks = min(4, keep - 1)
+    want = replayed_values(cache, keep, sinks, m, 0)
+    got = merged_values(cache, keep, sinks, m, 0, block)
+    live = cache.position >= 0
+    assert not torch.allclose(want[live], cache.v.double()[live])           # merges happened
+    torch.testing.assert_close(got[live], want[live], rtol=1e-10, atol=1e-10)
+
+
+def test_long_merge_chains_match_the_replay() -> None:
+    # every draw says merge (scores equal): each value carries all earlier ones down the row
+    cache = random_cache([[400, 400]], c=400, seed=3)
+    cache.slot_meta["col_sum"].fill_(1.0)
+    want = replayed_values(cache, 10, 4, 16, 0)
+    torch.testing.assert_close(merged_values(cache, 10, 4, 16, 0, 64), want, rtol=1e-10, atol=1e-8)
+
+
+def test_compress_reads_nothing_back_to_the_host() -> None:
+    # under FakeTensorMode any data-dependent read (.item(), bool(), int() of a tensor) raises
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cache = random_cache([[60, 58]], c=64, seed=2, dtype=torch.float32)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = type(cache)(**{f: mode.from_tensor(getattr(cache, f)) for f in ("k", "v", "log_weight", "length",
+                                                                              "position")},
+                           slot_meta={n: mode.from_tensor(t) for n, t in cache.slot_meta.items()})
+        out = CaM().compress(fake, 48)
+    assert out.v.shape == (1, 2, 48, 8)
