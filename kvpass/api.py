@@ -8,10 +8,11 @@ from kvpass.budget import check_budget
 from kvpass.policies import DEFAULT_POLICY, Policy, get_policy
 from kvpass.rewrites import rewrite_model
 from kvpass.runtime import KVPassModel
+from kvpass.tensor_parallel import resolve_shard
 
 
 def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float | int = 0.2, *,
-          fuse_linears: bool | None = None, **policy_kwargs) -> KVPassModel:
+          fuse_linears: bool | None = None, tp: int | None = None, device_mesh=None, **policy_kwargs) -> KVPassModel:
     """Rewrite a transformers causal LM to decode over a compressed KV cache.
 
     model: any ``*ForCausalLM`` whose attention kvpass can find (SDPA or eager). It is traced, not
@@ -22,6 +23,11 @@ def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float
         compressed layer (see ``kvpass.budget``). Ignored by ``full``.
     fuse_linears: run sibling projections (q/k/v, gate/up) as one GEMM over concatenated weights; the
         parameters become views of that tensor (same values, no extra memory). Default: on CUDA only.
+    tp: tensor-parallel processes (run under ``torchrun --nproc-per-node tp``, each process with the whole
+        model on its own device): the graphs are sharded Megatron-style and each rank keeps 1/tp of the
+        projection weights and of the KV heads with their caches; the model's parameters become this rank's
+        shards (``kvpass/rewrites/shard_tensor_parallel.py``). None or 1: one process, graphs untouched.
+    device_mesh: a 1-D ``torch.distributed.DeviceMesh`` to shard over instead of ``tp``.
     policy_kwargs: the policy's hyperparameters (e.g. ``sinks=4`` for streamingllm).
     """
     chosen = get_policy(policy, **policy_kwargs)       # unknown name / parameter: fails before any tracing
@@ -29,5 +35,6 @@ def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float
     if chosen.compresses and isinstance(budget, int) and budget < chosen.min_budget():
         raise ValueError(f"budget of {budget} tokens is smaller than {chosen.name}'s minimum of "
                          f"{chosen.min_budget()} (sinks + window)")
-    captured, graphs = rewrite_model(model, chosen)
-    return KVPassModel(model, chosen, budget, captured, graphs, fuse_linears=fuse_linears)
+    shard, heads = resolve_shard(tp, device_mesh, next(model.parameters()).device)
+    captured, graphs = rewrite_model(model, chosen, shard)
+    return KVPassModel(model, chosen, budget, captured, graphs, fuse_linears=fuse_linears, heads=heads)

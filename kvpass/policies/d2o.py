@@ -97,7 +97,7 @@ class D2O(Policy):
         """sig_l per compressed layer from state['attn_var'] [B, Hq] (batch rows averaged)."""
         out = []
         for cache in caches:
-            var = cache.state[Stat.HEAD_VARIANCE.value].double()               # [B, Hq]
+            var = self.heads.gather(cache.state[Stat.HEAD_VARIANCE.value]).double()   # [B, Hq], every rank's heads
             if self.allocation == "code":
                 lo, hi = var.min(-1, keepdim=True).values, var.max(-1, keepdim=True).values
                 var = (var - lo) / (hi - lo + 1e-6)
@@ -168,8 +168,7 @@ class D2O(Policy):
         nearest, u_star = match(k_e, out.k, out.live)                          # [B, Hkv, E]
         nearest = nearest.clamp(min=0)
         u_star = torch.where(valid, u_star, 0.0)
-        tau = self._update_tau(out.state, u_star, valid)                            # [B]
-        merged, w_e, w_self = self._merge_weights(u_star, valid, tau)
+        merged, w_e, w_self = self._threshold_and_merge(out.state, u_star, valid)
         count, w_sum, (k_acc, v_acc) = _sums_into(nearest, merged.float(), w_e, (k_e, v_e),
                                                   (w_self * out.k.float(), w_self * out.v.float()))
         norm = w_self + (w_sum if self.d2o_variant == "paper" else count)      # [B, Hkv, K]
@@ -187,7 +186,7 @@ class D2O(Policy):
         position (``pick_one``). Same entries and values as ``compress`` (tested as sets). On CUDA one
         op of three Triton kernels (``torch.ops.kvpass.d2o_evict_one``), elsewhere and under export its
         plain-torch reference. Any other capacity: ``compress`` and a copy back."""
-        if cache.capacity != keep + 1:
+        if cache.capacity != keep + 1 or self.heads.world > 1:    # tensor parallel: the threshold spans ranks
             super().compress_into(cache, keep)
             return
         sinks, _, recent = self.split(keep)
@@ -219,14 +218,24 @@ class D2O(Policy):
         # slot i of the output is slot i (before e) or i + 1 (from e on) of the input; a row that evicts
         # nothing has e = C - 1, so it keeps slots [0, keep)
         out = keep_slots(cache, j[:keep] + (j[:keep] >= e))
-        tau = self._update_tau(out.state, pick.u_star, pick.valid)
-        merged, w_e, w_self = self._merge_weights(pick.u_star, pick.valid, tau)
+        merged, w_e, w_self = self._threshold_and_merge(out.state, pick.u_star, pick.valid)
         target = pick.nearest - (pick.nearest > e).long()                      # [B, Hkv, 1] in the output's slots
         for name, s_e in (("k", pick.k_e), ("v", pick.v_e)):
             base = getattr(out, name)
             put_slots(base, target, _merged_rows(gather_slots(base, target), s_e, merged, w_e, w_self,
                                                  self.d2o_variant))
         return out
+
+    def _threshold_and_merge(self, state: dict[str, Tensor], u_star: Tensor, valid: Tensor
+                             ) -> tuple[Tensor, Tensor, float]:
+        """§5.6 steps 2-4 from this layer's u_star, valid [B, Hkv, E]: the EMA threshold (written to
+        ``state``) and (merged, w_e [B, Hkv, E], w_self). Both the threshold and the "code" merge decision
+        are statistics over every KV head of the layer: taken over ``self.heads.gather`` (every rank's
+        heads under tensor parallelism, the identity otherwise), the rank keeping its own heads' part."""
+        u_all, valid_all = self.heads.gather(u_star), self.heads.gather(valid)
+        tau = self._update_tau(state, u_all, valid_all)                                     # [B]
+        merged, w_e, w_self = self._merge_weights(u_all, valid_all, tau)
+        return self.heads.local(merged), self.heads.local(w_e), w_self
 
     def _update_tau(self, state: dict[str, Tensor], u_star: Tensor, valid: Tensor) -> Tensor:
         """EMA threshold per batch row (§5.6 step 2), written to ``state`` (TAU, TAU_SET).

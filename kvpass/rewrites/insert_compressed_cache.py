@@ -42,6 +42,7 @@ from kvpass.rewrites.attention_sites import (
     per_model_kv_head,
     repeat_cached_kv,
 )
+from kvpass.rewrites.shard_tensor_parallel import LOGITS_GATHER_OPS
 from torch.fx import Graph, GraphModule, Node
 
 import kvpass.decode_step  # noqa: F401  (registers torch.ops.kvpass.await_compression)
@@ -101,7 +102,7 @@ def _add_inputs(graph: Graph, names: list[str]) -> list[Node]:
 def _keep_last_position(graph: Graph, logits: Node) -> None:
     """Compute the LM head for the last position only: slice its [B, T, H] input to [B, 1, H]."""
     node = logits
-    while node.target in _ELEMENTWISE:
+    while node.target in _ELEMENTWISE or node.target in LOGITS_GATHER_OPS:   # (tensor parallel: the logits' gather)
         node = node.args[0]
     if node.target in (aten.linear.default, aten.matmul.default):
         hidden = node.args[0]
