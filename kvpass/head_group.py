@@ -8,14 +8,16 @@ its own heads' part (``local``). The runtime uses the same object to agree on ho
 (``max``) and on each sampled token (``broadcast``). With one process every method returns its input
 unchanged: no op is added anywhere.
 
-Communication goes through torch's functional collectives (``torch.distributed._functional_collectives``),
-which trace and replay inside CUDA graphs.
+Communication goes through the ops of torch's functional collectives (``torch.ops._c10d_functional``,
+what ``torch.distributed._functional_collectives`` calls), which trace and replay inside CUDA graphs.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+_c10d = torch.ops._c10d_functional     # the functional collectives' ops (what funcol calls; trace, CUDA-graph)
 
 
 class HeadGroup:
@@ -54,10 +56,11 @@ class ShardedHeadGroup(HeadGroup):
         self.group_name, self.rank, self.world = group_name, rank, world
 
     def gather(self, x: Tensor, dim: int = 1) -> Tensor:
-        from torch.distributed import _functional_collectives as funcol
         if x.dtype == torch.bool:                  # not every backend gathers bool
             return self.gather(x.to(torch.uint8), dim).bool()
-        return _done(funcol.all_gather_tensor(x.contiguous(), dim % x.dim(), self.group_name))
+        first = x.movedim(dim, 0).contiguous()     # the collective stacks ranks along dim 0
+        out = _c10d.all_gather_into_tensor.default(first, self.world, self.group_name)
+        return _c10d.wait_tensor.default(out).movedim(0, dim)
 
     def local(self, x: Tensor, dim: int = 1) -> Tensor:
         size = x.shape[dim]
@@ -67,21 +70,13 @@ class ShardedHeadGroup(HeadGroup):
         return x.narrow(dim, self.rank * n, n)
 
     def max(self, x: Tensor) -> Tensor:
-        from torch.distributed import _functional_collectives as funcol
-        return _done(funcol.all_reduce(x, "max", self.group_name))
+        return _c10d.wait_tensor.default(_c10d.all_reduce.default(x.contiguous(), "max", self.group_name))
 
     def broadcast(self, x: Tensor) -> Tensor:
-        from torch.distributed import _functional_collectives as funcol
-        return _done(funcol.broadcast(x.contiguous(), 0, self.group_name))
+        return _c10d.wait_tensor.default(_c10d.broadcast.default(x.contiguous(), 0, self.group_name))
 
     def __repr__(self) -> str:
         return f"ShardedHeadGroup(rank={self.rank}, world={self.world}, group={self.group_name!r})"
-
-
-def _done(x: Tensor) -> Tensor:
-    """A functional collective's result, waited for (eager calls return an AsyncCollectiveTensor)."""
-    wait = getattr(x, "wait", None)
-    return wait() if callable(wait) else x
 
 
 SINGLE_PROCESS = HeadGroup()

@@ -16,12 +16,15 @@ from kvpass.rewrites.attention_sites import (
     AttentionSite,
     expand_kv_heads,
     find_attention_sites,
+    per_model_kv_head,
     resolve_windows,
 )
 from kvpass.rewrites.capture import CapturedModel, capture_causal_lm
 from kvpass.rewrites.insert_compressed_cache import RewrittenGraphs, insert_compressed_cache
 from kvpass.rewrites.shard_tensor_parallel import Shard, check_sharded_prefill, logits_width, shard_tensor_parallel
 from torch import nn
+
+from kvpass.errors import UnsupportedModel
 
 from kvpass.policies.base import Policy
 
@@ -41,6 +44,9 @@ def rewrite_model(model: nn.Module, policy: Policy, shard: Shard | None = None) 
     if shard is None or shard.world == 1:
         return captured, insert_compressed_cache(captured.gm, sites, policy)
     vocab = logits_width(captured.gm)
+    if policy.compresses and policy.full_kv_heads(per_model_kv_head(sites)):
+        raise UnsupportedModel(f"tensor parallel: {policy.name}'s full-cache KV heads (a calibration's outlier "
+                               "heads) are not supported yet; run it in one process or without the calibration")
     sites = shard_tensor_parallel(captured.gm, sites, shard)
     graphs = insert_compressed_cache(captured.gm, sites, policy)
     check_sharded_prefill(graphs.prefill, list(graphs.sites), vocab)
