@@ -30,7 +30,16 @@ from pathlib import Path
 
 import torch
 
-from kvpass.bench import LLAMA_8B, TINY_LLAMA, _stepped_tpot, _timed, build_model, copy_bandwidth, gpu_name, slug
+from kvpass.bench import (
+    LLAMA_8B,
+    TINY_LLAMA,
+    _stepped_tpot,
+    _timed,
+    build_model,
+    copy_bandwidth,
+    gpu_name,
+    slug,
+)
 
 LLAMA_70B_LAYER = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
                        num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0,
@@ -100,7 +109,8 @@ def measure(model, policy: str, budget: float, ids: torch.Tensor, tp: int | None
     kv = kvpass.apply(model, policy=policy, budget=budget, tp=tp)
     kv.prefill_rows = 1
     _peak_reset(device)
-    ttft = statistics.median(_timed(device, lambda: kv.generate(ids, max_new_tokens=1)) for _ in range(2))
+    first = [_timed(device, lambda: kv.generate(ids, max_new_tokens=1)) for _ in range(2)]
+    ttft = statistics.median(first)
     report = kv.last_report
     stepped = _stepped_tpot(kv, ids, device, warm=4, steps=steps)
     weights = _weight_bytes(model)
@@ -109,7 +119,7 @@ def measure(model, policy: str, budget: float, ids: torch.Tensor, tp: int | None
            "peak_memory_gib": _peak_gib(device), "weight_bytes_per_rank": weights,
            "cache_bytes_per_rank": report.cache_bytes,
            "floor_ms": (weights + report.cache_bytes) / copy_bw * 1e3}
-    del kv
+    kv = None                                     # its caches and graphs go before the next measurement
     _peak_reset(device)
     return row
 

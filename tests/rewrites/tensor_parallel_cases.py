@@ -75,8 +75,14 @@ def run_cases(cases: list[Case], rank: int, world: int) -> dict[str, dict]:
     A case with ``via_apply`` in its key goes through ``kvpass.apply(tp=world)`` itself instead."""
     import kvpass
     from kvpass.policies import get_policy
-    from kvpass.rewrites import (capture_causal_lm, check_sharded_prefill, insert_compressed_cache, logits_width,
-                                 match_attention, shard_tensor_parallel)
+    from kvpass.rewrites import (
+        capture_causal_lm,
+        check_sharded_prefill,
+        insert_compressed_cache,
+        logits_width,
+        match_attention,
+        shard_tensor_parallel,
+    )
     from kvpass.runtime import KVPassModel
     from kvpass.tensor_parallel import resolve_shard
 

@@ -10,7 +10,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
 
 import kvpass
 from kvpass.errors import UnsupportedModel
