@@ -1,6 +1,9 @@
 """Tensor-parallel GPU measurement (issue 30's follow-up): run under ``torchrun --nproc-per-node N``
 (``benchmarks/tp_gpu.sh N`` does it with ``NCCL_NVLS_ENABLE=0``). Rank 0 writes
-``benchmarks/results/tp-<gpu>-x<N>.{json,md}``.
+``benchmarks/results/tp-<gpu>-x<N>-<sections>.{json,md}``. Within a 10-minute command, run the sections
+apart, e.g. ``benchmarks/tp_gpu.sh 8 --sections correctness,8b --total-s 500`` and then
+``benchmarks/tp_gpu.sh 8 --sections 70b`` (``--total-s`` halves the largest batch until its estimated
+time fits).
 
     correctness  greedy tokens of ``full`` in fp32 on a small Llama at tp=N equal tp=1
     8b           Llama-3.1-8B shape, random bf16 weights, 32k prompt, full / streamingllm / d2o at budget 0.2,

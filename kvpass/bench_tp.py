@@ -2,7 +2,7 @@
 ``torchrun --nproc-per-node N``, one process per GPU (NCCL, ``NCCL_NVLS_ENABLE=0``), or on CPU with gloo
 (``--smoke``: tiny shapes, for tests).
 
-Sections (rank 0 writes ``tp-<device>-x<N>.json`` / ``.md`` under ``--out``):
+Sections (rank 0 writes ``tp-<device>-x<N>-<sections>.json`` / ``.md`` under ``--out``):
 
     correctness  a small Llama in fp32 (random weights): greedy tokens of ``full`` at tp=N equal tp=1's
     8b           the Llama-3.1-8B-shaped model, random bf16 weights, a 32k prompt: for each policy (full,
@@ -77,6 +77,15 @@ def _all_ok(ok: bool, device: torch.device) -> bool:
     return bool(flag.item())
 
 
+_CLOCK = {"start": time.monotonic(), "total_s": float("inf")}
+
+
+def _have_time(need_s: float, collective: bool, device: torch.device) -> bool:
+    """Whether ``need_s`` more seconds fit in ``--total-s`` (agreed by every rank when ``collective``)."""
+    ok = time.monotonic() - _CLOCK["start"] + need_s < _CLOCK["total_s"]
+    return _all_ok(ok, device) if collective else ok
+
+
 def _peak_reset(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -102,14 +111,14 @@ def _weight_bytes(model) -> int:
 
 def measure(model, policy: str, budget: float, ids: torch.Tensor, tp: int | None, device: torch.device,
             copy_bw: float, steps: int) -> dict:
-    """One policy at one batch: TTFT (median of 2 ``generate(max_new_tokens=1)``), ms/token from stepped
+    """One policy at one batch: TTFT (median of 2 ``generate(max_new_tokens=1)``, one above batch 1), ms/token from stepped
     greedy tokens (``kvpass.bench._stepped_tpot``), peak memory, cache bytes and the copy floor."""
     import kvpass
 
     kv = kvpass.apply(model, policy=policy, budget=budget, tp=tp)
     kv.prefill_rows = 1
     _peak_reset(device)
-    first = [_timed(device, lambda: kv.generate(ids, max_new_tokens=1)) for _ in range(2)]
+    first = [_timed(device, lambda: kv.generate(ids, max_new_tokens=1)) for _ in range(2 if ids.shape[0] == 1 else 1)]
     ttft = statistics.median(first)
     report = kv.last_report
     stepped = _stepped_tpot(kv, ids, device, warm=4, steps=steps)
@@ -137,6 +146,10 @@ def _largest_batch(make_model, policy, budget, prompt, tp, device, copy_bw, step
         spare = 0.9 * total - one["peak_memory_gib"] * 2**30
         batch = min(max_batch, 1 + int(spare // per_row))
     while batch > 1:
+        need = 3 * one["ttft_s"] * batch + 60      # two prefills of every row (TTFT, steps) and a build, roughly
+        if not _have_time(need, collective, device):
+            batch //= 2                             # the time box, not memory, limits this one
+            continue
         row, ok = None, True
         try:
             model = make_model()
@@ -236,7 +249,8 @@ def markdown(results: dict) -> str:
 
 
 def run(out: Path, smoke: bool, sections: tuple[str, ...], prompt: int | None, budget: float,
-        methods: tuple[str, ...], max_batch: int, with_tp1: bool = True) -> dict:
+        methods: tuple[str, ...], max_batch: int, with_tp1: bool = True, total_s: float = float("inf")) -> dict:
+    _CLOCK.update(start=time.monotonic(), total_s=total_s)
     rank, world, device = init_distributed()
     if device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -269,7 +283,7 @@ def run(out: Path, smoke: bool, sections: tuple[str, ...], prompt: int | None, b
                 raise
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        stem = out / f"tp-{slug(results['device'])}-x{world}"
+        stem = out / f"tp-{slug(results['device'])}-x{world}-{'-'.join(sections)}"
         Path(f"{stem}.json").write_text(json.dumps(results, indent=1, default=str))
         Path(f"{stem}.md").write_text(markdown(results))
         print(markdown(results), flush=True)
@@ -286,7 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 32768; 40 with --smoke)")
     ap.add_argument("--budget", type=float, default=0.2)
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--max-batch", type=int, default=32, help="largest batch tried (default 32)")
+    ap.add_argument("--total-s", type=float, default=float("inf"),
+                    help="time box: larger batches are tried only while they fit in it (default none)")
     ap.add_argument("--no-tp1", action="store_true", help="skip the one-GPU comparison rows")
     ap.add_argument("--tp", type=int, default=None, help="the processes torchrun starts (checked; default: all)")
     args = ap.parse_args(argv)
@@ -295,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"kvpass bench --tp {args.tp}: {world} processes run; start it with "
                          f"`torchrun --nproc-per-node {args.tp} -m kvpass.cli bench --tp {args.tp}`")
     results = run(Path(args.out), args.smoke, tuple(s for s in args.sections.split(",") if s), args.prompt, args.budget,
-                  tuple(m for m in args.methods.split(",") if m), args.max_batch, not args.no_tp1)
+                  tuple(m for m in args.methods.split(",") if m), args.max_batch, not args.no_tp1, args.total_s)
     return 1 if results["errors"] or (results.get("correctness") or {}).get("tokens_equal") is False else 0
 
 

@@ -21,7 +21,7 @@ def test_tp_gpu_script_runs_on_cpu_with_gloo(tmp_path: Path) -> None:
            "--sections", "correctness,8b", "--methods", "d2o"]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    results = json.loads(next(tmp_path.glob("tp-*-x2.json")).read_text())
+    results = json.loads(next(tmp_path.glob("tp-*-x2-correctness-8b.json")).read_text())
     assert results["world"] == 2 and not results["errors"]
     assert results["correctness"]["tokens_equal"] is True
     rows = results["rows"]

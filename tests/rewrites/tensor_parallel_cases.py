@@ -69,6 +69,15 @@ def _generate(km, ids: torch.Tensor, case: Case, rank: int, world: int, sliced: 
             "kv_heads": [lay.cache.k.shape[1] for lay in session.layers]}
 
 
+def lm_head_input(prefill) -> str | None:
+    """The op that feeds the prefill graph's LM head, found from the logits' all-gather (None without one)."""
+    gather = [n for n in prefill.graph.nodes if n.target == torch.ops._c10d_functional.all_gather_into_tensor.default]
+    if not gather:
+        return None
+    linear = gather[-1].args[0]
+    return str(linear.args[0].target)
+
+
 def run_cases(cases: list[Case], rank: int, world: int) -> dict[str, dict]:
     """The cases of one model (same arch and heads): traced once, every case's reference built on it,
     then the captured graph sharded (the model's parameters become this rank's) and every case again.
@@ -112,6 +121,7 @@ def run_cases(cases: list[Case], rank: int, world: int) -> dict[str, dict]:
         check_sharded_prefill(graphs.prefill, list(graphs.sites), vocab)
         km = KVPassModel(model, policy, c.kwargs["budget"], captured, graphs, heads=heads)
         out[c.key]["tp"] = _generate(km, ids[c.key], c, rank, world, False)
+        out[c.key]["tp"]["lm_head_input"] = lm_head_input(graphs.prefill)
     return out
 
 
