@@ -5,14 +5,15 @@ from __future__ import annotations
 from torch import nn
 
 from kvpass.budget import check_budget
-from kvpass.validation import check_budget_for_model, check_fuse_linears, check_model, refuse
 from kvpass.policies import DEFAULT_POLICY, Policy, get_policy
 from kvpass.rewrites import rewrite_model
 from kvpass.runtime import KVPassModel
+from kvpass.tensor_parallel import resolve_shard
+from kvpass.validation import check_budget_for_model, check_fuse_linears, check_model, refuse
 
 
 def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float | int = 0.2, *,
-          fuse_linears: bool | None = None, **policy_kwargs) -> KVPassModel:
+          fuse_linears: bool | None = None, tp: int | None = None, device_mesh=None, **policy_kwargs) -> KVPassModel:
     """Rewrite a transformers causal LM to decode over a compressed KV cache.
 
     model: any ``*ForCausalLM`` whose attention kvpass can find (SDPA or eager). It is traced, not
@@ -23,6 +24,11 @@ def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float
         compressed layer (see ``kvpass.budget``). Ignored by ``full``.
     fuse_linears: run sibling projections (q/k/v, gate/up) as one GEMM over concatenated weights; the
         parameters become views of that tensor (same values, no extra memory). Default: on CUDA only.
+    tp: tensor-parallel processes (run under ``torchrun --nproc-per-node tp``, each process with the whole
+        model on its own device): the graphs are sharded Megatron-style and each rank keeps 1/tp of the
+        projection weights and of the KV heads with their caches; the model's parameters become this rank's
+        shards (``kvpass/rewrites/shard_tensor_parallel.py``). None or 1: one process, graphs untouched.
+    device_mesh: a 1-D ``torch.distributed.DeviceMesh`` to shard over instead of ``tp``.
     policy_kwargs: the policy's hyperparameters (e.g. ``sinks=4`` for streamingllm).
 
     Bad arguments are refused before any work (``kvpass.validation.RULES``, docs/errors.md): a KVPassError
@@ -37,5 +43,6 @@ def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float
     context = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
     if isinstance(context, int):
         check_budget_for_model(budget, context)
-    captured, graphs = rewrite_model(model, chosen)
-    return KVPassModel(model, chosen, budget, captured, graphs, fuse_linears=fuse_linears)
+    shard, heads = resolve_shard(tp, device_mesh, next(model.parameters()).device)
+    captured, graphs = rewrite_model(model, chosen, shard)
+    return KVPassModel(model, chosen, budget, captured, graphs, fuse_linears=fuse_linears, heads=heads)

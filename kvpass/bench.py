@@ -1072,6 +1072,21 @@ def run(out: Path, smoke: bool = False, total_s: float = 450.0,
     return results
 
 
+def _split_tp(argv: list[str]) -> tuple[int | None, list[str]]:
+    """(the value of ``--tp N`` / ``--tp=N`` or None, the other arguments)."""
+    tp, rest, i = None, [], 0
+    while i < len(argv):
+        if argv[i] == "--tp" and i + 1 < len(argv):
+            tp, i = int(argv[i + 1]), i + 2
+            continue
+        if argv[i].startswith("--tp="):
+            tp = int(argv[i].split("=", 1)[1])
+        else:
+            rest.append(argv[i])
+        i += 1
+    return tp, rest
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"), help="output folder")
@@ -1084,6 +1099,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated methods (transformers, full, streamingllm, d2o, chelsea, d2o-compiled, ...; "
                          "default all); the throughput section takes the uncompiled ones")
     ap.add_argument("--max-batch", type=int, default=32, help="largest batch the throughput section tries")
+    ap.add_argument("--tp", type=int, default=None,
+                    help="tensor parallel over N processes (under torchrun --nproc-per-node N): kvpass.bench_tp")
+    tp, rest = _split_tp(sys.argv[1:] if argv is None else list(argv))
+    if tp is not None and tp > 1:              # its own sections and options (kvpass/bench_tp.py)
+        from kvpass.bench_tp import main as tp_main
+        return tp_main([*rest, "--tp", str(tp)])
     args = ap.parse_args(argv)
     prompts = [int(p) for p in args.prompts.split(",")] if args.prompts else None
     methods = set(args.methods.split(",")) if args.methods else None

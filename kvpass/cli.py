@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -50,7 +51,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import kvpass
     from kvpass.models import load_model
     from kvpass.prompts import chat_ids, needle_prompt
-
     from kvpass.validation import check_readable_file
 
     policy_kwargs = parse_policy_args(args.policy_args)
@@ -58,8 +58,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     kvpass.check_budget(args.budget)
     if args.prompt_file:
         check_readable_file("--prompt-file", args.prompt_file)
+    device = "cpu"
+    if args.tp is not None and args.tp > 1:                 # one process per shard (torchrun), rank 0 prints
+        if "RANK" not in os.environ:
+            raise ValueError(f"--tp {args.tp} runs one process per shard: start it with "
+                             f"`torchrun --nproc-per-node {args.tp} -m kvpass.cli generate --tp {args.tp} ...`")
+        from kvpass.bench_tp import init_distributed
+        rank, world, device = init_distributed()
+        if world != args.tp:
+            raise ValueError(f"--tp {args.tp} but torchrun started {world} processes")
+        if rank:
+            sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115  (for the process's life)
     t0 = time.perf_counter()
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, device=device)
     print(f"loaded {args.model} ({model.config.model_type}, {model.config.num_hidden_layers} layers) "
           f"in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     answer = None
@@ -73,15 +84,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"built-in prompt: {args.context_tokens} tokens of Paul Graham essays, passphrase "
               f"{answer!r} hidden at depth {args.depth:.0%}", file=sys.stderr)
     t0 = time.perf_counter()
-    kv_model = kvpass.apply(model, policy=args.policy, budget=args.budget, **policy_kwargs)
+    kv_model = kvpass.apply(model, policy=args.policy, budget=args.budget, tp=args.tp, **policy_kwargs)
     print(f"rewrote {len(kv_model.graphs.sites)} attention sites in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    out = kv_model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=False)
+    out = kv_model.generate(torch.tensor([ids], device=kv_model.device), max_new_tokens=args.max_new_tokens, do_sample=False)
     text = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True).strip()
     r = kv_model.last_report
     print(f"answer:            {text}")
     if answer is not None:
         print(f"expected:          {answer}  ({'correct' if answer in text else 'wrong'})")
     print(f"policy:            {r.policy} at budget {args.budget} = {r.budget_tokens} entries per layer")
+    if args.tp and args.tp > 1:
+        print(f"tensor parallel:   {args.tp} processes; cache bytes below are per process (its 1/{args.tp} of the KV heads)")
     if r.full_heads:
         heads = ", ".join(f"L{layer}.H{h}" for layer, hs in r.full_heads.items() for h in hs)
         print(f"full-cache heads:  {heads} (calibration, §1.10); the other heads keep "
@@ -118,6 +131,8 @@ def _generate_parser(sub) -> None:
     p.add_argument("--depth", type=float, default=0.5, help="where the passphrase hides, 0..1 (default 0.5)")
     p.add_argument("--seed", type=int, default=1, help="seed of the passphrase (default 1)")
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--tp", type=int, default=None,
+                   help="tensor parallel over N processes: run under `torchrun --nproc-per-node N -m kvpass.cli`")
     p.set_defaults(func=cmd_generate)
 
 

@@ -40,6 +40,7 @@ from kvpass.cache import (
     with_capacity,
 )
 from kvpass.decode_step import StaticDecodeStep, fork_side_by_side, join_pending
+from kvpass.head_group import SINGLE_PROCESS, HeadGroup
 from kvpass.policies.base import Policy, Stat
 from kvpass.rewrites import CapturedModel, RewrittenGraphs
 from kvpass.rewrites.fuse_sibling_linears import fuse_sibling_linears
@@ -226,7 +227,8 @@ class KVPassModel(nn.Module):
     the one-row GEMV op (kvpass/rewrites/linears_to_gemv.py)."""
 
     def __init__(self, model: nn.Module, policy: Policy, budget: float | int,
-                 captured: CapturedModel, graphs: RewrittenGraphs, fuse_linears: bool | None = None) -> None:
+                 captured: CapturedModel, graphs: RewrittenGraphs, fuse_linears: bool | None = None,
+                 heads: HeadGroup = SINGLE_PROCESS) -> None:
         super().__init__()
         check_budget(budget)
         on_cuda = next(model.parameters()).device.type == "cuda"
@@ -238,7 +240,10 @@ class KVPassModel(nn.Module):
         if on_cuda:
             linears_to_gemv(graphs.decode)
         self.fused_linears = bool(fuse_linears)
-        self.policy, self.budget = policy.bind_model(model), budget
+        # heads: this rank's share of every layer's KV heads under tensor parallelism (kvpass.head_group);
+        # host-side lengths and sampled tokens are agreed over it, and the policy reduces over it
+        self.heads = heads
+        self.policy, self.budget = policy.bind_model(model).with_heads(heads), budget
         self.captured, self.graphs = captured, graphs
         self._model = [model]                      # not a submodule: its weights are not ours to own
         self.config = model.config
@@ -451,7 +456,7 @@ class KVPassModel(nn.Module):
         groups = stacked_groups(layers_whole, self.policy.rows_independent, spare)
         inputs = [lay.cache for lay in layers_whole]    # alive until the side streams are joined
         calls = [functools.partial(compress, group) for group in groups]
-        if len(groups) < len(layers_whole):
+        if len(groups) < len(layers_whole) or self.heads.world > 1:    # tensor parallel: collectives in one order
             for call in calls:
                 call()
         else:
@@ -463,7 +468,8 @@ class KVPassModel(nn.Module):
                 for t in lay.cache.tensors():
                     t.record_stream(main)
         if layers:
-            for lay, n in zip(layers, torch.stack([lay.cache.length.amax(-1) for lay in layers]).tolist(), strict=True):
+            longest = self.heads.max(torch.stack([lay.cache.length.amax(-1) for lay in layers]))  # [L, B], every rank's heads
+            for lay, n in zip(layers, longest.tolist(), strict=True):
                 lay.set_row_len(n)
                 self._check_within_budget(lay)
 
@@ -491,7 +497,7 @@ class KVPassModel(nn.Module):
             part = take_rows(lay.cache, part_rows, cap)
             self.policy.compress_into(part, keep)
             put_rows_at(lay.cache, part, part_rows)
-        lay.set_row_len(lay.cache.length.amax(-1).tolist())
+        lay.set_row_len(self.heads.max(lay.cache.length.amax(-1)).tolist())
         self._check_within_budget(lay)
 
     def _check_within_budget(self, lay: _Layer) -> None:
@@ -727,7 +733,7 @@ class DecodeSession:
             for i in due:                         # eager: compress, check the budget (a sync), then the step
                 lay = self.layers[i]
                 self.policy.compress_into(lay.cache, lay.budget)
-                lay.set_row_len(lay.cache.length.amax(-1).tolist())
+                lay.set_row_len(self.owner.heads.max(lay.cache.length.amax(-1)).tolist())
                 self.owner._check_within_budget(lay)
             due_in_step: tuple[int, ...] = ()
         else:
@@ -774,7 +780,7 @@ class DecodeSession:
                 out = out if out is not None else empty_rows(part, self.batch)
                 put_rows_at(out, part, rows)
             lay.cache = out
-            lay.set_row_len(lay.cache.length.amax(-1).tolist())
+            lay.set_row_len(self.owner.heads.max(lay.cache.length.amax(-1)).tolist())
             self.owner._check_within_budget(lay)
             self.compressions += 1
 
@@ -796,7 +802,7 @@ class DecodeSession:
         for i in range(max_new_tokens):
             if output_logits:
                 step_logits.append(self.logits)
-            tok = next_token(self.logits, **sampling)
+            tok = self.owner.heads.broadcast(next_token(self.logits, **sampling))   # rank 0's token (tensor parallel)
             tok = torch.where(unfinished, tok, torch.full_like(tok, pad_id))
             tokens.append(tok)
             if streamer is not None:
@@ -859,7 +865,10 @@ class DecodeSession:
                 slots[i].copy_(self.layers[i].cache.length)
 
         calls = [functools.partial(compress, i) for i in indices]
-        if calls and self.logits.is_cuda and not join:
+        if self.owner.heads.world > 1:            # tensor parallel: a policy's collectives run in one order
+            for call in calls:
+                call()
+        elif calls and self.logits.is_cuda and not join:
             streams = self.owner.decode_step.side_streams(self.logits.device)
             fork_side_by_side([(self.layers[i].cache.k, c) for i, c in zip(indices, calls, strict=True)], streams)
         else:

@@ -17,7 +17,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from kvpass.errors import InvalidType, InvalidValue, KVPassError, ModelInUse, OutOfDeviceMemory, UnsupportedModel
+from kvpass.errors import (
+    InvalidType,
+    InvalidValue,
+    KVPassError,
+    ModelInUse,
+    OutOfDeviceMemory,
+    UnsupportedModel,
+)
 
 APPLY = "kvpass.apply, torch.compile(backend='kvpass'), CLI"
 GENERATE = "KVPassModel.generate / __call__ / start / prefill, CLI generate"

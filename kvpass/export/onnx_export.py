@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 from torch.export import Dim
 
-from kvpass.errors import InvalidValue
 from kvpass.budget import budget_tokens
+from kvpass.errors import InvalidValue
 from kvpass.export.graphs import (
     CompressGraph,
     DecodeGraph,

@@ -19,10 +19,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+from torch import Tensor
+
 from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
 from kvpass.kernels.decode_attention import _dot, _tanh, dot_mode
 from kvpass.kernels.prefill_attention import prefill_mask
-from torch import Tensor
 
 
 def head_column_sums(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,

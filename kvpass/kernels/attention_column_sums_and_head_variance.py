@@ -9,9 +9,10 @@ the column pass then runs; see ``head_column_sums``). Shapes: q: [B, Hq, T, D]; 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
+
 from kvpass.kernels.attention_column_sums import head_column_sums
 from kvpass.kernels.attention_head_variance import head_variance_of_sums
-from torch import Tensor
 
 
 def attention_column_sums_and_head_variance_reference(q: Tensor, k: Tensor, pad: Tensor, scale: float,

@@ -14,8 +14,9 @@ Shapes: q: [B, Hq, T, D]; k: [B, Hkv, T, D]; pad: [B] int64 -> [B, Hq] fp32.
 from __future__ import annotations
 
 import torch
-from kvpass.kernels.attention_column_sums import head_column_sums
 from torch import Tensor
+
+from kvpass.kernels.attention_column_sums import head_column_sums
 
 
 def attention_head_variance_reference(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,

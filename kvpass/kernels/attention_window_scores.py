@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from kvpass.kernels.prefill_attention import prefill_mask
 from torch import Tensor
+
+from kvpass.kernels.prefill_attention import prefill_mask
 
 
 def attention_window_scores_reference(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,

@@ -28,8 +28,9 @@ staging copy; unpinned host tensors take the reference path (gather on the host,
 from __future__ import annotations
 
 import torch
-from kvpass.kernels._triton import HAS_TRITON, interpreting, next_pow2, require_triton, tl, triton
 from torch import Tensor
+
+from kvpass.kernels._triton import HAS_TRITON, interpreting, next_pow2, require_triton, tl, triton
 
 
 def cluster_gather_reference(k: Tensor, v: Tensor, log_weight: Tensor, keep: Tensor,

@@ -24,8 +24,9 @@ int64. Returns o [B, Hq, 1, D] and an empty scores tensor.
 from __future__ import annotations
 
 import torch
-from kvpass.kernels.cluster_gather import cluster_gather
 from torch import Tensor
+
+from kvpass.kernels.cluster_gather import cluster_gather
 
 
 def _acc(q: Tensor) -> torch.dtype:

@@ -22,9 +22,10 @@ cores in tf32 when either input is 16-bit (bf16 keys: a near tie may then pick a
 from __future__ import annotations
 
 import torch
+from torch import Tensor
+
 from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
 from kvpass.kernels.cosine_match import cosine_tile_argmax, unit_rows
-from torch import Tensor
 
 _EPS = 1e-6
 

@@ -24,8 +24,9 @@ no scatter: every output row is written by exactly one program, so the result is
 from __future__ import annotations
 
 import torch
-from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
 from torch import Tensor
+
+from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
 
 
 def _acc(*ts: Tensor) -> torch.dtype:

@@ -24,9 +24,10 @@ fp32 exactly) and divides by the norms afterwards, so |best - exact| is at fp32 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
+
 from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
 from kvpass.kernels.decode_attention import _dot, dot_mode
-from torch import Tensor
 
 _EPS = 1e-12
 

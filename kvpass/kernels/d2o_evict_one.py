@@ -47,9 +47,10 @@ import math
 from typing import NamedTuple
 
 import torch
+from torch import Tensor
+
 from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
 from kvpass.kernels.cosine_match import cosine_match_reference
-from torch import Tensor
 
 _EPS = 1e-12
 EMPTY = float("-inf")

@@ -27,8 +27,9 @@ cache is still read once and the scores do not wait for the merge.
 from __future__ import annotations
 
 import torch
-from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
 from torch import Tensor
+
+from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
 
 
 def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor, scale: float,

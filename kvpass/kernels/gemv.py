@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
 from torch import Tensor
+
+from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
 
 
 def gemv_reference(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_gate: bool = False) -> Tensor:

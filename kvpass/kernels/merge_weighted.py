@@ -30,8 +30,9 @@ result is deterministic.
 from __future__ import annotations
 
 import torch
-from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
 from torch import Tensor
+
+from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
 
 
 def merge_weighted_reference(k: Tensor, v: Tensor, w: Tensor, target: Tensor,

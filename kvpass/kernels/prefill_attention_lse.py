@@ -23,11 +23,12 @@ from __future__ import annotations
 import logging
 
 import torch
+from torch import Tensor
+
 from kvpass.kernels._triton import HAS_TRITON
 from kvpass.kernels.attention_column_sums import masked_logit_blocks, row_lse_triton
 from kvpass.kernels.decode_attention import LOG2E
 from kvpass.kernels.prefill_attention import in_q_layout, plain_causal, prefill_attention_reference
-from torch import Tensor
 
 log = logging.getLogger(__name__)
 

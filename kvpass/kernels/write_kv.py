@@ -17,8 +17,9 @@ scatters are four launches: at batch 1 the step is launch-bound, and this runs o
 from __future__ import annotations
 
 import torch
-from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
 from torch import Tensor
+
+from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
 
 
 def write_kv_reference(k_cache: Tensor, v_cache: Tensor, log_weight: Tensor, slot: Tensor, position: Tensor,

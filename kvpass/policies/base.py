@@ -9,12 +9,14 @@ The runtime never asks which policy it holds; a new policy is a new file and a r
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import TYPE_CHECKING, ClassVar
 
 from kvpass.cache import LayerCache, load_into
+from kvpass.head_group import SINGLE_PROCESS, HeadGroup
 
 if TYPE_CHECKING:
     from kvpass.rewrites import AttentionSite
@@ -109,6 +111,20 @@ class Policy:
         """Extra keyword arguments of the prefill op computing ``stat`` (e.g. SnapKV's observation
         window and pooling kernel). The rewrite passes them through without interpreting them."""
         return {}
+
+    @property
+    def heads(self) -> HeadGroup:
+        """The KV heads of a layer as this process holds them (``kvpass.head_group``): a statistic over all
+        heads of a layer is taken over ``heads.gather(x)``, identity with one process."""
+        return self.__dict__.get("_heads", SINGLE_PROCESS)
+
+    def with_heads(self, heads: HeadGroup) -> Policy:
+        """This policy on a rank holding ``heads`` (tensor parallel); itself when one process holds every head."""
+        if heads.world == 1:
+            return self
+        out = copy.copy(self)
+        object.__setattr__(out, "_heads", heads)
+        return out
 
     def bind_model(self, model) -> Policy:
         """The policy to run on ``model`` (a transformers causal LM): facts a policy reads from the model

@@ -191,7 +191,7 @@ class D2O(Policy):
         when a batch has several, ``KVPassModel._row_layer_budgets``; rows given together are averaged)."""
         out = []
         for cache in caches:
-            var = cache.state[Stat.HEAD_VARIANCE.value].double()               # [B, Hq]
+            var = self.heads.gather(cache.state[Stat.HEAD_VARIANCE.value]).double()   # [B, Hq], every rank's heads
             if self.allocation == "code":
                 lo, hi = var.min(-1, keepdim=True).values, var.max(-1, keepdim=True).values
                 var = (var - lo) / (hi - lo + 1e-6)
@@ -263,8 +263,7 @@ class D2O(Policy):
         nearest, u_star = match(k_e, out.k, targets)                           # [B, Hkv, E]
         nearest = nearest.clamp(min=0)
         u_star = torch.where(valid, u_star, 0.0)
-        tau = self._update_tau(out.state, u_star, valid)                            # [B]
-        merged, w_e, w_self = self._merge_weights(u_star, valid, tau)
+        merged, w_e, w_self = self._threshold_and_merge(out.state, u_star, valid)
         if self.merge_bias:                     # sizes add: log_weight = log(sum of the members' sizes)
             size_e = torch.where(merged, torch.gather(cache.log_weight, 2, e_idx).exp(), 0.0)
             size = out.log_weight.exp().scatter_add(2, nearest, size_e)
@@ -286,7 +285,7 @@ class D2O(Policy):
         position (``pick_one``). Same entries and values as ``compress`` (tested as sets). On CUDA one
         op of three Triton kernels (``torch.ops.kvpass.d2o_evict_one``), elsewhere and under export its
         plain-torch reference. Any other capacity: ``compress`` and a copy back."""
-        if cache.capacity != keep + 1:
+        if cache.capacity != keep + 1 or self.heads.world > 1:    # tensor parallel: the threshold spans ranks
             super().compress_into(cache, keep)
             return
         sinks, _, recent = self.split(keep)
@@ -319,8 +318,7 @@ class D2O(Policy):
         # slot i of the output is slot i (before e) or i + 1 (from e on) of the input; a row that evicts
         # nothing has e = C - 1, so it keeps slots [0, keep)
         out = keep_slots(cache, j[:keep] + (j[:keep] >= e))
-        tau = self._update_tau(out.state, pick.u_star, pick.valid)
-        merged, w_e, w_self = self._merge_weights(pick.u_star, pick.valid, tau)
+        merged, w_e, w_self = self._threshold_and_merge(out.state, pick.u_star, pick.valid)
         target = pick.nearest - (pick.nearest > e).long()                      # [B, Hkv, 1] in the output's slots
         for name, s_e in (("k", pick.k_e), ("v", pick.v_e)):
             base = getattr(out, name)
@@ -330,6 +328,17 @@ class D2O(Policy):
             into, src = torch.gather(out.log_weight, 2, target), torch.gather(cache.log_weight, 2, e)
             out.log_weight = out.log_weight.scatter(2, target, torch.where(merged, merged_log_weight(into, src), into))
         return out
+
+    def _threshold_and_merge(self, state: dict[str, Tensor], u_star: Tensor, valid: Tensor
+                             ) -> tuple[Tensor, Tensor, float]:
+        """§5.6 steps 2-4 from this layer's u_star, valid [B, Hkv, E]: the EMA threshold (written to
+        ``state``) and (merged, w_e [B, Hkv, E], w_self). Both the threshold and the "code" merge decision
+        are statistics over every KV head of the layer: taken over ``self.heads.gather`` (every rank's
+        heads under tensor parallelism, the identity otherwise), the rank keeping its own heads' part."""
+        u_all, valid_all = self.heads.gather(u_star), self.heads.gather(valid)
+        tau = self._update_tau(state, u_all, valid_all)                                     # [B]
+        merged, w_e, w_self = self._merge_weights(u_all, valid_all, tau)
+        return self.heads.local(merged), self.heads.local(w_e), w_self
 
     def _update_tau(self, state: dict[str, Tensor], u_star: Tensor, valid: Tensor) -> Tensor:
         """EMA threshold per batch row (§5.6 step 2), written to ``state`` (TAU, TAU_SET).

@@ -23,11 +23,15 @@ from __future__ import annotations
 
 import operator
 
-import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
 import torch
+from torch import Tensor
+from torch.fx import GraphModule
+
+import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
 from kvpass.kernels.attention_head_variance import head_variance_of_sums
 from kvpass.kernels.decode_attention import LOG2E, decode_attention_reference
 from kvpass.kernels.prefill_attention import prefill_mask
+from kvpass.policies.base import Attention, Policy
 from kvpass.rewrites.attention_sites import AttentionSite, repeat_cached_kv
 from kvpass.rewrites.insert_compressed_cache import (
     DECODE_STATS,
@@ -36,10 +40,6 @@ from kvpass.rewrites.insert_compressed_cache import (
     _logits_node,
     copy_graph,
 )
-from torch import Tensor
-from torch.fx import GraphModule
-
-from kvpass.policies.base import Attention, Policy
 
 ops = torch.ops.kvpass
 

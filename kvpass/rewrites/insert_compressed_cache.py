@@ -33,8 +33,11 @@ import logging
 import operator
 from dataclasses import dataclass, field
 
-import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
 import torch
+from torch.fx import Graph, GraphModule, Node
+
+import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
+from kvpass.policies.base import Attention, Policy, Stat
 from kvpass.rewrites.attention_sites import (
     AttentionSite,
     expand_kv_heads,
@@ -42,9 +45,7 @@ from kvpass.rewrites.attention_sites import (
     per_model_kv_head,
     repeat_cached_kv,
 )
-from torch.fx import Graph, GraphModule, Node
-
-from kvpass.policies.base import Attention, Policy, Stat
+from kvpass.rewrites.shard_tensor_parallel import LOGITS_GATHER_OPS
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -102,7 +103,7 @@ def _add_inputs(graph: Graph, names: list[str]) -> list[Node]:
 def _keep_last_position(graph: Graph, logits: Node) -> None:
     """Compute the LM head for the last position only: slice its [B, T, H] input to [B, 1, H]."""
     node = logits
-    while node.target in _ELEMENTWISE:
+    while node.target in _ELEMENTWISE or node.target in LOGITS_GATHER_OPS:   # (tensor parallel: the logits' gather)
         node = node.args[0]
     if node.target in (aten.linear.default, aten.matmul.default):
         hidden = node.args[0]

@@ -21,10 +21,11 @@ keeps its GEMMs.
 
 from __future__ import annotations
 
-import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
 import torch
-from kvpass.rewrites.fuse_sibling_linears import attr_value
 from torch.fx import GraphModule, Node
+
+import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
+from kvpass.rewrites.fuse_sibling_linears import attr_value
 
 LINEAR, GEMV = torch.ops.aten.linear.default, torch.ops.kvpass.gemv.default
 SLICE, SILU, MUL = torch.ops.aten.slice.Tensor, torch.ops.aten.silu.default, torch.ops.aten.mul.Tensor

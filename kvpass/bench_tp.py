@@ -1,0 +1,319 @@
+"""Tensor-parallel benchmark (``kvpass bench --tp N``, ``benchmarks/tp_gpu.py``): run under
+``torchrun --nproc-per-node N``, one process per GPU (NCCL, ``NCCL_NVLS_ENABLE=0``), or on CPU with gloo
+(``--smoke``: tiny shapes, for tests).
+
+Sections (rank 0 writes ``tp-<device>-x<N>-<sections>.json`` / ``.md`` under ``--out``):
+
+    correctness  a small Llama in fp32 (random weights): greedy tokens of ``full`` at tp=N equal tp=1's
+    8b           the Llama-3.1-8B-shaped model, random bf16 weights, a 32k prompt: for each policy (full,
+                 streamingllm, d2o at budget 0.2) at tp=1 (rank 0 alone, the others wait) and tp=N (all
+                 ranks), batch 1 and the largest batch that fits: ms/token, tokens/s, TTFT, peak memory per
+                 GPU and the floor per GPU, (weight + cache bytes per rank) / copy bandwidth
+    70b          Llama-3.1-70B's layer shape at tp=N, d2o at 0.2, batch 1: as many of its 80 layers as the
+                 unsharded model fits in 80% of one GPU's memory (every rank builds the whole model before
+                 sharding it), the count stated in the results
+
+Every timed number is measured here; the floors are computed from measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kvpass.bench import (
+    LLAMA_8B,
+    TINY_LLAMA,
+    _stepped_tpot,
+    _timed,
+    build_model,
+    copy_bandwidth,
+    gpu_name,
+    slug,
+)
+
+LLAMA_70B_LAYER = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
+                       num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0,
+                       rms_norm_eps=1e-5, tie_word_embeddings=False)
+SMALL_FP32 = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=8, max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5,
+                  tie_word_embeddings=False, initializer_range=0.1)
+TINY_TP = {**TINY_LLAMA, "num_attention_heads": 4, "num_key_value_heads": 4}
+METHODS = ("full", "streamingllm", "d2o")
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """(rank, world, device) under torchrun: NCCL on CUDA (NVLink multicast off), gloo on CPU."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    cuda = torch.cuda.is_available() and os.environ.get("KVPASS_TP_CPU") != "1"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=30))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+    dist.barrier()
+
+
+def _all_ok(ok: bool, device: torch.device) -> bool:
+    import torch.distributed as dist
+    flag = torch.tensor([1 if ok else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+_CLOCK = {"start": time.monotonic(), "total_s": float("inf")}
+
+
+def _have_time(need_s: float, collective: bool, device: torch.device) -> bool:
+    """Whether ``need_s`` more seconds fit in ``--total-s`` (agreed by every rank when ``collective``)."""
+    ok = time.monotonic() - _CLOCK["start"] + need_s < _CLOCK["total_s"]
+    return _all_ok(ok, device) if collective else ok
+
+
+def _peak_reset(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def _weight_bytes(model) -> int:
+    """Bytes one decode step reads per rank: every parameter but the input embedding (one row of it)."""
+    emb = model.get_input_embeddings().weight
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p is emb or id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel() * p.element_size()
+    return total
+
+
+def measure(model, policy: str, budget: float, ids: torch.Tensor, tp: int | None, device: torch.device,
+            copy_bw: float, steps: int) -> dict:
+    """One policy at one batch: TTFT (median of 2 ``generate(max_new_tokens=1)``, one above batch 1), ms/token from stepped
+    greedy tokens (``kvpass.bench._stepped_tpot``), peak memory, cache bytes and the copy floor."""
+    import kvpass
+
+    kv = kvpass.apply(model, policy=policy, budget=budget, tp=tp)
+    kv.prefill_rows = 1
+    _peak_reset(device)
+    first = [_timed(device, lambda: kv.generate(ids, max_new_tokens=1)) for _ in range(2 if ids.shape[0] == 1 else 1)]
+    ttft = statistics.median(first)
+    report = kv.last_report
+    stepped = _stepped_tpot(kv, ids, device, warm=4, steps=steps)
+    weights = _weight_bytes(model)
+    row = {"policy": policy, "tp": tp or 1, "batch": ids.shape[0], "prompt": ids.shape[1], "ttft_s": ttft,
+           "tpot_ms": stepped["tpot_ms"], "tokens_per_s": stepped["decode_tokens_per_s"],
+           "peak_memory_gib": _peak_gib(device), "weight_bytes_per_rank": weights,
+           "cache_bytes_per_rank": report.cache_bytes,
+           "floor_ms": (weights + report.cache_bytes) / copy_bw * 1e3}
+    kv = None                                     # its caches and graphs go before the next measurement
+    _peak_reset(device)
+    return row
+
+
+def _largest_batch(make_model, policy, budget, prompt, tp, device, copy_bw, steps, one: dict, max_batch: int,
+                   collective: bool) -> dict | None:
+    """The largest batch that fits, from batch 1's peak and cache bytes (memory left / bytes per row),
+    halved on out-of-memory (all ranks agree before trying the next). ``make_model()``: the model to run
+    (a fresh one per try under tp, whose apply shards it). None when only batch 1 fits."""
+    if device.type != "cuda":
+        batch = min(max_batch, 2)
+    else:
+        total = torch.cuda.get_device_properties(device).total_memory
+        per_row = max(one["cache_bytes_per_rank"], 1)
+        spare = 0.9 * total - one["peak_memory_gib"] * 2**30
+        batch = min(max_batch, 1 + int(spare // per_row))
+    while batch > 1:
+        need = 3 * one["ttft_s"] * batch + 60      # two prefills of every row (TTFT, steps) and a build, roughly
+        if not _have_time(need, collective, device):
+            batch //= 2                             # the time box, not memory, limits this one
+            continue
+        row, ok = None, True
+        try:
+            model = make_model()
+            ids = torch.randint(1, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(1))
+            row = measure(model, policy, budget, ids.to(device), tp, device, copy_bw, steps)
+        except torch.OutOfMemoryError:
+            ok = False
+        model = None
+        _peak_reset(device)
+        if (_all_ok(ok, device) if collective else ok) and row is not None:
+            return row
+        batch //= 2
+    return None
+
+
+def section_speed(model_kwargs: dict, label: str, world: int, rank: int, device: torch.device, copy_bw: float,
+                  prompt: int, budget: float, methods: tuple[str, ...], with_tp1: bool, max_batch: int,
+                  steps: int) -> list[dict]:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    rows: list[dict] = []
+    ids = torch.randint(1, model_kwargs["vocab_size"], (1, prompt), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
+    if with_tp1:                                   # one GPU, before the model is sharded
+        if rank == 0:
+            model = build_model(model_kwargs, device, dtype)
+            for policy in methods:
+                one = measure(model, policy, budget, ids, None, device, copy_bw, steps)
+                rows.append({"model": label, **one})
+                big = _largest_batch(lambda m=model: m, policy, budget, prompt, None, device, copy_bw, steps, one,
+                                     max_batch, False)
+                if big is not None:
+                    rows.append({"model": label, **big})
+            del model
+            _peak_reset(device)
+        _barrier()
+    if world > 1:
+        for policy in methods:                     # a fresh model each time: apply(tp) shards its parameters
+            torch.manual_seed(0)
+            model = build_model(model_kwargs, device, dtype)
+            one = measure(model, policy, budget, ids, world, device, copy_bw, steps)
+            rows.append({"model": label, **one})
+            del model
+            _peak_reset(device)
+
+            def fresh():
+                torch.manual_seed(0)
+                return build_model(model_kwargs, device, dtype)
+
+            big = _largest_batch(fresh, policy, budget, prompt, world, device, copy_bw, steps, one, max_batch, True)
+            if big is not None:
+                rows.append({"model": label, **big})
+    return rows
+
+
+def section_correctness(world: int, device: torch.device, smoke: bool) -> dict:
+    """Greedy tokens of ``full`` in fp32 at tp=world equal tp=1 (same random weights on every rank)."""
+    import kvpass
+
+    torch.manual_seed(0)
+    model = build_model(TINY_TP if smoke else SMALL_FP32, torch.device("cpu"), torch.float32).to(device)
+    ids = torch.randint(1, model.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(2)).to(device)
+    gen = dict(max_new_tokens=24, do_sample=False, eos_token_id=None, return_dict_in_generate=True, output_logits=True)
+    ref = kvpass.apply(model, policy="full").generate(ids, **gen)
+    got = kvpass.apply(model, policy="full", tp=world).generate(ids, **gen)
+    err = max((a - b).abs().max().item() for a, b in zip(got.logits, ref.logits, strict=True))
+    same = torch.equal(got.sequences, ref.sequences)
+    return {"tokens_equal": same and _all_ok(same, device), "max_logit_diff": err, "new_tokens": 24, "batch": 2,
+            "tp": world, "dtype": "float32"}
+
+
+def layers_that_fit(device: torch.device, layer_kwargs: dict, want: int = 80, fraction: float = 0.8) -> int:
+    """How many 70B-shaped layers the unsharded bf16 model fits in ``fraction`` of one GPU (embedding and LM
+    head included); ``want`` off the GPU."""
+    if device.type != "cuda":
+        return 2
+    h, i, v = layer_kwargs["hidden_size"], layer_kwargs["intermediate_size"], layer_kwargs["vocab_size"]
+    kv = layer_kwargs["num_key_value_heads"] * h // layer_kwargs["num_attention_heads"]
+    per_layer = 2 * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h)
+    fixed = 2 * 2 * v * h
+    budget = fraction * torch.cuda.get_device_properties(device).total_memory
+    return max(1, min(want, int((budget - fixed) // per_layer)))
+
+
+def markdown(results: dict) -> str:
+    lines = [f"# kvpass tensor parallel: {results['device']} x {results['world']}", "",
+             f"correctness (full, fp32, greedy): {results.get('correctness')}", "",
+             "| model | policy | tp | batch | prompt | TTFT s | ms/token | tokens/s | peak GiB/GPU | floor ms/GPU |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results.get("rows", []):
+        peak = "" if r.get("peak_memory_gib") is None else f"{r['peak_memory_gib']:.1f}"
+        lines.append(f"| {r['model']} | {r['policy']} | {r['tp']} | {r['batch']} | {r['prompt']} | {r['ttft_s']:.3g} | "
+                     f"{r['tpot_ms']:.3g} | {r['tokens_per_s']:.4g} | {peak} | {r['floor_ms']:.3g} |")
+    for k, v in results.get("errors", {}).items():
+        lines.append(f"\n{k}: {v}")
+    return "\n".join(lines) + "\n"
+
+
+def run(out: Path, smoke: bool, sections: tuple[str, ...], prompt: int | None, budget: float,
+        methods: tuple[str, ...], max_batch: int, with_tp1: bool = True, total_s: float = float("inf")) -> dict:
+    _CLOCK.update(start=time.monotonic(), total_s=total_s)
+    rank, world, device = init_distributed()
+    if device.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    prompt = prompt or (40 if smoke else 32768)
+    steps = 4 if smoke else 32
+    copy_bw = copy_bandwidth(device, (1 << 20) if smoke else (2 << 30))
+    results: dict = {"device": gpu_name(device), "world": world, "argv": sys.argv, "copy_bytes_per_s": copy_bw,
+                     "torch": torch.__version__, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": [],
+                     "errors": {}, "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE")}
+    for name in sections:
+        try:
+            if name == "correctness":
+                results["correctness"] = section_correctness(world, device, smoke)
+            elif name == "8b":
+                results["rows"] += section_speed(TINY_TP if smoke else LLAMA_8B, "tiny" if smoke else "llama-3.1-8b",
+                                                 world, rank, device, copy_bw, prompt, budget, methods, with_tp1,
+                                                 max_batch, steps)
+            elif name == "70b":
+                n = layers_that_fit(device, LLAMA_70B_LAYER)
+                kwargs = TINY_TP if smoke else {**LLAMA_70B_LAYER, "num_hidden_layers": n}
+                results["layers_70b"] = n if not smoke else None
+                results["rows"] += section_speed(kwargs, "tiny" if smoke else f"llama-3.1-70b-shape-{n}-of-80-layers",
+                                                 world, rank, device, copy_bw, prompt, budget, ("d2o",), False, 1,
+                                                 steps)
+            else:
+                raise ValueError(f"unknown section {name!r}; sections: correctness, 8b, 70b")
+        except Exception as err:  # noqa: BLE001  (one section's failure must not lose the others)
+            results["errors"][name] = f"{type(err).__name__}: {err}"
+            if isinstance(err, ValueError) and "unknown section" in str(err):
+                raise
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        stem = out / f"tp-{slug(results['device'])}-x{world}-{'-'.join(sections)}"
+        Path(f"{stem}.json").write_text(json.dumps(results, indent=1, default=str))
+        Path(f"{stem}.md").write_text(markdown(results))
+        print(markdown(results), flush=True)
+    import torch.distributed as dist
+    dist.destroy_process_group()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="tensor-parallel kvpass benchmark; run under torchrun --nproc-per-node N")
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"), help="output folder")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU with gloo when KVPASS_TP_CPU=1 or no GPU)")
+    ap.add_argument("--sections", default="correctness,8b,70b")
+    ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 32768; 40 with --smoke)")
+    ap.add_argument("--budget", type=float, default=0.2)
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--max-batch", type=int, default=32, help="largest batch tried (default 32)")
+    ap.add_argument("--total-s", type=float, default=float("inf"),
+                    help="time box: larger batches are tried only while they fit in it (default none)")
+    ap.add_argument("--no-tp1", action="store_true", help="skip the one-GPU comparison rows")
+    ap.add_argument("--tp", type=int, default=None, help="the processes torchrun starts (checked; default: all)")
+    args = ap.parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.tp is not None and args.tp != world:
+        raise SystemExit(f"kvpass bench --tp {args.tp}: {world} processes run; start it with "
+                         f"`torchrun --nproc-per-node {args.tp} -m kvpass.cli bench --tp {args.tp}`")
+    results = run(Path(args.out), args.smoke, tuple(s for s in args.sections.split(",") if s), args.prompt, args.budget,
+                  tuple(m for m in args.methods.split(",") if m), args.max_batch, not args.no_tp1, args.total_s)
+    return 1 if results["errors"] or (results.get("correctness") or {}).get("tokens_equal") is False else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,43 @@
+"""``kvpass.apply(..., tp=N)`` / ``device_mesh=``: which shard this process runs, and the head group its
+policy and runtime reduce over. Run under ``torchrun --nproc-per-node N`` (one process per GPU, each with
+its ``torch.cuda.set_device(LOCAL_RANK)`` and the whole model loaded); see
+``kvpass/rewrites/shard_tensor_parallel.py`` for what is sharded."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvpass.head_group import SINGLE_PROCESS, HeadGroup, ShardedHeadGroup
+from kvpass.rewrites.shard_tensor_parallel import Shard
+
+
+def resolve_shard(tp: int | None, device_mesh, device: torch.device) -> tuple[Shard | None, HeadGroup]:
+    """(this rank's Shard, its head group) for ``tp`` processes or a 1-D ``device_mesh``; (None, the
+    single-process group) when neither asks for more than one process."""
+    if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
+        raise ValueError(f"tp must be an int >= 1, got {tp!r}")
+    if device_mesh is None and (tp is None or tp == 1):
+        return None, SINGLE_PROCESS
+    import torch.distributed as dist
+    if device_mesh is None:
+        if not dist.is_initialized() and "RANK" not in os.environ:
+            raise ValueError(f"tp={tp} needs one process per shard: run under `torchrun --nproc-per-node {tp}` "
+                             "(or initialise torch.distributed and pass device_mesh=)")
+        from torch.distributed.device_mesh import init_device_mesh
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        if world != tp:
+            raise ValueError(f"tp={tp} but {world} processes run; start exactly {tp} "
+                             f"(torchrun --nproc-per-node {tp}) or pass a device_mesh of {tp}")
+        device_mesh = init_device_mesh(device.type, (tp,))
+    if device_mesh.ndim != 1:
+        raise ValueError(f"device_mesh must be 1-D (the tensor-parallel dimension), got {device_mesh.ndim} dims")
+    world = device_mesh.size()
+    if tp is not None and tp != world:
+        raise ValueError(f"tp={tp} differs from the device_mesh's {world} processes")
+    if world == 1:
+        return None, SINGLE_PROCESS
+    group = device_mesh.get_group()
+    rank = device_mesh.get_local_rank()
+    return Shard(rank, world, group.group_name), ShardedHeadGroup(group.group_name, rank, world)

@@ -1,0 +1,156 @@
+"""What the tensor-parallel tests run in each process (``torch.multiprocessing`` spawn, gloo, CPU): every
+rank builds the same tiny model, runs a case in one process (every head, the reference), then applies
+``tp=world`` to the same model and runs it again; it records the greedy (or seeded sampled) tokens of both
+and, per compressed layer, the positions its heads kept, the reference's cut to this rank's heads."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class Case:
+    key: str
+    arch: str                                   # a tests.conftest.TINY_CONFIGS name
+    policy: str
+    heads: tuple[int, int] = (4, 2)             # (query heads, KV heads) of the tiny config
+    kwargs: dict = field(default_factory=dict)
+    prompt: int = 40
+    new: int = 10
+    sample: bool = False                        # seeded sampling instead of greedy
+
+
+def case_for(policy: str, arch: str = "llama", heads: tuple[int, int] = (4, 2), sample: bool = False,
+             via_apply: bool = False) -> Case:
+    """A case whose budget (16, or the policy's minimum + 8) is well below its prompt."""
+    from kvpass.policies import get_policy
+
+    budget = max(16, get_policy(policy).min_budget() + 8)
+    key = (f"{arch}-{policy}-{heads[0]}q{heads[1]}kv" + ("-sampled" if sample else "")
+           + ("-via_apply" if via_apply else ""))
+    return Case(key, arch, policy, heads, {"budget": budget}, prompt=budget + 24, sample=sample)
+
+
+def tiny(arch: str, heads: tuple[int, int]) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import TINY_CONFIGS
+
+    config = TINY_CONFIGS[arch]()
+    config.num_attention_heads, config.num_key_value_heads = heads
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def kept_positions(session, rank: int, world: int, sliced: bool) -> dict[int, list]:
+    """layer -> [row][head] sorted positions of live entries (the rank's heads of an all-heads session
+    when ``sliced``)."""
+    out = {}
+    for i, lay in enumerate(session.layers):
+        if lay.sliding:
+            continue
+        pos, live = lay.cache.position, lay.cache.live
+        n = pos.shape[1] // world if sliced else pos.shape[1]
+        first = rank * n if sliced else 0
+        out[i] = [[sorted(pos[b, h][live[b, h]].tolist()) for h in range(first, first + n)]
+                  for b in range(pos.shape[0])]
+    return out
+
+
+def _generate(km, ids: torch.Tensor, case: Case, rank: int, world: int, sliced: bool) -> dict:
+    session = km.start(ids, max_new_tokens=case.new)
+    sampling = dict(do_sample=case.sample, temperature=1.5, generator=torch.Generator().manual_seed(3))
+    tokens, _ = session.sample(case.new, torch.tensor([], dtype=torch.long), 0, **sampling)
+    return {"tokens": tokens.tolist(), "kept": kept_positions(session, rank, world, sliced),
+            "kv_heads": [lay.cache.k.shape[1] for lay in session.layers]}
+
+
+def lm_head_input(prefill) -> str | None:
+    """The op that feeds the prefill graph's LM head, found from the logits' all-gather (None without one)."""
+    gather = [n for n in prefill.graph.nodes if n.target == torch.ops._c10d_functional.all_gather_into_tensor.default]
+    if not gather:
+        return None
+    linear = gather[-1].args[0]
+    return str(linear.args[0].target)
+
+
+def run_cases(cases: list[Case], rank: int, world: int) -> dict[str, dict]:
+    """The cases of one model (same arch and heads): traced once, every case's reference built on it,
+    then the captured graph sharded (the model's parameters become this rank's) and every case again.
+    A case with ``via_apply`` in its key goes through ``kvpass.apply(tp=world)`` itself instead."""
+    import kvpass
+    from kvpass.policies import get_policy
+    from kvpass.rewrites import (
+        capture_causal_lm,
+        check_sharded_prefill,
+        insert_compressed_cache,
+        logits_width,
+        match_attention,
+        shard_tensor_parallel,
+    )
+    from kvpass.runtime import KVPassModel
+    from kvpass.tensor_parallel import resolve_shard
+
+    first = cases[0]
+    model = tiny(first.arch, first.heads)
+    captured = capture_causal_lm(model)
+    sites = match_attention(captured, model.config)
+    ids = {c.key: torch.randint(1, model.config.vocab_size, (1, c.prompt), generator=torch.Generator().manual_seed(1))
+           for c in cases}
+    out: dict[str, dict] = {}
+    for c in cases:
+        policy = get_policy(c.policy)
+        km = KVPassModel(model, policy, c.kwargs["budget"], captured, insert_compressed_cache(captured.gm, sites, policy))
+        out[c.key] = {"reference": _generate(km, ids[c.key], c, rank, world, True)}
+    via_apply = [c for c in cases if "via_apply" in c.key]
+    for c in via_apply:                       # before sharding this model's parameters
+        km = kvpass.apply(tiny(c.arch, c.heads), policy=c.policy, tp=world, **c.kwargs)
+        out[c.key]["tp"] = _generate(km, ids[c.key], c, rank, world, False)
+    shard, heads = resolve_shard(world, None, torch.device("cpu"))
+    vocab = logits_width(captured.gm)
+    local = shard_tensor_parallel(captured.gm, sites, shard)
+    for c in cases:
+        if c in via_apply:
+            continue
+        policy = get_policy(c.policy)
+        graphs = insert_compressed_cache(captured.gm, local, policy)
+        check_sharded_prefill(graphs.prefill, list(graphs.sites), vocab)
+        km = KVPassModel(model, policy, c.kwargs["budget"], captured, graphs, heads=heads)
+        out[c.key]["tp"] = _generate(km, ids[c.key], c, rank, world, False)
+        out[c.key]["tp"]["lm_head_input"] = lm_head_input(graphs.prefill)
+    return out
+
+
+def worker(rank: int, world: int, init_file: str, cases: list[Case], out_dir: str) -> None:
+    """One rank: gloo over a file store, every case, results to out_dir/rank{rank}.pt."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    results = {}
+    try:
+        by_model: dict[tuple, list[Case]] = {}
+        for case in cases:
+            by_model.setdefault((case.arch, case.heads), []).append(case)
+        for group in by_model.values():
+            try:
+                results.update(run_cases(group, rank, world))
+            except Exception as err:        # recorded, so one failing model does not hide the others
+                results.update({c.key: {"error": f"{type(err).__name__}: {err}"} for c in group})
+    finally:
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        dist.destroy_process_group()
+
+
+def run_spawned(cases: list[Case], world: int, tmp: Path) -> list[dict]:
+    """Run ``cases`` on ``world`` spawned gloo ranks; returns each rank's results."""
+    import torch.multiprocessing as mp
+
+    init = tmp / "init"
+    mp.spawn(worker, args=(world, str(init), cases, str(tmp)), nprocs=world, join=True)
+    return [torch.load(tmp / f"rank{r}.pt") for r in range(world)]

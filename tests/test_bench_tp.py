@@ -1,0 +1,40 @@
+"""The tensor-parallel benchmark's CPU path (kvpass/bench_tp.py, benchmarks/tp_gpu.py) at tiny shapes:
+``torchrun --nproc-per-node 2`` with gloo; and the CLI's --tp refusal outside torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from kvpass.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_tp_gpu_script_runs_on_cpu_with_gloo(tmp_path: Path) -> None:
+    env = {**os.environ, "KVPASS_TP_CPU": "1", "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "benchmarks" / "tp_gpu.py"), "--smoke", "--out", str(tmp_path),
+           "--sections", "correctness,8b", "--methods", "d2o"]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(next(tmp_path.glob("tp-*-x2-correctness-8b.json")).read_text())
+    assert results["world"] == 2 and not results["errors"]
+    assert results["correctness"]["tokens_equal"] is True
+    rows = results["rows"]
+    assert {(r["tp"], r["batch"]) for r in rows} == {(1, 1), (1, 2), (2, 1), (2, 2)}
+    by_tp = {r["tp"]: r for r in rows if r["batch"] == 1}
+    # each rank holds half the projection weights and half the KV heads' cache (per-row policy state, a few
+    # bytes, is whole on every rank)
+    assert by_tp[2]["weight_bytes_per_rank"] < by_tp[1]["weight_bytes_per_rank"]
+    assert 0.5 <= by_tp[2]["cache_bytes_per_rank"] / by_tp[1]["cache_bytes_per_rank"] < 0.51
+    assert all(r["tpot_ms"] > 0 and r["ttft_s"] > 0 and r["floor_ms"] > 0 for r in rows)
+
+
+def test_cli_tp_outside_torchrun_is_refused(capsys, monkeypatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    assert cli_main(["generate", "--tp", "2"]) == 2
+    assert "torchrun --nproc-per-node 2" in capsys.readouterr().err
