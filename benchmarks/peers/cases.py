@@ -120,8 +120,10 @@ def record_key(case: dict, policy: str, budget: float | None, mode: str) -> str:
     return store_module().case_key(kind="peer", case=case["key"], policy=policy, budget=budget, mode=mode)
 
 
-def error_key(model: str, policy: str, budget: float | None, mode: str) -> str:
-    return store_module().case_key(kind="peer-error", model=model, policy=policy, budget=budget, mode=mode)
+def error_key(model: str, policy: str, budget: float | None, mode: str, tokens: int) -> str:
+    """The key of a press's failure at one (model, budget, mode, prompt token count)."""
+    return store_module().case_key(kind="peer-error", model=model, policy=policy, budget=budget, mode=mode,
+                                   tokens=tokens)
 
 
 def case_fields(case: dict) -> dict[str, Any]:
@@ -150,12 +152,14 @@ def make_record(case: dict, *, policy: str, budget: float | None, mode: str, out
     }
 
 
-def error_record(model: str, *, policy: str, budget: float | None, mode: str, error: BaseException | str,
-                 press: str | None = None, device: str = "cpu", cases: int = 0) -> dict[str, Any]:
-    """One record saying that a press failed for a (model, policy, budget, mode): ``error`` names the
-    exception; ``cases`` the number of cases it left unscored in this run. A re-run skips the
-    press there while this record is stored (``--retry-errors`` drops it)."""
+def error_record(model: str, *, policy: str, budget: float | None, mode: str, tokens: int,
+                 error: BaseException | str, press: str | None = None, device: str = "cpu",
+                 cases: int = 0) -> dict[str, Any]:
+    """One record saying that a press failed for a (model, policy, budget, mode) at prompts of
+    ``tokens`` tokens (a failure can depend on the length: memory): ``error`` names the exception;
+    ``cases`` the number of cases it left unscored in this run. A re-run skips the press there
+    while this record is stored (``--retry-errors`` drops it)."""
     text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-    return {"key": error_key(model, policy, budget, mode), "kind": "peer-error", "model": model,
-            "policy": policy, "budget": budget, "mode": mode, "press": press, "error": text[:2000],
+    return {"key": error_key(model, policy, budget, mode, tokens), "kind": "peer-error", "model": model,
+            "policy": policy, "budget": budget, "mode": mode, "tokens": tokens, "press": press, "error": text[:2000],
             "device": device, "cases": cases, "correct": None, "output": None}

@@ -373,7 +373,8 @@ def run(args) -> int:
             rows = [c for c in batch if C.record_key(c, unit.policy, unit.budget, unit.mode) not in store]
             if not rows:
                 continue
-            err_key = C.error_key(model_name, unit.policy, unit.budget, unit.mode)
+            tokens = len(rows[0]["context_ids"]) + len(rows[0]["question_ids"])
+            err_key = C.error_key(model_name, unit.policy, unit.budget, unit.mode, tokens)
             if err_key in store:
                 bar.update(len(rows))
                 continue
@@ -381,19 +382,14 @@ def run(args) -> int:
                 bar.set_postfix_str(f"loading {model_name}")
                 loaded[model_name] = load(model_name, args.device, args.dtype)
             lm = loaded[model_name]
-            bar.set_postfix_str(f"{unit.spec}@{unit.budget} {unit.mode} x{len(rows)} "
-                                f"L={len(rows[0]['context_ids']) + len(rows[0]['question_ids'])}")
-            try:
-                records = run_unit(lm, kvpress, unit, rows)
-            except Exception as err:  # noqa: BLE001  (a failing press is a result: recorded, the run goes on)
-                if args.device.startswith("cuda"):
-                    torch.cuda.empty_cache()
+            bar.set_postfix_str(f"{unit.spec}@{unit.budget} {unit.mode} x{len(rows)} L={tokens}")
+            records, error = run_rows(lm, kvpress, unit, rows)
+            if error is not None:
                 store.add(C.error_record(model_name, policy=unit.policy, budget=unit.budget, mode=unit.mode,
-                                         error=err, press=unit.spec, device=device_name(args.device),
-                                         cases=len(rows)))
-                tqdm.write(f"{unit.policy} budget={unit.budget} {unit.mode}: {type(err).__name__}: {err}"[:400])
-                bar.update(len(rows))
-                continue
+                                         tokens=tokens, error=error, press=unit.spec,
+                                         device=device_name(args.device), cases=len(rows) - len(records)))
+                tqdm.write(f"{unit.policy} budget={unit.budget} {unit.mode} L={tokens}: "
+                           f"{type(error).__name__}: {error}"[:400])
             store.add_many(records)
             bar.update(len(rows))
         if stopped:
@@ -402,6 +398,30 @@ def run(args) -> int:
     if stopped:
         print(f"stopped at the time limit ({args.time_limit} s); re-run to resume", file=sys.stderr)
     return 0
+
+
+def run_rows(lm: Loaded, kvpress, unit: Unit, rows: list[dict]) -> tuple[list[dict], Exception | None]:
+    """(records, None), or where the batch fails (a press that cannot run, out of memory), the rows
+    retried one at a time: (the records of the rows that ran, the first row's error)."""
+    import torch
+
+    try:
+        return run_unit(lm, kvpress, unit, rows), None
+    except Exception as err:  # noqa: BLE001  (a failing press is a result: recorded, the run goes on)
+        failure = err
+    if lm.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    if len(rows) == 1:
+        return [], failure
+    records = []
+    for row in rows:
+        try:
+            records.extend(run_unit(lm, kvpress, unit, [row]))
+        except Exception as err:  # noqa: BLE001
+            if lm.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+            return records, err
+    return records, None
 
 
 def run_unit(lm: Loaded, kvpress, unit: Unit, rows: list[dict]) -> list[dict]:

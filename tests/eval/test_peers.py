@@ -133,22 +133,23 @@ def test_scoring_all_and_any():
         C.score("x", ["x"], "most")
 
 
-def test_error_record_is_keyed_per_model_policy_budget_mode():
-    err = C.error_record("smollm2", policy="kvpress:KVzipPress", budget=0.1, mode="query_agnostic",
+def test_error_record_is_keyed_per_model_policy_budget_mode_and_length():
+    err = C.error_record("smollm2", policy="kvpress:KVzipPress", budget=0.1, mode="query_agnostic", tokens=2063,
                          error=RuntimeError("needs the hub"), press="KVzipPress", cases=3)
     assert err["kind"] == "peer-error" and err["error"] == "RuntimeError: needs the hub" and err["cases"] == 3
-    assert err["key"] == C.error_key("smollm2", "kvpress:KVzipPress", 0.1, "query_agnostic")
+    assert err["key"] == C.error_key("smollm2", "kvpress:KVzipPress", 0.1, "query_agnostic", 2063)
+    assert err["key"] != C.error_key("smollm2", "kvpress:KVzipPress", 0.1, "query_agnostic", 8000)
     assert err["key"] != C.record_key(case(), "kvpress:KVzipPress", 0.1, "query_agnostic")
     assert err["correct"] is None
 
 
 def test_error_record_and_records_go_to_a_resumable_store(tmp_path):
     store = C.store_module().Store(tmp_path / "s.json")
-    store.add(C.error_record("smollm2", policy="kvpress:X", budget=0.5, mode="query_aware", error="boom"))
+    store.add(C.error_record("smollm2", policy="kvpress:X", budget=0.5, mode="query_aware", tokens=8, error="boom"))
     store.add(C.make_record(case(), policy="kvpress:X", budget=0.2, mode="query_aware", output="cobalt-raven-4821",
                             output_ids=[1], seconds=0.1, device="cpu"))
     again = C.store_module().Store(tmp_path / "s.json")
-    assert C.error_key("smollm2", "kvpress:X", 0.5, "query_aware") in again
+    assert C.error_key("smollm2", "kvpress:X", 0.5, "query_aware", 8) in again
     assert C.record_key(case(), "kvpress:X", 0.2, "query_aware") in again
 
 
@@ -175,6 +176,28 @@ def test_cut_at_eos_and_parse_args():
         R.parse_args(["c.jsonl", "--out", "o.json", "--device", "tpu"])
     with pytest.raises(ValueError, match="compression ratio"):
         R.parse_args(["c.jsonl", "--out", "o.json", "--ratios", "1.0"])
+
+
+def test_run_rows_retries_a_failed_batch_row_by_row(monkeypatch):
+    calls = []
+
+    def fake_run_unit(lm, kvpress, unit, rows):
+        calls.append(len(rows))
+        if len(rows) > 1:
+            raise MemoryError("the batch does not fit")
+        if rows[0]["key"] == "bad":
+            raise RuntimeError("this row fails")
+        return [{"key": rows[0]["key"]}]
+
+    monkeypatch.setattr(R, "run_unit", fake_run_unit)
+    lm = R.Loaded("tiny", None, None, [], 0, "cpu")
+    unit = R.Unit("SnapKVPress", 0.5, "query_aware")
+    records, error = R.run_rows(lm, None, unit, [case("a"), case("b")])
+    assert [r["key"] for r in records] == ["a", "b"] and error is None and calls == [2, 1, 1]
+    records, error = R.run_rows(lm, None, unit, [case("a"), case("bad"), case("c")])
+    assert [r["key"] for r in records] == ["a"] and isinstance(error, RuntimeError)
+    records, error = R.run_rows(lm, None, unit, [case("bad")])
+    assert records == [] and isinstance(error, RuntimeError)
 
 
 def test_gguf_file_from_the_environment(tmp_path, monkeypatch):
