@@ -68,6 +68,7 @@ STRONGEST = ["ExpectedAttentionPress", "AdaKVPress(SnapKVPress)", "KVzipPress", 
 DEFAULT_PRESSES = [REFERENCE_POLICY, NONE, *MATCHING, *STRONGEST]
 DEFAULT_RATIOS = [0.5, 0.8, 0.9]
 EAGER_PRESSES = {"ObservedAttentionPress"}
+ONE_ROW_PRESSES = {"KVzipPress"}          # 0.5.5 fails on batches of several rows: run row by row
 WRAPPERS = {"AdaKVPress": "press", "MergingPress": "press", "CriticalKVPress": "press",
             "CriticalAdaKVPress": "press", "KeyRerotationPress": "press", "ChunkPress": "press"}
 DECODING_WRAPPERS = {"CAMPress", "DecodingPress"}
@@ -402,17 +403,19 @@ def run(args) -> int:
 
 def run_rows(lm: Loaded, kvpress, unit: Unit, rows: list[dict]) -> tuple[list[dict], Exception | None]:
     """(records, None), or where the batch fails (a press that cannot run, out of memory), the rows
-    retried one at a time: (the records of the rows that ran, the first row's error)."""
+    retried one at a time: (the records of the rows that ran, the first row's error). Presses in
+    ``ONE_ROW_PRESSES`` run row by row from the start."""
     import torch
 
-    try:
-        return run_unit(lm, kvpress, unit, rows), None
-    except Exception as err:  # noqa: BLE001  (a failing press is a result: recorded, the run goes on)
-        failure = err
-    if lm.device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    if len(rows) == 1:
-        return [], failure
+    one_row = unit.spec not in (NONE, REFERENCE_POLICY) and parse_spec(unit.spec)[0] in ONE_ROW_PRESSES
+    if not one_row or len(rows) == 1:
+        try:
+            return run_unit(lm, kvpress, unit, rows), None
+        except Exception as err:  # noqa: BLE001  (a failing press is a result: recorded, the run goes on)
+            if lm.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+            if len(rows) == 1:
+                return [], err
     records = []
     for row in rows:
         try:

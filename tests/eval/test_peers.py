@@ -198,6 +198,9 @@ def test_run_rows_retries_a_failed_batch_row_by_row(monkeypatch):
     assert [r["key"] for r in records] == ["a"] and isinstance(error, RuntimeError)
     records, error = R.run_rows(lm, None, unit, [case("bad")])
     assert records == [] and isinstance(error, RuntimeError)
+    calls.clear()
+    records, error = R.run_rows(lm, None, R.Unit("KVzipPress", 0.5, "query_aware"), [case("a"), case("b")])
+    assert calls == [1, 1] and [r["key"] for r in records] == ["a", "b"]     # batch-1 press: never batched
 
 
 def test_gguf_file_from_the_environment(tmp_path, monkeypatch):
