@@ -11,10 +11,11 @@
 # 5.17 needs them too).  Usage: bash benchmarks/peers/gpu_wheels.sh
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-DEST="$ROOT/.whl"
+DEST="${PEERS_WHEELS:-$ROOT/.whl}"          # PEERS_WHEELS / PEERS_PYVER: for a dry run elsewhere
+PYVER="${PEERS_PYVER:-3.12}"
 mkdir -p "$DEST"
 PY="${PYTHON:-python3}"
-PLATFORM=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
+PLATFORM=(--only-binary=:all: --python-version "$PYVER" --implementation cp --platform manylinux_2_28_x86_64
           --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 PURE=(transformers==5.2.0 kvpress==0.5.5 accelerate==1.15.0 gguf==0.19.0 cachetools==5.5.2
       requests==2.34.2 urllib3==2.8.0)
@@ -23,7 +24,7 @@ BINARY=(tokenizers==0.22.2 charset-normalizer==3.5.2)
 dl() { "$PY" -m pip download -q --disable-pip-version-check --no-deps "$@" -d "$DEST" 2>&1 | grep -v "^WARNING: Location" || true; }
 for spec in "${PURE[@]}"; do
   name="${spec%%==*}"; version="${spec##*==}"
-  ls "$DEST"/"${name//-/_}"-"$version"-*.whl >/dev/null 2>&1 || dl --python-version 3.12 "$spec"
+  ls "$DEST"/"${name//-/_}"-"$version"-*.whl >/dev/null 2>&1 || dl --python-version "$PYVER" "$spec"
 done
 for spec in "${BINARY[@]}"; do
   name="${spec%%==*}"; version="${spec##*==}"
