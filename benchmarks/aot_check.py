@@ -16,10 +16,11 @@ import collections
 import re
 import sys
 
-import kvpass.kernels  # noqa: F401  (loads the kernel modules)
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
+import kvpass.kernels  # noqa: F401  (loads the kernel modules)
 
 da = sys.modules["kvpass.kernels.decode_attention"]
 mw = sys.modules["kvpass.kernels.merge_weighted"]

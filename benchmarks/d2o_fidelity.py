@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 
 import torch
-from kvpass.kernels import decode_attention_reference
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import kvpass
+from kvpass.kernels import decode_attention_reference
 from kvpass.models import load_model
 from kvpass.policies.d2o import D2O
 from kvpass.prompts import chat_ids, needle_prompt

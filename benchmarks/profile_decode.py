@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 import torch
-from kvpass.rewrites import capture_causal_lm, insert_compressed_cache, match_attention
-from kvpass.compile_backend import compile_graphs
 
 import kvpass
 from kvpass.bench import LLAMA_8B, build_model, sync
+from kvpass.compile_backend import compile_graphs
+from kvpass.rewrites import capture_causal_lm, insert_compressed_cache, match_attention
 from kvpass.runtime import KVPassModel
 
 

@@ -14,7 +14,6 @@ from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from kvpass.errors import KVPassError  # noqa: E402
-from kvpass.policies import POLICIES  # noqa: E402
 from kvpass.validation import RULES  # noqa: E402
 from tests.policies.policy_helpers import apply_cached, captured_model  # noqa: E402
 

@@ -13,8 +13,15 @@ import torch
 import transformers
 
 import kvpass
-from kvpass.errors import InvalidType, InvalidValue, KVPassError, ModelInUse, OutOfDeviceMemory, UnsupportedModel
-from kvpass.validation import RULE, RULES, errors_markdown
+from kvpass.errors import (
+    InvalidType,
+    InvalidValue,
+    KVPassError,
+    ModelInUse,
+    OutOfDeviceMemory,
+    UnsupportedModel,
+)
+from kvpass.validation import RULES, errors_markdown
 from tests.conftest import padded_batch, tiny_model
 from tests.policies.policy_helpers import apply_cached, captured_model
 

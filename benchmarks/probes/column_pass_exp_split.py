@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 from column_pass_sweep import inputs, measure
+
 from kvpass.kernels._triton import tl, triton
 from kvpass.kernels.attention_column_sums import _column_tile, head_column_sums_rows, head_column_sums_triton
 from kvpass.kernels.decode_attention import _dot, dot_mode

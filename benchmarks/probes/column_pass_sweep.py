@@ -20,6 +20,8 @@ import json
 from pathlib import Path
 
 import torch
+
+from kvpass.bench import time_fn
 from kvpass.kernels._triton import tl, triton
 from kvpass.kernels.attention_column_sums import (
     _column_tile,
@@ -27,8 +29,6 @@ from kvpass.kernels.attention_column_sums import (
     head_column_sums_triton,
 )
 from kvpass.kernels.decode_attention import _dot
-
-from kvpass.bench import time_fn
 
 
 @triton.jit

@@ -8,10 +8,10 @@ import json
 import os
 
 import torch
-from kvpass.compile_backend import compile_graphs
 
 import kvpass
 from kvpass.bench import llama_8b_with_prompt
+from kvpass.compile_backend import compile_graphs
 
 out = {}
 for prompt in (2048,):

@@ -16,9 +16,9 @@ import json
 from pathlib import Path
 
 import torch
-from kvpass.kernels.cosine_match import cosine_match_triton
 
 from kvpass.bench import time_fn
+from kvpass.kernels.cosine_match import cosine_match_triton
 
 
 def main() -> None:

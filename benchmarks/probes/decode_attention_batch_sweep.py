@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from kvpass.kernels.decode_attention import decode_attention_triton, decode_splits
 
 from kvpass.bench import _decode_case, time_fn
+from kvpass.kernels.decode_attention import decode_attention_triton, decode_splits
 
 
 def main() -> None:

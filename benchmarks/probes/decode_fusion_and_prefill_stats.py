@@ -19,12 +19,12 @@ import traceback
 from pathlib import Path
 
 import torch
-from kvpass.kernels._triton import triton
-from kvpass.rewrites.sym_ops_to_builtins import replace_sym_ops_with_builtins
 from triton.testing import do_bench
 
 import kvpass
 from kvpass.bench import llama_8b_with_prompt, sync
+from kvpass.kernels._triton import triton
+from kvpass.rewrites.sym_ops_to_builtins import replace_sym_ops_with_builtins
 
 acs = importlib.import_module("kvpass.kernels.attention_column_sums")   # the package re-exports the op's name
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from kvpass.kernels.gemv import gemv_triton
 
 from kvpass.bench import copy_bandwidth, time_fn
+from kvpass.kernels.gemv import gemv_triton
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kvpass.kernels import attention_column_sums_reference, prefill_mask
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from kvpass.kernels import attention_head_variance
 from kvpass.kernels.attention_head_variance import head_column_sums
 

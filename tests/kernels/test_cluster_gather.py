@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kvpass.kernels.cluster_gather import cluster_gather, cluster_gather_reference, cluster_gather_triton
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")

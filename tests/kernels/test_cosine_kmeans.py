@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kvpass.kernels.cosine_kmeans_assign import (
     cosine_kmeans_assign,
     cosine_kmeans_assign_reference,

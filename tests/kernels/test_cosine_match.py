@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kvpass.kernels.cosine_match import cosine_match, cosine_match_reference, cosine_match_triton
 
 # the interpreter evaluates both sides of tl.where: log2(0) / 0-division warnings in masked lanes

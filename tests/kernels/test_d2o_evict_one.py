@@ -14,6 +14,8 @@ import importlib
 
 import pytest
 import torch
+
+from kvpass.cache import LayerCache
 from kvpass.kernels.d2o_evict_one import (
     d2o_evict_one_reference,
     d2o_evict_one_triton,
@@ -21,8 +23,6 @@ from kvpass.kernels.d2o_evict_one import (
     merge_weights,
     pick_one,
 )
-
-from kvpass.cache import LayerCache
 from kvpass.policies.d2o import D2O, TAU, TAU_SET
 
 # the interpreter evaluates both sides of tl.where: log2(0) / 0-division warnings in masked lanes

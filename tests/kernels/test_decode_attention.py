@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+
 from kvpass.kernels.decode_attention import decode_attention_reference, decode_attention_triton
 
 # the interpreter evaluates both sides of tl.where: log2(0) / 0-division warnings in masked lanes

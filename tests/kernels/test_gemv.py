@@ -8,6 +8,7 @@ import importlib
 
 import pytest
 import torch
+
 from kvpass.kernels.gemv import gemv_reference, gemv_triton
 
 # output tolerance per dtype: the kernel accumulates in fp32 (float64 for float64), then rounds once

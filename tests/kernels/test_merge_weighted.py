@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kvpass.kernels.merge_weighted import merge_weighted, merge_weighted_reference, merge_weighted_triton
 
 # the interpreter evaluates both sides of tl.where: log2(0) / 0-division warnings in masked lanes

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+
 from kvpass.kernels import prefill_attention_lse_reference, prefill_attention_reference, prefill_mask
 from kvpass.kernels.attention_column_sums import (
     head_column_sums_rows,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kvpass.kernels.write_kv import write_kv_reference, write_kv_triton
 
 

@@ -7,11 +7,11 @@ import functools
 
 import torch
 import transformers
-from kvpass.rewrites import capture_causal_lm, insert_compressed_cache, match_attention
 from transformers import AutoModelForCausalLM
 
 from kvpass.cache import LayerCache
 from kvpass.policies import get_policy
+from kvpass.rewrites import capture_causal_lm, insert_compressed_cache, match_attention
 from kvpass.runtime import KVPassModel
 
 _SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -7,11 +7,11 @@ import math
 
 import pytest
 import torch
-from kvpass.kernels import decode_attention_reference, merge_entries_reference
 
 import kvpass
 import kvpass.runtime as runtime
 from kvpass.cache import EMPTY, LayerCache, concat_rows, split_rows, with_capacity
+from kvpass.kernels import decode_attention_reference, merge_entries_reference
 from kvpass.policies.chelsea import Chelsea, best_edges
 from tests.policies.merging_support import ARCHS, full_output, prompt, tiny_model
 

@@ -234,9 +234,8 @@ def test_calibrate_skips_sliding_window_layers():
 def test_shipped_smollm2_calibration_on_the_real_model(smollm2):
     """kvpass/calibrations/smollm2.json (written by `kvpass calibrate`) fits SmolLM2; its heads stay
     full and the cache is no larger than the uncalibrated one at the same budget."""
-    from kvpass.rewrites import insert_compressed_cache
-
     from kvpass.prompts import chat_ids, needle_prompt
+    from kvpass.rewrites import insert_compressed_cache
     from kvpass.runtime import KVPassModel
 
     model, tokenizer = smollm2

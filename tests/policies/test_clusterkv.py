@@ -8,10 +8,10 @@ import math
 
 import pytest
 import torch
-from kvpass.kernels import decode_attention_reference
-from kvpass.kernels.cluster_recall_attention import attend_selected, select_slots
 
 import kvpass
+from kvpass.kernels import decode_attention_reference
+from kvpass.kernels.cluster_recall_attention import attend_selected, select_slots
 from kvpass.policies.clusterkv import ClusterKV
 from kvpass.policies.kmeans import cosine_kmeans, member_rank
 from tests.policies.merging_support import ARCHS, full_output, prompt, tiny_model

@@ -8,10 +8,10 @@ import math
 
 import pytest
 import torch
-from kvpass.kernels import decode_attention_reference, ems_expansion_attention_reference
 
 import kvpass
 from kvpass.cache import LayerCache, with_capacity
+from kvpass.kernels import decode_attention_reference, ems_expansion_attention_reference
 from kvpass.policies import get_policy
 from kvpass.policies.ems import EMS, ENTRY, FOUNDER, GLO, KNORM, KRAW, LOC_CUR, LOC_PAST, POS, PROB, unrotate
 from tests.policies import ems_reference as ref

@@ -13,13 +13,13 @@ import functools
 
 import pytest
 import torch
-from kvpass.rewrites import expand_kv_heads
 from transformers import AutoModelForCausalLM
 
 import kvpass
 from kvpass.cache import entries_from_prompt
 from kvpass.policies import POLICIES, get_policy
 from kvpass.policies.h2o import H2O
+from kvpass.rewrites import expand_kv_heads
 from tests.conftest import padded_batch, tiny_model
 from tests.policies.policy_helpers import apply_cached, captured_model
 

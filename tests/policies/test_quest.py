@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvpass.kernels import decode_attention_reference, page_recall_attention_reference
-from kvpass.kernels.page_recall_attention import page_summaries
 
 import kvpass
+from kvpass.kernels import decode_attention_reference, page_recall_attention_reference
+from kvpass.kernels.page_recall_attention import page_summaries
 from kvpass.policies.quest import Quest
 from tests.policies.merging_support import ARCHS, full_output, prompt, tiny_model
 

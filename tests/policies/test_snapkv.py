@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvpass.kernels import attention_window_scores
 
+from kvpass.kernels import attention_window_scores
 from kvpass.policies import Stat, get_policy
 from kvpass.policies.snapkv import SnapKV
 from tests.policies.policy_helpers import live_positions, random_cache

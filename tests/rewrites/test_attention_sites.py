@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvpass.rewrites import capture_causal_lm, find_attention_sites, match_attention
 
 import kvpass
 from kvpass.errors import UnsupportedModel
+from kvpass.rewrites import capture_causal_lm, find_attention_sites, match_attention
 from tests.conftest import tiny_model
 
 # arch -> (form, KV heads, windows per layer, softcap)

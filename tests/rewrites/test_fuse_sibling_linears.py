@@ -7,11 +7,11 @@ import gc
 
 import pytest
 import torch
-from kvpass.rewrites.fuse_sibling_linears import concat_in_place, find_sibling_linears, fuse_sibling_linears
 from torch.fx import Graph, GraphModule
 from transformers import AutoModelForCausalLM
 
 import kvpass
+from kvpass.rewrites.fuse_sibling_linears import concat_in_place, find_sibling_linears, fuse_sibling_linears
 from tests.conftest import TINY_CONFIGS
 
 LINEAR = torch.ops.aten.linear.default

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvpass.rewrites.linears_to_gemv import linears_to_gemv
 from transformers import AutoModelForCausalLM
 
 import kvpass
+from kvpass.rewrites.linears_to_gemv import linears_to_gemv
 from tests.conftest import TINY_CONFIGS
 
 LINEAR, GEMV = torch.ops.aten.linear.default, torch.ops.kvpass.gemv.default

@@ -7,8 +7,9 @@ from __future__ import annotations
 import builtins
 
 import torch
-from kvpass.rewrites.sym_ops_to_builtins import replace_sym_ops_with_builtins
 from torch.fx import Graph, GraphModule
+
+from kvpass.rewrites.sym_ops_to_builtins import replace_sym_ops_with_builtins
 
 aten = torch.ops.aten
 
