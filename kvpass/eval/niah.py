@@ -134,7 +134,7 @@ def answer_kvpass(kv_model, case: NeedleCase | Sequence[NeedleCase], mode: str, 
     eos_ids, pad = eos_pad(kv_model.model)
     eos_ids = eos_ids.to(kv_model.device)
     if prefill is None:
-        prefill = kv_model.prefill(prompt_ids(cases, mode), max_new_tokens=prefill_new_tokens(cases[0], mode,
+        prefill = kv_model.prefill(prompt_ids(cases, mode).to(kv_model.device), max_new_tokens=prefill_new_tokens(cases[0], mode,
                                                                                               max_new_tokens))
     session = kv_model.start_from(prefill)
     fed = 0

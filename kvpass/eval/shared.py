@@ -116,4 +116,6 @@ class Models:
                        max_new_tokens: int = 0) -> Prefill:
         """input_ids [B, T] -> a Prefill whose statistics serve every policy ``union`` accepts."""
         any_model = self.get("full", None)
-        return any_model.prefill(input_ids, attention_mask, max_new_tokens, graphs=self.prefill_graphs(union))
+        device = any_model.device                   # kvpass refuses ids on another device than the model
+        mask = None if attention_mask is None else attention_mask.to(device)
+        return any_model.prefill(input_ids.to(device), mask, max_new_tokens, graphs=self.prefill_graphs(union))
