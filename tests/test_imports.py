@@ -25,6 +25,18 @@ RUNTIME = ("kvpass.runtime", "kvpass.api", "kvpass.decode_step", "kvpass.eval", 
 LAYERS_BELOW_RUNTIME = ("kvpass.rewrites", "kvpass.kernels")
 # (importer, imported): dependencies that must stay, with the reason. Keep this short.
 ALLOWED_RUNTIME_IMPORTS: dict[tuple[str, str], str] = {}
+# (importer, imported): function-level imports that close a cycle, left out of the cycle check, with the
+# reason. Each must stay function-level (checked): at module level the cycle would be a real import loop.
+ALLOWED_CYCLE_EDGES: dict[tuple[str, str], str] = {
+    ("kvpass.policies.adakv", "kvpass.policies"):
+        "a wrapper policy resolves its inner policy by name through the registry, which imports the wrapper",
+    ("kvpass.validation", "kvpass.runtime"):
+        "check_model refuses a model that is already a KVPassModel; runtime imports budget, whose "
+        "check_budget delegates to validation; to break: budget's checks not routed through validation",
+    ("kvpass.bench", "kvpass.bench_tp"):
+        "`kvpass bench --tp` dispatches to bench_tp, which reuses bench's helpers; to break: the dispatch "
+        "in kvpass.cli",
+}
 
 
 def module_name(path: Path) -> str:
@@ -57,12 +69,25 @@ def _import_nodes(tree: ast.AST):
         stack.extend(ast.iter_child_nodes(node))
 
 
-def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+def _function_level(tree: ast.AST) -> set[int]:
+    """ids of the import nodes inside a function body."""
+    inside: set[int] = set()
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            inside |= {id(n) for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    return inside
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path], lazy: bool | None = None) -> set[str]:
     """The kvpass modules ``name`` imports (``from kvpass.x import y`` counts as kvpass.x.y when y is a
-    module, else as kvpass.x)."""
+    module, else as kvpass.x). lazy: None every import, True only function-level ones, False only the rest."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in _import_nodes(ast.parse(path.read_text(), filename=str(path))):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    in_functions = _function_level(tree) if lazy is not None else set()
+    for node in _import_nodes(tree):
+        if lazy is not None and (id(node) in in_functions) != lazy:
+            continue
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         else:
@@ -137,7 +162,10 @@ def test_the_graph_reader_sees_imports():
 
 
 def test_no_import_cycles_among_kvpass_modules():
-    found = cycles(import_graph())
+    graph = import_graph()
+    for importer, imported in ALLOWED_CYCLE_EDGES:
+        graph.get(importer, set()).discard(imported)
+    found = cycles(graph)
     assert not found, "import cycles (each line one strongly connected set of modules):\n" + "\n".join(
         " <-> ".join(c) for c in found)
 
@@ -147,6 +175,16 @@ def test_rewrites_and_kernels_do_not_import_the_runtime():
     bad = sorted((a, b) for a, deps in graph.items() if _within(a, LAYERS_BELOW_RUNTIME)
                  for b in deps if _within(b, RUNTIME) and (a, b) not in ALLOWED_RUNTIME_IMPORTS)
     assert not bad, "graph passes / ops importing the runtime: " + ", ".join(f"{a} -> {b}" for a, b in bad)
+
+
+def test_allowed_cycle_edges_are_function_level_and_still_there():
+    modules = all_modules()
+    for importer, imported in ALLOWED_CYCLE_EDGES:
+        assert importer in modules, f"{importer} is gone: remove it from ALLOWED_CYCLE_EDGES"
+        lazy = imports_of(importer, modules[importer], modules, lazy=True)
+        eager = imports_of(importer, modules[importer], modules, lazy=False)
+        assert imported not in eager, f"{importer} imports {imported} at module level: an import loop"
+        assert imported in lazy, f"{importer} no longer imports {imported}: remove it from ALLOWED_CYCLE_EDGES"
 
 
 def test_allowed_runtime_imports_are_still_needed():

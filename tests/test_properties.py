@@ -28,6 +28,8 @@ PARAMS = {                        # policy -> strategies of some of its paramete
             "d2o_variant": st.sampled_from(["paper", "code", "other"])},
     "cam": {"interval": st.integers(1, 4)},
     "kvmerger": {"interval": st.integers(1, 8)},
+    "knorm": {"sinks": st.integers(-1, 8), "interval": st.integers(1, 8)},
+    "tova": {"sinks": st.integers(0, 8), "interval": st.integers(1, 4)},
     "full": {},
 }
 SETTINGS = settings(max_examples=20, deadline=None, derandomize=True,

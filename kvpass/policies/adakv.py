@@ -1,5 +1,5 @@
 """AdaKV head-adaptive budgets (Feng et al. 2024, "Ada-KV: Optimizing KV Cache Eviction by Adaptive
-Budget Allocation"), as a wrapper of any scoring eviction policy. Not in policies.md; [OURS] where marked."""
+Budget Allocation"), as a wrapper of any scoring eviction policy (docs/policies.md §6.11); [OURS] where marked."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class AdaKV(Policy):
     """
 
     name: ClassVar[str] = "adakv"
-    section: ClassVar[str] = "AdaKV [OURS: not in policies.md]"
+    section: ClassVar[str] = "§6.11"
     summary: ClassVar[str] = "a scoring policy's layer budget split across KV heads by score (head-adaptive)"
     rows_independent: ClassVar[bool] = True
     inner: Policy | str = "snapkv"

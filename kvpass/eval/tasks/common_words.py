@@ -7,7 +7,7 @@ import random
 import re
 from functools import lru_cache
 
-from kvpass.eval.tasks import SuiteCase
+from kvpass.eval.tasks.case import SuiteCase
 from kvpass.eval.tasks.context import build, chat_parts, ids_of
 
 NAME = "common_words"

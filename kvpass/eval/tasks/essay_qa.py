@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import re
 
-from kvpass.eval.tasks import SuiteCase
+from kvpass.eval.tasks.case import SuiteCase
 from kvpass.eval.tasks.context import build, chat_parts
 
 NAME = "essay_qa"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from kvpass.eval.tasks import SuiteCase
+from kvpass.eval.tasks.case import SuiteCase
 from kvpass.eval.tasks.context import NOUNS, Insert, build, digits, same_length
 
 NAME = "multi_key"

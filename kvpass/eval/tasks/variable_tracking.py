@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 import string
 
-from kvpass.eval.tasks import SuiteCase
+from kvpass.eval.tasks.case import SuiteCase
 from kvpass.eval.tasks.context import Insert, build, digits
 
 NAME = "variable_tracking"
