@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from kvpass.budget import parse_budget
-from kvpass.policies import DEFAULT_POLICY, POLICIES, Policy
+from kvpass.policies import DEFAULT_POLICY, POLICIES, Policy, parse_value
 
 
 def parse_policy_args(items: list[str]) -> dict[str, object]:
@@ -23,16 +23,7 @@ def parse_policy_args(items: list[str]) -> dict[str, object]:
 
             raise refuse("cli.set", got=item)
         name, value = item.split("=", 1)
-        parsed: object = value
-        for cast in (int, float):
-            try:
-                parsed = cast(value)
-                break
-            except ValueError:
-                continue
-        if value.lower() in ("true", "false"):
-            parsed = value.lower() == "true"
-        out[name] = parsed
+        out[name] = parse_value(value)
     return out
 
 

@@ -42,12 +42,12 @@ def load(name: str, device: str = "cpu") -> Loaded:
 
 
 def uses_budget(policy: str) -> bool:
-    """Whether a registered policy's results depend on the budget: it compresses, or it keeps every
+    """Whether a registered policy's (or a spec's, ``name[key=value,...]``) results depend on the budget: it compresses, or it keeps every
     token but attends only a budget of them per step (recall policies: Quest, ClusterKV). Only a
     dense policy that keeps everything (``full``) ignores it and gets one budget-less row."""
-    from kvpass.policies import POLICIES, Attention
+    from kvpass.policies import POLICIES, Attention, split_spec
 
-    cls = POLICIES[policy]
+    cls = POLICIES[split_spec(policy)[0]]
     return cls.compresses or cls.attention is not Attention.DENSE
 
 

@@ -195,12 +195,12 @@ def cells(policies: Iterable[str], budgets: Sequence[float | int], modes: Sequen
     cell per mode (first, after the transformers reference); recall policies (Quest, ClusterKV) keep
     every token but attend a budget of them, so they get a cell per budget (``common.uses_budget``)."""
     from kvpass.eval.common import uses_budget
-    from kvpass.policies import POLICIES
 
     out = [Cell(REFERENCE, None, "reference")] if reference else []
-    for policy in policies:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r}; available: {', '.join(sorted(POLICIES))}")
+    from kvpass.policies import policy_from_spec
+
+    for policy in policies:              # a name or a spec, name[key=value,...]: refused here if bad
+        policy_from_spec(policy)
     for budget in [None, *budgets]:          # budget-major: a partial run covers every policy at the first budget
         for policy in policies:
             if (budget is None) != uses_budget(policy):

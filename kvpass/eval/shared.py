@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from torch import Tensor, nn
 
 from kvpass.eval.common import uses_budget
-from kvpass.policies import Policy, Stat, get_policy
+from kvpass.policies import Policy, Stat, policy_from_spec
 from kvpass.rewrites import RewrittenGraphs, capture_causal_lm, insert_compressed_cache, match_attention
 from kvpass.runtime import KVPassModel, Prefill
 
@@ -94,7 +94,7 @@ class Models:
     def get(self, policy: str, budget: float | int | None) -> KVPassModel:
         key = (policy, budget if uses_budget(policy) else None)
         if key not in self._built:
-            chosen = get_policy(policy)
+            chosen = policy_from_spec(policy)     # a name or a spec: name[key=value,...]
             if policy not in self._graphs:
                 self._graphs[policy] = insert_compressed_cache(self.captured.gm, list(self.sites), chosen)
             self._built[key] = KVPassModel(self.model, chosen, key[1] if key[1] is not None else 1.0, self.captured,
