@@ -393,7 +393,7 @@ class KVPassModel(nn.Module):
                 lay.row_budgets = [int(r[i]) for r in per_row]
                 lay.budget = max(lay.row_budgets)
                 totals = row_total if self.policy.ragged_rows else [total] * len(row_total)
-                heads = lay.cache.length.shape[1]
+                heads = lay.cache.length.shape[1] * self.heads.world     # every rank's heads (tensor parallel)
                 lay.row_extra = [self.policy.head_capacity(b, heads) - b for b in lay.row_budgets]
                 lay.row_caps = [min(b + e + interval, n) for b, e, n in zip(lay.row_budgets, lay.row_extra, totals,
                                                                             strict=True)]

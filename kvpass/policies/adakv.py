@@ -86,8 +86,11 @@ class AdaKV(Policy):
     def compress(self, cache: LayerCache, keep: int) -> LayerCache:
         """cache: k, v [B, Hkv, C, D] + the inner policy's statistics -> capacity min(cap, C), row (b, g)
         holding its selected entries; per row the heads hold Hkv * keep entries together."""
-        cap = self.head_capacity(keep, cache.length.shape[1])
-        kept = select_kept_across_heads(self.inner.priority(cache, keep), keep, self.floor(keep), cap)
+        # the joint top-k runs over every KV head of the layer: under tensor parallelism each rank gathers
+        # the others' priorities (``self.heads``; identity in one process) and keeps its own heads' choice
+        priority = self.heads.gather(self.inner.priority(cache, keep))          # [B, Hkv of every rank, C]
+        cap = self.head_capacity(keep, priority.shape[1])
+        kept = self.heads.local(select_kept_across_heads(priority, keep, self.floor(keep), cap))
         idx = kept_slots(kept, cap)                          # a head's kept slots, then slots it drops
         dropped = torch.arange(idx.shape[-1], device=idx.device) >= kept.sum(-1, keepdim=True)
         log_weight = gather_slots(cache.log_weight, idx).masked_fill(dropped, EMPTY)
