@@ -133,4 +133,4 @@ def test_generate_on_a_tiny_model(inner: str, prompt_ids: torch.Tensor) -> None:
         for lay in session.layers:
             n = lay.cache.length
             assert bool((n.sum(-1) <= 2 * (10 + interval)).all())                       # the layer's budget
-            assert int(n.max()) <= lay.cache.capacity == min(ada._head_limit(lay) + interval, 36)
+            assert int(n.max()) <= lay.cache.capacity == min(ada.policy.head_capacity(lay.budget, n.shape[1]) + interval, 36)
