@@ -315,8 +315,9 @@ class Unit:
 
 
 def units(presses: list[str], ratios: list[float], modes: list[str]) -> list[Unit]:
-    """Every (press, ratio, mode), ratio-major so a partial run covers every press at the first ratio;
-    the reference and ``none`` (no ratio) first."""
+    """Every (press, ratio, mode), ratio-major, the reference and ``none`` (no ratio) first. The run
+    takes batch after batch (``cases.interleaved``: round-robin over lengths) and every unit on each,
+    so a run stopped early leaves complete comparisons on a subset of the cases."""
     out = []
     for spec in presses:
         if spec == REFERENCE_POLICY:
@@ -358,8 +359,7 @@ def run(args) -> int:
         if spec not in (NONE, REFERENCE_POLICY):
             parse_spec(spec)
     unit_list = units(args.presses, args.ratios, args.modes)
-    batch_list = [b for i, b in enumerate(sorted(C.batches(cases, args.batch), key=len, reverse=True))
-                  if i % count == index]
+    batch_list = [b for i, b in enumerate(C.interleaved(C.batches(cases, args.batch))) if i % count == index]
     todo = sum(1 for b in batch_list for u in unit_list for c in b if C.record_key(c, u.policy, u.budget, u.mode)
                not in store)
     bar = tqdm(total=todo, desc=f"kvpress[{index}/{count}]", unit="case", dynamic_ncols=True, position=index)
