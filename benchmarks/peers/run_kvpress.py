@@ -168,7 +168,7 @@ def parse_spec(spec: str) -> tuple[str, str | None]:
 
 
 def policy_of(spec: str) -> str:
-    """The stored policy name: 'kvpress:<spec>' ('kvpass:none' for no press), or the reference's."""
+    """The stored policy name: 'kvpress:<spec>' ('kvpress:none' for no press), or the reference's."""
     return spec if spec == REFERENCE_POLICY else f"kvpress:{spec}"
 
 
