@@ -63,7 +63,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 NONE, REFERENCE_POLICY = "none", "transformers-peer-env"
 MATCHING = ["StreamingLLMPress", "SnapKVPress", "PyramidKVPress", "ObservedAttentionPress",
-            "CAMPress(StreamingLLMPress)", "KnormPress"]
+            "CAMPress(StreamingLLMPress)", "KnormPress", "TOVAPress"]
 STRONGEST = ["ExpectedAttentionPress", "AdaKVPress(SnapKVPress)", "KVzipPress", "MergingPress(SnapKVPress)"]
 DEFAULT_PRESSES = [REFERENCE_POLICY, NONE, *MATCHING, *STRONGEST]
 DEFAULT_RATIOS = [0.5, 0.8, 0.9]
