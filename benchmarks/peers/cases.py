@@ -116,6 +116,16 @@ def batches(cases: Sequence[dict], size: int) -> list[list[dict]]:
     return [g[i:i + size] for g in groups.values() for i in range(0, len(g), size)]
 
 
+def interleaved(batch_list: Sequence[list[dict]]) -> list[list[dict]]:
+    """The batches round-robin over their shapes (first batch of every shape, then the second...),
+    so a run stopped early has covered every (model, length) thinly rather than a few fully."""
+    by_shape: dict[tuple, list[list[dict]]] = {}
+    for b in batch_list:
+        by_shape.setdefault(shape_of(b[0]), []).append(b)
+    queues = list(by_shape.values())
+    return [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
+
+
 def record_key(case: dict, policy: str, budget: float | None, mode: str) -> str:
     return store_module().case_key(kind="peer", case=case["key"], policy=policy, budget=budget, mode=mode)
 

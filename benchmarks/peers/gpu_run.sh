@@ -22,7 +22,8 @@ PY="${PEERS_PYTHON:-python3}"; DEVICE="${PEERS_DEVICE:-cuda}"
 if ! [ -d "$TARGET/kvpress" ] || ! [ -d "$TARGET/transformers" ]; then
   WHEELS=()
   for name in transformers-5.2.0 tokenizers-0.22.2 kvpress-0.5.5 accelerate-1.15.0 gguf-0.19.0 \
-              cachetools-5.5.2 requests-2.34.2 urllib3-2.8.0 charset_normalizer-3.5.2; do
+              cachetools-5.5.2 requests-2.34.2 urllib3-2.8.0 charset_normalizer-3.5.2 huggingface_hub-1.33.0 \
+              httpx-0.28.1 httpcore-1.0.9 h11-0.16.0 anyio-4.16.0 idna-3.20 certifi-2026.10.19.post1; do
     found=("$WHEELS_DIR/$name"-*.whl)
     [ -e "${found[0]}" ] || { echo "missing $WHEELS_DIR/$name-*.whl: run benchmarks/peers/gpu_wheels.sh and carry .whl" >&2; exit 2; }
     WHEELS+=("${found[0]}")

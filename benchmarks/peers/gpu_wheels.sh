@@ -18,7 +18,8 @@ PY="${PYTHON:-python3}"
 PLATFORM=(--only-binary=:all: --python-version "$PYVER" --implementation cp --platform manylinux_2_28_x86_64
           --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 PURE=(transformers==5.2.0 kvpress==0.5.5 accelerate==1.15.0 gguf==0.19.0 cachetools==5.5.2
-      requests==2.34.2 urllib3==2.8.0)
+      requests==2.34.2 urllib3==2.8.0 huggingface_hub==1.33.0 httpx==0.28.1 httpcore==1.0.9 h11==0.16.0
+      anyio==4.16.0 idna==3.20 certifi==2026.10.19.post1)
 BINARY=(tokenizers==0.22.2 charset-normalizer==3.5.2)
 
 dl() { "$PY" -m pip download -q --disable-pip-version-check --no-deps "$@" -d "$DEST" 2>&1 | grep -v "^WARNING: Location" || true; }

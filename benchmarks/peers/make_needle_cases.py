@@ -55,10 +55,10 @@ def reference(model_name: str, cases: list[dict], path: str, batch: int) -> None
     """Plain transformers greedy answers in this venv, stored as policy 'transformers'."""
     import time
 
+    import cases as C
     import torch
     import transformers
 
-    import cases as C
     from kvpass.eval.common import eos_pad, load
 
     loaded = load(model_name)

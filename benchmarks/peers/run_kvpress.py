@@ -63,7 +63,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 NONE, REFERENCE_POLICY = "none", "transformers-peer-env"
 MATCHING = ["StreamingLLMPress", "SnapKVPress", "PyramidKVPress", "ObservedAttentionPress",
-            "CAMPress(StreamingLLMPress)", "KnormPress"]
+            "CAMPress(StreamingLLMPress)", "KnormPress", "TOVAPress"]
 STRONGEST = ["ExpectedAttentionPress", "AdaKVPress(SnapKVPress)", "KVzipPress", "MergingPress(SnapKVPress)"]
 DEFAULT_PRESSES = [REFERENCE_POLICY, NONE, *MATCHING, *STRONGEST]
 DEFAULT_RATIOS = [0.5, 0.8, 0.9]
@@ -168,7 +168,7 @@ def parse_spec(spec: str) -> tuple[str, str | None]:
 
 
 def policy_of(spec: str) -> str:
-    """The stored policy name: 'kvpress:<spec>' ('kvpass:none' for no press), or the reference's."""
+    """The stored policy name: 'kvpress:<spec>' ('kvpress:none' for no press), or the reference's."""
     return spec if spec == REFERENCE_POLICY else f"kvpress:{spec}"
 
 
@@ -315,8 +315,9 @@ class Unit:
 
 
 def units(presses: list[str], ratios: list[float], modes: list[str]) -> list[Unit]:
-    """Every (press, ratio, mode), ratio-major so a partial run covers every press at the first ratio;
-    the reference and ``none`` (no ratio) first."""
+    """Every (press, ratio, mode), ratio-major, the reference and ``none`` (no ratio) first. The run
+    takes batch after batch (``cases.interleaved``: round-robin over lengths) and every unit on each,
+    so a run stopped early leaves complete comparisons on a subset of the cases."""
     out = []
     for spec in presses:
         if spec == REFERENCE_POLICY:
@@ -358,8 +359,7 @@ def run(args) -> int:
         if spec not in (NONE, REFERENCE_POLICY):
             parse_spec(spec)
     unit_list = units(args.presses, args.ratios, args.modes)
-    batch_list = [b for i, b in enumerate(sorted(C.batches(cases, args.batch), key=len, reverse=True))
-                  if i % count == index]
+    batch_list = [b for i, b in enumerate(C.interleaved(C.batches(cases, args.batch))) if i % count == index]
     todo = sum(1 for b in batch_list for u in unit_list for c in b if C.record_key(c, u.policy, u.budget, u.mode)
                not in store)
     bar = tqdm(total=todo, desc=f"kvpress[{index}/{count}]", unit="case", dynamic_ncols=True, position=index)

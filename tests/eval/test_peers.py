@@ -99,6 +99,13 @@ def test_batches_never_mix_shapes_and_respect_the_size():
         C.batches(cases, 0)
 
 
+def test_interleaved_batches_round_robin_over_shapes():
+    cases = [case(f"a{i}", 5, 3) for i in range(5)] + [case(f"b{i}", 9, 3) for i in range(2)] + [case("c0", 7, 3)]
+    got = C.interleaved(C.batches(cases, size=2))
+    assert [[c["key"] for c in b] for b in got] == [["a0", "a1"], ["b0", "b1"], ["c0"], ["a2", "a3"], ["a4"]]
+    assert C.interleaved([]) == []
+
+
 def test_make_record_scores_and_drops_the_id_lists():
     c = case(answers=["cobalt-raven-4821"])
     rec = C.make_record(c, policy="kvpress:SnapKVPress", budget=0.2, mode="query_aware",
