@@ -101,7 +101,7 @@ RULES: tuple[Rule, ...] = (
     Rule("options.type", "torch.compile(backend='kvpass', options=...)", "options", "not a dict",
          "options must be a dict like {{'policy': 'd2o', 'budget': 0.2}}, got {got!r}", InvalidType),
     Rule("options.key", "torch.compile(backend='kvpass', options=...)", "options", "an unknown key",
-         "options has unknown key(s) {got}; allowed: {names}"),
+         "unknown kvpass compile option(s) {got} in options; allowed: {names}"),
     Rule("options.value", "torch.compile(backend='kvpass', options=...)", "options",
          "policy not a name, policy_kwargs not a dict, a bad budget, mode not an Inductor mode",
          "options[{name!r}] must be {allowed}, got {got!r}"),
