@@ -43,6 +43,7 @@ from kvpass.decode_step import StaticDecodeStep, fork_side_by_side, join_pending
 from kvpass.head_group import SINGLE_PROCESS, HeadGroup
 from kvpass.policies.base import Policy, Stat
 from kvpass.rewrites import CapturedModel, RewrittenGraphs
+from kvpass.rewrites.insert_compressed_cache import DECODE_STATS
 from kvpass.rewrites.fuse_sibling_linears import fuse_sibling_linears
 from kvpass.rewrites.linears_to_gemv import linears_to_gemv
 from kvpass.sampling import next_token
@@ -839,9 +840,10 @@ class DecodeSession:
             flat = [x for lay, slot in zip(layers, slots, strict=True) for x in self._decode_inputs(lay, slot)]
             outs = graphs.decode(tokens[:, None], pos, *flat)
             join_pending()
-            if graphs.decode_scores:              # one multi-tensor launch for every layer's accumulation
-                torch._foreach_add_([layers[i].cache.slot_meta[Stat.COLUMN_SUM.value] for i in graphs.decode_scores],
-                                    list(outs[1:]))
+            if graphs.decode_scores:              # one multi-tensor launch per statistic, for every layer
+                for stat in sorted(self.policy.stats & DECODE_STATS, key=lambda s: s.value):
+                    metas = [layers[i].cache.slot_meta[stat.value] for i in graphs.decode_scores]
+                    (torch._foreach_add_ if stat.accumulates else torch._foreach_copy_)(metas, list(outs[1:]))
             self._advance(layers)
             return (outs[0][:, -1].float(),)
 
