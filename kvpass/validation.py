@@ -56,7 +56,8 @@ RULES: tuple[Rule, ...] = (
          "model {got} is an encoder-decoder; kvpass rewrites decoder-only causal LMs (*ForCausalLM)",
          UnsupportedModel),
     Rule("model.not_causal_lm", APPLY, "model",
-         "not a causal LM: encoder-only (BERT), a vision tower (ViT), a base model without an LM head",
+         "a transformers model that is not a causal LM: encoder-only (BERT), a vision tower (ViT), a base model "
+         "without an LM head (other modules go on to the attention search)",
          "model {got} is not a causal language model; kvpass needs a decoder with an LM head "
          "(a *ForCausalLM / *LMHeadModel class)", UnsupportedModel),
     Rule("model.cross_attention", APPLY, "model", "config.add_cross_attention (a decoder attending to an encoder)",
@@ -102,7 +103,7 @@ RULES: tuple[Rule, ...] = (
     Rule("options.type", "torch.compile(backend='kvpass', options=...)", "options", "not a dict",
          "options must be a dict like {{'policy': 'd2o', 'budget': 0.2}}, got {got!r}", InvalidType),
     Rule("options.key", "torch.compile(backend='kvpass', options=...)", "options", "an unknown key",
-         "options has unknown key(s) {got}; allowed: {names}"),
+         "unknown kvpass compile option(s) {got} in options; allowed: {names}"),
     Rule("options.value", "torch.compile(backend='kvpass', options=...)", "options",
          "policy not a name, policy_kwargs not a dict, a bad budget, mode not an Inductor mode",
          "options[{name!r}] must be {allowed}, got {got!r}"),
@@ -216,7 +217,7 @@ def check_model(model: object) -> None:
         raise refuse("model.config", got=name)
     if getattr(config, "is_encoder_decoder", False):
         raise refuse("model.encoder_decoder", got=name)
-    if not _is_causal_lm(model):
+    if _is_transformers_model(model) and not _is_causal_lm(model):     # a custom module: the rewrite decides
         raise refuse("model.not_causal_lm", got=f"{name} ({getattr(config, 'model_type', '?')})")
     if getattr(config, "add_cross_attention", False):
         raise refuse("model.cross_attention", got=name)
@@ -233,6 +234,14 @@ def check_model(model: object) -> None:
         raise refuse("model.spread", got=name, devices=", ".join(sorted(devices)))
     if not devices:
         raise refuse("model.type", got=f"{name} without parameters")
+
+
+def _is_transformers_model(model: nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:                       # pragma: no cover
+        return False
+    return isinstance(model, PreTrainedModel)
 
 
 def _is_causal_lm(model: nn.Module) -> bool:

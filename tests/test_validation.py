@@ -138,7 +138,7 @@ def test_policy_and_budget(kwargs, error, argument):
 
 
 def test_compile_options():
-    from kvpass.rewrites.compile_backend import CompileOptions
+    from kvpass.compile_backend import CompileOptions
 
     _refused(lambda: CompileOptions.parse(["d2o"]), InvalidType, "options")
     _refused(lambda: CompileOptions.parse({"polcy": "d2o"}), InvalidValue, "options")
