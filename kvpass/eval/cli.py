@@ -203,7 +203,7 @@ def add_eval_parser(sub) -> None:
 
 
 # ------------------------------------------------------------------ the long-context suite
-SUITE_QUICK = {"lengths": [1024], "cases": 2, "policies": ["full", "streamingllm", "snapkv"], "budgets": [0.2],
+SUITE_QUICK = {"lengths": [512], "cases": 2, "policies": ["full", "streamingllm", "snapkv"], "budgets": [0.2],
                "families": ["single_needle", "multi_key", "multi_value", "variable_tracking", "common_words",
                             "essay_qa"]}
 

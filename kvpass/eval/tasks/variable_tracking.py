@@ -11,7 +11,7 @@ from kvpass.eval.tasks import SuiteCase
 from kvpass.eval.tasks.context import Insert, build, digits
 
 NAME = "variable_tracking"
-MAX_NEW_TOKENS = 24
+MAX_NEW_TOKENS = 40
 ABOUT = "every variable of a 3-step assignment chain"
 CHAIN = 3
 
