@@ -41,6 +41,7 @@ if [ "${CALIBRATE:-0}" = 1 ]; then
   # one report over every length, written into kvpass/eval/tasks/calibration.json when complete
   $py -m kvpass.cli eval suite calibrate --model "$model" --lengths $ls --cases "${CASES:-30}" --report-only \
     --store "$out/cal-merged.json" "${stores[@]}" --out-dir "$out" | tee "$out/calibration-$model.md"
+  cp kvpass/eval/tasks/calibration.json "$out/" 2>/dev/null      # bring it back: commit it before the grid run
   exit 0
 fi
 # seeds per (family, length): enough for MIN_CASES cases per row over the calibrated cells

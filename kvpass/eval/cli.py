@@ -321,8 +321,6 @@ def cmd_suite(args: argparse.Namespace) -> int:
     calibrating = command == "calibrate"
     args.calibrating = calibrating
     if command == "export":
-        from transformers import AutoTokenizer  # noqa: F401  (the tokenizer comes with the model)
-
         loaded = _load_suite(args)
         path = suite.export(loaded.name, _suite_cases(args, loaded.tokenizer), args.out)
         print(f"wrote {path}")

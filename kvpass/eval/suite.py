@@ -25,8 +25,17 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvpass.eval.common import Loaded, Timer
-from kvpass.eval.niah import MODES, REFERENCE, Cell, _device_name, answer_kvpass, answer_transformers, cells, \
-    prefill_new_tokens, prompt_ids
+from kvpass.eval.niah import (
+    MODES,
+    REFERENCE,
+    Cell,
+    _device_name,
+    answer_kvpass,
+    answer_transformers,
+    cells,
+    prefill_new_tokens,
+    prompt_ids,
+)
 from kvpass.eval.scoring import score
 from kvpass.eval.store import Store, case_key
 from kvpass.eval.tasks import FAMILIES, SuiteCase, generate

@@ -66,7 +66,14 @@ class Family:
 
 
 def _registry() -> dict[str, Family]:
-    from kvpass.eval.tasks import common_words, essay_qa, multi_key, multi_value, single_needle, variable_tracking
+    from kvpass.eval.tasks import (
+        common_words,
+        essay_qa,
+        multi_key,
+        multi_value,
+        single_needle,
+        variable_tracking,
+    )
 
     mods = (single_needle, multi_key, multi_value, variable_tracking, common_words, essay_qa)
     return {m.NAME: Family(m.NAME, m.generate, m.MAX_NEW_TOKENS, m.ABOUT) for m in mods}
