@@ -13,7 +13,8 @@ import collections
 import sys
 from pathlib import Path
 
-from kvpass.eval.store import Store
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))          # the repository root, run as a script
+from kvpass.eval.store import Store  # noqa: E402
 
 
 def main(out_dir: str, merged: str, model: str) -> None:

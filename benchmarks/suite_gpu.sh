@@ -13,8 +13,9 @@
 #   the model packages are not installed). The grid is the model's calibrated cells
 #   (kvpass/eval/tasks/calibration.json), with CASES seeds per cell so that every (policy, budget,
 #   mode) row gets >= MIN_CASES cases (default 300); CALIBRATE=1 runs the calibration instead.
-# Environment: SHARDS="cam=4 ems=2" overrides the shard counts; BATCH (default 16) rows per session;
-#   CASES overrides the seeds per (family, length); LENGTHS="2048 4096" restricts the lengths.
+# Environment: SHARDS="cam=4 ems=2" overrides the shard counts; BATCH (default 8) rows per session;
+#   CASES overrides the seeds per (family, length); LENGTHS="2048 4096" restricts the lengths;
+#   DEVICE (default cuda; cpu for a smoke test).
 set -u
 out=$1
 seconds=$2
@@ -30,7 +31,7 @@ if [ "${CALIBRATE:-0}" = 1 ]; then
   jobs=()
   for l in $ls; do
     OMP_NUM_THREADS=1 TQDM_MININTERVAL=20 timeout $((seconds + 120)) $py -m kvpass.cli eval suite calibrate \
-      --model "$model" --device cuda --lengths $l --cases "${CASES:-30}" --batch "${BATCH:-16}" \
+      --model "$model" --device "${DEVICE:-cuda}" --lengths $l --cases "${CASES:-30}" --batch "${BATCH:-8}" \
       --time-limit "$seconds" --store "$out/cal-$l/cases.json" --out-dir "$out/cal-$l" --no-write \
       >"$out/cal-$l.log" 2>&1 &
   done
@@ -40,19 +41,20 @@ if [ "${CALIBRATE:-0}" = 1 ]; then
   # one report over every length, written into kvpass/eval/tasks/calibration.json when complete
   $py -m kvpass.cli eval suite calibrate --model "$model" --lengths $ls --cases "${CASES:-30}" --report-only \
     --store "$out/cal-merged.json" "${stores[@]}" --out-dir "$out" | tee "$out/calibration-$model.md"
+  cp kvpass/eval/tasks/calibration.json "$out/" 2>/dev/null      # bring it back: commit it before the grid run
   exit 0
 fi
 # seeds per (family, length): enough for MIN_CASES cases per row over the calibrated cells
 cells=$($py -c "
-from kvpass.eval.suite import calibrated_grid, DEFAULT_LENGTHS
-from kvpass.eval.tasks import FAMILIES
-g = calibrated_grid('$model') or [(f, n) for f in FAMILIES for n in DEFAULT_LENGTHS['$model']]
+from kvpass.cli import build_parser
+from kvpass.eval.cli import _suite_grid
 ls = '$lengths'.split()
-print(len([c for c in g if not ls or str(c[1]) in ls]))")
+print(len(_suite_grid(build_parser().parse_args(['eval', 'suite', 'run', '--model', '$model'] + (['--lengths', *ls] if ls else [])))))")
+[ -n "$cells" ] && [ "$cells" -gt 0 ] || { echo "no cells for $model (is kvpass importable by $py?)" >&2; exit 1; }
 min_cases=${MIN_CASES:-300}
 cases=${CASES:-$(((min_cases + cells - 1) / cells))}
 echo "$model: $cells calibrated cells x $cases cases = $((cells * cases)) cases per (policy, budget, mode)"
-grid="--model $model --budgets 0.1 0.2 0.5 --cases $cases --batch ${BATCH:-16} --time-limit $seconds"
+grid="--model $model --budgets 0.1 0.2 0.5 --cases $cases --batch ${BATCH:-8} --time-limit $seconds"
 [ -n "$lengths" ] && grid="$grid --lengths $lengths"
 declare -A shards=([d2o]=4 [cam]=3 [clusterkv]=3 [ems]=2)
 for kv in ${SHARDS:-}; do shards[${kv%%=*}]=${kv#*=}; done
@@ -75,7 +77,7 @@ for job in "${jobs[@]}"; do
   # the time limit stops new sessions; the outer timeout only catches a hung process
   # shellcheck disable=SC2086
   OMP_NUM_THREADS=1 TQDM_MININTERVAL=20 timeout $((seconds + 300)) $py -m kvpass.cli eval suite run \
-    --device cuda $grid ${job#*|} --store "$out/$name/quality-suite-$model-cases.json" --out-dir "$out/$name" \
+    --device "${DEVICE:-cuda}" $grid ${job#*|} --store "$out/$name/quality-suite-$model-cases.json" --out-dir "$out/$name" \
     >"$out/$name.log" 2>&1 &
 done
 wait
@@ -83,5 +85,5 @@ $py benchmarks/merge_suite_stores.py "$out" "$out/quality-suite-$model-cases.jso
 # shellcheck disable=SC2086
 $py -m kvpass.cli eval suite run --model "$model" --budgets 0.1 0.2 0.5 --cases "$cases" \
   ${lengths:+--lengths $lengths} --report-only --store "$out/quality-suite-$model-cases.json" --out-dir "$out" \
-  ${PEERS:+--peers $PEERS} | tail -n +1 >"$out/report.log"
+  ${PEERS:+--peers $PEERS} >"$out/report.log"
 echo "report: $out/quality-suite-$model.md"

@@ -192,8 +192,9 @@ def add_eval_parser(sub) -> None:
 
 
 # ------------------------------------------------------------------ the long-context suite
-SUITE_QUICK = {"lengths": [1024], "cases": 2, "policies": ["full", "streamingllm", "snapkv", "h2o"],
-               "budgets": [0.2]}
+SUITE_QUICK = {"lengths": [512], "cases": 2, "policies": ["full", "streamingllm", "snapkv"], "budgets": [0.2],
+               "families": ["single_needle", "multi_key", "multi_value", "variable_tracking", "common_words",
+                            "essay_qa"]}
 
 
 def _suite_common(p: argparse.ArgumentParser) -> None:
@@ -248,8 +249,10 @@ def _suite_grid(args: argparse.Namespace, tokenizer_len: int | None = None) -> l
     calibrated = None if (args.families and args.lengths) else suite.calibrated_grid(
         name, args.calibration or suite.CALIBRATION)
     if calibrated and not getattr(args, "calibrating", False):
-        return [(f, n) for f, n in calibrated if (not args.families or f in args.families)
+        kept = [(f, n) for f, n in calibrated if (not args.families or f in args.families)
                 and (not args.lengths or n in args.lengths)]
+        if kept:
+            return kept
     families = args.families or list(FAMILIES)
     lengths = args.lengths or suite.DEFAULT_LENGTHS.get(name, [2048])
     return [(f, n) for f in families for n in lengths]
@@ -307,8 +310,6 @@ def cmd_suite(args: argparse.Namespace) -> int:
     calibrating = command == "calibrate"
     args.calibrating = calibrating
     if command == "export":
-        from transformers import AutoTokenizer  # noqa: F401  (the tokenizer comes with the model)
-
         loaded = _load_suite(args)
         path = suite.export(loaded.name, _suite_cases(args, loaded.tokenizer), args.out)
         print(f"wrote {path}")

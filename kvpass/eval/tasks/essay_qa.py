@@ -17,8 +17,8 @@ NAME = "essay_qa"
 MAX_NEW_TOKENS = 6
 ABOUT = "the word after a quoted phrase of one essay sentence"
 QUOTED = 12           # tokens of the essay quoted in the question
-TEMPLATE = 'In the text above, which word comes right after "{quote}"? Answer with that word only.'
-ANSWER_PREFIX = 'The word after "{quote}" is "'
+TEMPLATE = 'Repeat the words of the text above that follow "{quote}".'
+ANSWER_PREFIX = '{quote}'
 _STOP = {"that", "this", "with", "have", "from", "they", "what", "which", "there", "their", "would", "about",
          "been", "were", "when", "will", "more", "than", "then", "them", "some", "into", "your", "also", "just"}
 

@@ -11,7 +11,7 @@ from kvpass.eval.tasks.case import SuiteCase
 from kvpass.eval.tasks.context import Insert, build, digits
 
 NAME = "variable_tracking"
-MAX_NEW_TOKENS = 24
+MAX_NEW_TOKENS = 40
 ABOUT = "every variable of a 3-step assignment chain"
 CHAIN = 3
 
@@ -25,7 +25,7 @@ def generate(tokenizer, length: int, seed: int) -> SuiteCase:
             names.append(name)
     value = digits(rng, 5)
     depths = sorted(rng.random() for _ in names)
-    lines = [f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in zip(names, names[1:])]
+    lines = [f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in zip(names, names[1:], strict=False)]
     question = f"Which variables are assigned the value {value} in the text above? List their names."
     ctx = build(tokenizer, length, question, [Insert(d, t) for d, t in zip(depths, lines, strict=True)], rng,
                 answer_prefix=f"The variables assigned the value {value} are")
