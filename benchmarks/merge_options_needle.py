@@ -50,12 +50,17 @@ VARIANTS: dict[str, tuple[str, dict]] = {
 }
 
 
-def needle_case(tok, tokens: int, index: int, count: int) -> tuple[list[int], str]:
-    """(token ids of the chat, passphrase): the sentence at depth (index + 0.5) / count of the haystack."""
+def needle_depth(index: int, count: int | None) -> float:
+    """(index + 0.5) / count, or with no count (screened candidates) the golden-ratio sequence."""
+    return (index + 0.5) / count if count else (0.5 + index * 0.6180339887) % 1.0
+
+
+def needle_case(tok, tokens: int, index: int, count: int | None) -> tuple[list[int], str]:
+    """(token ids of the chat, passphrase): the sentence at ``needle_depth`` of the haystack."""
     rng = random.Random(index)
     phrase = "-".join(rng.sample(WORDS, 2))
     text = haystack(tok, tokens)
-    at = text.rfind(". ", 0, int((index + 0.5) / count * len(text)))
+    at = text.rfind(". ", 0, int(needle_depth(index, count) * len(text)))
     at = 0 if at < 0 else at + 1
     text = f"{text[:at]} The passphrase is {phrase}.{text[at:]}"
     return chat_ids(tok, [{"role": "user", "content": f"{text}\n\n{QUESTION}"}]), phrase
@@ -68,8 +73,14 @@ def main() -> None:
     p.add_argument("--budgets", type=float, nargs="+", default=[0.2])
     p.add_argument("--policies", nargs="+", default=list(VARIANTS))
     p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--answerable", action="store_true",
+                   help="screen candidates with the full cache first (needs 'full' first in --policies) and keep "
+                        "the first --prompts it answers; the others are recorded for full only")
+    p.add_argument("--max-candidates", type=int, default=40)
     p.add_argument("--json")
     args = p.parse_args()
+    if args.answerable and args.policies[0] != "full":
+        p.error("--answerable needs 'full' as the first of --policies")
     model, tok = load_model("smollm2")
     captured = capture_causal_lm(model)
     sites = list(match_attention(captured, model.config))
@@ -86,10 +97,17 @@ def main() -> None:
     eos = tok.eos_token_id
     eos_ids = torch.tensor([eos] if isinstance(eos, int) else list(eos or []))
     rows = []
-    for i in range(args.prompts):
-        ids, phrase = needle_case(tok, args.tokens, i, args.prompts)
+    kept = 0
+    for i in range(args.max_candidates if args.answerable else args.prompts):
+        if kept == args.prompts:
+            break
+        count = None if args.answerable else args.prompts
+        ids, phrase = needle_case(tok, args.tokens, i, count)
         input_ids = torch.tensor([ids])
+        answered = True
         for prefill_graphs, labels in groups:
+            if not answered:
+                break
             t0 = time.time()
             any_model = models[(labels[0], args.budgets[0])]
             pre = any_model.prefill(input_ids, None, args.max_new_tokens, graphs=prefill_graphs)
@@ -98,24 +116,32 @@ def main() -> None:
                 for b in args.budgets:
                     t1 = time.time()
                     session = models[(label, b)].start_from(pre)
-                    new, _ = session.sample(args.max_new_tokens, eos_ids, eos if isinstance(eos, int) else 0, do_sample=False,
-                                            temperature=1.0, top_k=None, top_p=None, generator=None)
+                    new, _ = session.sample(args.max_new_tokens, eos_ids, eos if isinstance(eos, int) else 0,
+                                            do_sample=False, temperature=1.0, top_k=None, top_p=None, generator=None)
                     text = tok.decode(new[0], skip_special_tokens=True).strip()
                     ok = phrase.lower() in text.lower()
                     rows.append(dict(policy=label, kwargs=VARIANTS[label][1], budget=b, prompt=i, n=len(ids),
+                                     depth=round(needle_depth(i, count), 3),
                                      answer=phrase, output=text, correct=ok, seconds=round(time.time() - t1, 2),
                                      prefill_seconds=round(shared_s, 2)))
                     print(f"prompt {i} n={len(ids)} {label:22s} b={b} ok={int(ok)} {phrase} -> {text[:50]!r} "
                           f"({time.time() - t1:.1f}s)", flush=True)
+                    if args.answerable and label == "full" and not ok:
+                        answered = False
+                        break
+                if not answered:
+                    break
+        kept += answered
     summary = {}
+    scored = {r["prompt"] for r in rows if r["policy"] != "full"} if args.answerable else {r["prompt"] for r in rows}
     for label in args.policies:
         for b in args.budgets:
-            got = [r["correct"] for r in rows if r["policy"] == label and r["budget"] == b]
+            got = [r["correct"] for r in rows if r["policy"] == label and r["budget"] == b and r["prompt"] in scored]
             summary[f"{label}@{b}"] = f"{sum(got)}/{len(got)}"
     print(json.dumps(summary, indent=1))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(model="smollm2", tokens=args.tokens, question=QUESTION, max_new_tokens=args.max_new_tokens,
+            json.dump(dict(model="smollm2", tokens=args.tokens, answerable=args.answerable, question=QUESTION, max_new_tokens=args.max_new_tokens,
                            mode="query_aware", device="cpu", torch_threads=torch.get_num_threads(),
                            variants={k: VARIANTS[k] for k in args.policies}, summary=summary, cases=rows), f, indent=1)
 
