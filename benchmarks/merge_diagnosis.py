@@ -44,7 +44,7 @@ from kvpass.models import load_model
 from kvpass.prompts import _WORDS, chat_ids, haystack, random_passphrase
 
 QUESTION = "What is the secret passphrase in the text above? Give a brief answer."
-POLICIES = ("d2o", "chelsea", "kvmerger", "ems", "cam")
+POLICIES = ("d2o", "chelsea", "kvmerger", "ems", "cam")      # eviction ones (snapkv, h2o...) run as baselines
 LINEAR = ("d2o", "chelsea", "kvmerger", "cam")      # merges are weighted sums of values: provenance channels work
 
 
@@ -216,7 +216,7 @@ def diagnose(policy: str, model, tok, case: dict, qk, full_answer_ids: list[int]
         del aug
     rows = list(range(t_prompt - 1, t_prompt - 1 + len(full_answer_ids)))
     needle = case["needle"]
-    layers, variants = [], {"as_is": [], "own_keys": [], "evict": []}
+    layers = []
     for li, cache in enumerate(caches):
         q_all, k_all, v_all = qk[li]
         q = q_all[:, rows].double()
@@ -238,7 +238,7 @@ def diagnose(policy: str, model, tok, case: dict, qk, full_answer_ids: list[int]
         g = q.shape[0] // k_full.shape[0]
         mass_full = p_full[..., needle].sum(-1).mean().item()
         p_c, o_c = attend(q, ent["k"], ent["v"], ent["bias"], k_new, v_new, scale)
-        err = lambda o: ((o - o_full).norm(dim=-1) / o_full.norm(dim=-1)).mean().item()   # noqa: E731
+        err = lambda o, ref=o_full: ((o - ref).norm(dim=-1) / ref.norm(dim=-1)).mean().item()   # noqa: E731
         row = {"layer": li, "entries": int(live.sum()), "changed_entries": int(changed.sum()),
                "needle_mass_full": mass_full, "out_err": err(o_c)}
         if policy != "ems":
@@ -259,7 +259,7 @@ def diagnose(policy: str, model, tok, case: dict, qk, full_answer_ids: list[int]
                 else:                                   # EMS: a slot is its own token's, reading its entry
                     share[h] += mine.double()
                     into = []
-                    if bool(mine.any()):
+                    if policy == "ems" and bool(mine.any()):
                         j = int(mine.nonzero()[0])
                         founder = int(ent["founder"][h, j])
                         if founder != t:
@@ -338,6 +338,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=20)
     p.add_argument("--policies", nargs="+", default=list(POLICIES))
     p.add_argument("--json")
+    p.add_argument("--append", action="store_true", help="add the policies to the --json file of the same case")
     args = p.parse_args()
     torch.manual_seed(0)
     model, tok = load_model("smollm2")
@@ -357,6 +358,12 @@ def main() -> None:
               "seed": args.seed, "passphrase": case["passphrase"], "needle_tokens": case["needle"],
               "needle_text": [tok.decode([case["ids"][i]]) for i in case["needle"]], "full_answer": full_answer,
               "policies": {}}
+    if args.append:
+        with open(args.json) as f:
+            old = json.load(f)
+        if old["needle_tokens"] != case["needle"] or old["tokens"] != result["tokens"] or old["budget"] != args.budget:
+            raise SystemExit(f"{args.json} holds another case")
+        result["policies"] = old["policies"]
     for policy in args.policies:
         t0 = time.perf_counter()
         r = diagnose(policy, model, tok, case, qk, answer_ids, args.budget, args.new_tokens)

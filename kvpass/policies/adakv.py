@@ -45,7 +45,7 @@ class AdaKV(Policy):
 
     def __post_init__(self) -> None:
         if isinstance(self.inner, str):
-            from kvpass.policies import get_policy      # the registry imports this module
+            from kvpass.policies import get_policy  # the registry imports this module
 
             object.__setattr__(self, "inner", get_policy(self.inner))
         require(isinstance(self.inner, Policy) and callable(getattr(self.inner, "priority", None)),
