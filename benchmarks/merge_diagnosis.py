@@ -44,7 +44,7 @@ from kvpass.models import load_model
 from kvpass.prompts import _WORDS, chat_ids, haystack, random_passphrase
 
 QUESTION = "What is the secret passphrase in the text above? Give a brief answer."
-POLICIES = ("d2o", "chelsea", "kvmerger", "ems", "cam")
+POLICIES = ("d2o", "chelsea", "kvmerger", "ems", "cam")      # eviction ones (snapkv, h2o...) run as baselines
 LINEAR = ("d2o", "chelsea", "kvmerger", "cam")      # merges are weighted sums of values: provenance channels work
 
 
@@ -216,7 +216,7 @@ def diagnose(policy: str, model, tok, case: dict, qk, full_answer_ids: list[int]
         del aug
     rows = list(range(t_prompt - 1, t_prompt - 1 + len(full_answer_ids)))
     needle = case["needle"]
-    layers, variants = [], {"as_is": [], "own_keys": [], "evict": []}
+    layers = []
     for li, cache in enumerate(caches):
         q_all, k_all, v_all = qk[li]
         q = q_all[:, rows].double()
@@ -238,7 +238,7 @@ def diagnose(policy: str, model, tok, case: dict, qk, full_answer_ids: list[int]
         g = q.shape[0] // k_full.shape[0]
         mass_full = p_full[..., needle].sum(-1).mean().item()
         p_c, o_c = attend(q, ent["k"], ent["v"], ent["bias"], k_new, v_new, scale)
-        err = lambda o: ((o - o_full).norm(dim=-1) / o_full.norm(dim=-1)).mean().item()   # noqa: E731
+        err = lambda o, ref=o_full: ((o - ref).norm(dim=-1) / ref.norm(dim=-1)).mean().item()   # noqa: E731
         row = {"layer": li, "entries": int(live.sum()), "changed_entries": int(changed.sum()),
                "needle_mass_full": mass_full, "out_err": err(o_c)}
         if policy != "ems":
@@ -259,7 +259,7 @@ def diagnose(policy: str, model, tok, case: dict, qk, full_answer_ids: list[int]
                 else:                                   # EMS: a slot is its own token's, reading its entry
                     share[h] += mine.double()
                     into = []
-                    if bool(mine.any()):
+                    if policy == "ems" and bool(mine.any()):
                         j = int(mine.nonzero()[0])
                         founder = int(ent["founder"][h, j])
                         if founder != t:
@@ -328,6 +328,44 @@ def diagnose(policy: str, model, tok, case: dict, qk, full_answer_ids: list[int]
     return out
 
 
+def markdown(result: dict, top: int = 3) -> str:
+    """The tables of docs/merge-diagnosis.md from a result JSON."""
+    first = next(iter(result["policies"].values()))["layers"]
+    full_mass = [row["needle_mass_full"] for row in first]
+    best = sorted(range(len(full_mass)), key=lambda i: -full_mass[i])[:top]
+    lines = ["| policy | answer (as is / own keys / evict) | needle token fates (kept / kept, changed / merged / "
+             "evicted) | merged into (sink / needle / sentence / near / question / far) | needle mass, mean over "
+             f"layers (full {sum(full_mass) / len(full_mass):.4f}) | out err: as is / own keys / evict | mean "
+             "abs dlogit of changed entries | v norm ratio mean / max | largest merge weight |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    ok = lambda p, k: "-" if k not in p else ("yes" if p[k] else "no")          # noqa: E731
+    for name, p in result["policies"].items():
+        rows = p["layers"]
+        fates = {f: sum(r["fates"].get(f, 0) for r in rows) for f in ("kept", "kept_changed", "merged", "evicted")}
+        cats = {c: sum(1 for r in rows for a in r["absorbers"] if a["category"] == c)
+                for c in ("sink", "needle", "needle_sentence", "near", "question", "far")}
+        mean = lambda k: [r[k] for r in rows if r.get(k) is not None]            # noqa: E731
+        avg = lambda k: (sum(mean(k)) / len(mean(k))) if mean(k) else float("nan")   # noqa: E731
+        errs = " / ".join(f"{avg(k):.3f}" if mean(k) else "-" for k in ("out_err", "out_err_own_keys", "out_err_evict"))
+        lines.append(f"| {name} | {ok(p, 'correct')} / {ok(p, 'correct_own_keys')} / {ok(p, 'correct_evict')} | "
+                     + " / ".join(str(fates[f]) for f in fates) + " | " + " / ".join(str(cats[c]) for c in cats)
+                     + f" | {avg('needle_mass'):.4f} | {errs} | {avg('dlogit_changed_abs_mean'):.3f} | "
+                     f"{avg('v_norm_ratio_changed_mean'):.2f} / {max(mean('v_norm_ratio_changed_max') or [float('nan')]):.1f} | "
+                     f"{max(mean('merge_total_weight_max') or [float('nan')]):.1f} |")
+    lines += ["", f"Retrieval layers (largest full-cache needle mass: layers {best}):", "",
+              "| policy | layer | needle mass full -> compressed | fates | dlogit needle kept / merged (mean) | "
+              "out err as is / own keys / evict |", "|---|---|---|---|---|---|"]
+    fmt = lambda x: "-" if x is None else f"{x:+.2f}"                           # noqa: E731
+    for name, p in result["policies"].items():
+        for i in best:
+            r = p["layers"][i]
+            errs = " / ".join(f"{r[k]:.3f}" if k in r else "-" for k in ("out_err", "out_err_own_keys", "out_err_evict"))
+            lines.append(f"| {name} | {i} | {r['needle_mass_full']:.3f} -> {r['needle_mass']:.3f} | "
+                         + ", ".join(f"{k} {v}" for k, v in r["fates"].items())
+                         + f" | {fmt(r['dlogit_needle_kept_mean'])} / {fmt(r['dlogit_needle_merged_mean'])} | {errs} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=2000)
@@ -338,7 +376,13 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=20)
     p.add_argument("--policies", nargs="+", default=list(POLICIES))
     p.add_argument("--json")
+    p.add_argument("--append", action="store_true", help="add the policies to the --json file of the same case")
+    p.add_argument("--markdown", action="store_true", help="print the tables of the --json file and stop")
     args = p.parse_args()
+    if args.markdown:
+        with open(args.json) as f:
+            print(markdown(json.load(f)))
+        return
     torch.manual_seed(0)
     model, tok = load_model("smollm2")
     case = build_case(tok, args.tokens, args.depth, args.seed, args.form)
@@ -357,6 +401,12 @@ def main() -> None:
               "seed": args.seed, "passphrase": case["passphrase"], "needle_tokens": case["needle"],
               "needle_text": [tok.decode([case["ids"][i]]) for i in case["needle"]], "full_answer": full_answer,
               "policies": {}}
+    if args.append:
+        with open(args.json) as f:
+            old = json.load(f)
+        if old["needle_tokens"] != case["needle"] or old["tokens"] != result["tokens"] or old["budget"] != args.budget:
+            raise SystemExit(f"{args.json} holds another case")
+        result["policies"] = old["policies"]
     for policy in args.policies:
         t0 = time.perf_counter()
         r = diagnose(policy, model, tok, case, qk, answer_ids, args.budget, args.new_tokens)
