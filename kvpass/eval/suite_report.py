@@ -84,7 +84,8 @@ def plot(table: Sequence[dict], path: str | Path, title: str) -> Path:
         ax.set_xlabel("budget (fraction of the prompt's KV kept)")
         ax.set_ylabel("accuracy (95% Wilson interval)")
         ax.set_title(mode, fontsize=9)
-        ax.legend(fontsize=6, ncol=2)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6, ncol=2)
     fig.suptitle(title, fontsize=10)
     return _save(plt, fig, path)
 
