@@ -79,7 +79,8 @@ def plot(table: Sequence[dict], path: str | Path, title: str) -> Path:
             rs = sorted(rs, key=lambda r: r["budget"])
             x = [r["budget"] for r in rs]
             ax.errorbar(x, [r["accuracy"] for r in rs],
-                        yerr=[[r["accuracy"] - r["wilson_low"] for r in rs], [r["wilson_high"] - r["accuracy"] for r in rs]],
+                        yerr=[[max(0.0, r["accuracy"] - r["wilson_low"]) for r in rs],
+                              [max(0.0, r["wilson_high"] - r["accuracy"]) for r in rs]],
                         linestyle="--" if policy.startswith(PEER) else "-", marker="o", markersize=3, capsize=2,
                         linewidth=1.2, label=policy)
         ax.set_xscale("log")
