@@ -16,7 +16,7 @@ from kvpass.eval.tasks.context import build, chat_parts
 NAME = "essay_qa"
 MAX_NEW_TOKENS = 6
 ABOUT = "the word after a quoted phrase of one essay sentence"
-QUOTED = 12           # tokens of the essay quoted in the question
+QUOTED = 24           # tokens of the essay quoted in the question (12: 1/4 at 1k, 24: 3/6)
 TEMPLATE = 'Repeat the words of the text above that follow "{quote}".'
 ANSWER_PREFIX = '{quote}'
 _STOP = {"that", "this", "with", "have", "from", "they", "what", "which", "there", "their", "would", "about",
