@@ -357,8 +357,9 @@ def cmd_suite(args: argparse.Namespace) -> int:
                  "modes": args.modes,
                  "cells_text": ", ".join(f"{f}@{n}" for f, n in grid)}
     expected = len(grid) * args.cases
+    wanted = [(c.policy, c.budget, c.mode) for c in suite.cells(policies, budgets, args.modes, reference=reference)]
     md = suite_report.write(records, args.out_dir, model, cmd, grid_text, expected,
-                            [str(s.path) for s in [store, *others]])
+                            [str(s.path) for s in [store, *others]], wanted)
     print(md.read_text(encoding="utf-8"))
     return 0
 

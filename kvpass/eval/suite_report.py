@@ -21,10 +21,15 @@ def _order(row: dict) -> tuple:
     return (p != "transformers", p != "full", p.startswith(PEER), p, row["budget"] or 0, row["mode"])
 
 
-def rows(records: Sequence[dict], expected: int | None = None) -> list[dict[str, Any]]:
+def rows(records: Sequence[dict], expected: int | None = None,
+         wanted: Sequence[tuple[str, Any, str]] = ()) -> list[dict[str, Any]]:
     """One row per (policy, budget, mode): accuracy, its Wilson interval, cases (and whether
-    ``expected`` are there), per-length and per-family accuracy, mean cache ratio and seconds."""
-    out = []
+    ``expected`` are there), per-length and per-family accuracy, mean cache ratio and seconds;
+    ``wanted`` rows without any record get a row with 0 cases (accuracy None)."""
+    found = {(c["policy"], c["budget"], c["mode"]) for c in records}
+    out = [{"policy": p, "budget": b, "mode": m, "cases": 0, "correct": 0, "accuracy": None, "wilson_low": None,
+            "wilson_high": None, "complete": False, "by_length": {}, "by_family": {}, "cache_ratio": None,
+            "seconds": None} for p, b, m in dict.fromkeys(wanted) if (p, b, m) not in found]
     for (policy, budget, mode), cs in group(records, "policy", "budget", "mode").items():
         k, n = sum(bool(c["correct"]) for c in cs), len(cs)
         low, high = wilson(k, n)
@@ -66,6 +71,7 @@ def plot(table: Sequence[dict], path: str | Path, title: str) -> Path:
     fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 4.4), squeeze=False)
     for ax, mode in zip(axes[0], modes, strict=True):
         here = [r for r in table if r["mode"] == mode]
+        here = [r for r in here if r["accuracy"] is not None]
         for r in here:
             if r["policy"] == "full":
                 ax.axhline(r["accuracy"], linestyle=":", color="black", label=f"full {r['accuracy']:.0%}")
@@ -73,7 +79,8 @@ def plot(table: Sequence[dict], path: str | Path, title: str) -> Path:
             rs = sorted(rs, key=lambda r: r["budget"])
             x = [r["budget"] for r in rs]
             ax.errorbar(x, [r["accuracy"] for r in rs],
-                        yerr=[[r["accuracy"] - r["wilson_low"] for r in rs], [r["wilson_high"] - r["accuracy"] for r in rs]],
+                        yerr=[[max(0.0, r["accuracy"] - r["wilson_low"]) for r in rs],
+                              [max(0.0, r["wilson_high"] - r["accuracy"]) for r in rs]],
                         linestyle="--" if policy.startswith(PEER) else "-", marker="o", markersize=3, capsize=2,
                         linewidth=1.2, label=policy)
         ax.set_xscale("log")
@@ -84,18 +91,19 @@ def plot(table: Sequence[dict], path: str | Path, title: str) -> Path:
         ax.set_xlabel("budget (fraction of the prompt's KV kept)")
         ax.set_ylabel("accuracy (95% Wilson interval)")
         ax.set_title(mode, fontsize=9)
-        ax.legend(fontsize=6, ncol=2)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6, ncol=2)
     fig.suptitle(title, fontsize=10)
     return _save(plt, fig, path)
 
 
 def write(records: Sequence[dict], out_dir: str | Path, model: str, command: str, grid: dict[str, Any],
-          expected: int, stores: Sequence[str]) -> Path:
+          expected: int, stores: Sequence[str], wanted: Sequence[tuple[str, Any, str]] = ()) -> Path:
     """Write ``quality-suite-<model>.json``, ``.md`` and ``.png`` -> the Markdown path. ``expected``:
     cases per (policy, budget, mode) row of a complete run."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    table = rows(records, expected)
+    table = rows(records, expected, wanted)
     agree = agreement(records)
     complete = bool(table) and all(r["complete"] for r in table)
     devices: dict[str, int] = {}
@@ -121,17 +129,19 @@ def write(records: Sequence[dict], out_dir: str | Path, model: str, command: str
              "Query-aware: context + question compressed together; query-agnostic: context compressed alone, the "
              "question fed through decode steps. `transformers`: plain `generate` on the same tokens. "
              "Peers (`kvpress:*`) ran in their own venv on the same exported cases.", "",
-             "| policy | budget | mode | accuracy | 95% CI | cases | " + " | ".join(f"L={n}" for n in lengths) + " | "
-             + " | ".join(families) + " | cache / full |",
-             "|---|---|---|---|---|---|" + "---|" * (len(lengths) + len(families) + 1)]
+             "| " + " | ".join(["policy", "budget", "mode", "accuracy", "95% CI", "cases",
+                                *(f"L={n}" for n in lengths), *families, "cache / full"]) + " |",
+             "|" + "---|" * (7 + len(lengths) + len(families))]
     for r in table:
         per_len = [r["by_length"].get(str(n)) for n in lengths]
         per_fam = [r["by_family"].get(f) for f in families]
-        cells = " | ".join("-" if a is None else f"{a['accuracy']:.0%}" for a in per_len + per_fam)
+        cells = "".join(" | " + ("-" if a is None else f"{a['accuracy']:.0%}") for a in per_len + per_fam)
         count = f"{r['cases']}" + ("" if r["complete"] else f" of {expected}")
         ratio = "-" if r["cache_ratio"] is None else f"{r['cache_ratio']:.1%}"
-        lines.append(f"| {r['policy']} | {budget_label(r['budget'])} | {r['mode']} | {r['accuracy']:.1%} | "
-                     f"{r['wilson_low']:.1%}-{r['wilson_high']:.1%} | {count} | {cells} | {ratio} |")
+        acc = "-" if r["accuracy"] is None else f"{r['accuracy']:.1%}"
+        ci = "-" if r["accuracy"] is None else f"{r['wilson_low']:.1%}-{r['wilson_high']:.1%}"
+        lines.append(f"| {r['policy']} | {budget_label(r['budget'])} | {r['mode']} | {acc} | {ci} | {count}"
+                     f"{cells} | {ratio} |")
     lines += ["", "`full` against plain transformers, case for case (same tokens, greedy):"]
     for mode, a in agree.items():
         lines.append(f"- {mode}: identical output tokens in {a['same_tokens']}/{a['cases']} cases, "

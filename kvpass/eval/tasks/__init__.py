@@ -8,7 +8,7 @@ how they are scored (``kvpass.eval.scoring``). Families:
 |-------------------|------------------------------------------------------------|---------|
 | single_needle     | the one passphrase / number in an essay haystack           | all     |
 | multi_key         | the value of one key among several key-value needles       | all     |
-| multi_value       | every value stated for one key                             | all     |
+| multi_value       | both values stated for one key                              | all     |
 | variable_tracking | every variable bound, through a chain of copies, to a value | all     |
 | common_words      | the most frequent words of a word list                     | all     |
 | essay_qa          | the word that follows a quoted phrase of the essay text    | all     |

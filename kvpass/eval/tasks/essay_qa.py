@@ -16,7 +16,7 @@ from kvpass.eval.tasks.context import build, chat_parts
 NAME = "essay_qa"
 MAX_NEW_TOKENS = 6
 ABOUT = "the word after a quoted phrase of one essay sentence"
-QUOTED = 12           # tokens of the essay quoted in the question
+QUOTED = 24           # tokens of the essay quoted in the question (12: 1/4 at 1k, 24: 3/6)
 TEMPLATE = 'Repeat the words of the text above that follow "{quote}".'
 ANSWER_PREFIX = '{quote}'
 _STOP = {"that", "this", "with", "have", "from", "they", "what", "which", "there", "their", "would", "about",
@@ -27,7 +27,8 @@ def generate(tokenizer, length: int, seed: int) -> SuiteCase:
     """A phrase of ``QUOTED`` tokens on one line of the haystack, starting at a word near a seeded
     depth, unique in the context and followed by an ordinary word (4+ letters, not a stop word). The
     first 300 tries also require the question's token count to be the family's (the template's plus
-    ``QUOTED``), so that the family's questions batch together; later tries take any count."""
+    twice ``QUOTED``: the question and the reply's prefix quote it), so that the family's questions
+    batch together; later tries take any count, the last 100 (tiny contexts) any word."""
     rng = random.Random(f"{NAME}/{seed}")
     ctx = build(tokenizer, length, TEMPLATE.format(quote=""), [], rng)
     ids = ctx.context_ids
@@ -44,10 +45,11 @@ def generate(tokenizer, length: int, seed: int) -> SuiteCase:
         s = min((w for w in words if w >= target), default=words[-1])
         quote = text_of(ids[s:s + QUOTED])
         m = re.match(r" ([A-Za-z]+)[^A-Za-z]", text_of(ids[s + QUOTED:s + QUOTED + 16]))
-        if "\n" in quote or not m or not quote.strip() or whole.count(quote.strip()) != 1:
+        strict = attempt < 500                 # the last tries (tiny contexts) take any word and line breaks
+        if ("\n" in quote and strict) or not m or not quote.strip() or whole.count(quote.strip()) != 1:
             continue
         word = m.group(1)
-        if len(word) < 4 or word.lower() in _STOP:
+        if strict and (len(word) < 4 or word.lower() in _STOP):
             continue
         _, question_ids = chat_parts(tokenizer, TEMPLATE.format(quote=quote.strip()),
                                      ANSWER_PREFIX.format(quote=quote.strip()))

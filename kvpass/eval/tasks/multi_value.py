@@ -9,9 +9,9 @@ from kvpass.eval.tasks.case import SuiteCase
 from kvpass.eval.tasks.context import NOUNS, Insert, build, digits, same_length
 
 NAME = "multi_value"
-MAX_NEW_TOKENS = 32
-ABOUT = "all 3 numbers stated for one key"
-VALUES = 3
+MAX_NEW_TOKENS = 24
+ABOUT = "both numbers stated for one key"
+VALUES = 2
 
 
 def generate(tokenizer, length: int, seed: int) -> SuiteCase:
