@@ -263,10 +263,9 @@ def run(loaded: Loaded, specs: Sequence[NeedleSpec], cell_list: Sequence[Cell], 
             bar.update(len(rows))
             continue
         models = models or Models(loaded.model)
-        policies = [models.get(c.policy, c.budget).policy for c in mode_cells]
-        for union, members in stat_groups(list(dict.fromkeys(policies))):
-            names = {p.name for p in members}
-            cells_here = [c for c in mode_cells if c.policy in names]
+        chosen = {c: models.get(c.policy, c.budget).policy for c in mode_cells}   # a cell's policy: a name or a spec
+        for union, members in stat_groups(list(dict.fromkeys(chosen.values()))):
+            cells_here = [c for c in mode_cells if chosen[c] in members]
             need_rows = [i for i, g in enumerate(group) if any((g.spec, c) in todo for c in cells_here)]
             served = sum((group[i].spec, c) in todo for i in need_rows for c in cells_here)
             rows_cases = [group[i] for i in need_rows]

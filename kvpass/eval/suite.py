@@ -141,11 +141,12 @@ def run(loaded: Loaded, items: Sequence[SuiteCase], cell_list: Sequence[Cell], s
                 bar.update(len(rows))
                 continue
             models = models or Models(loaded.model)
-            policies = [models.get(c.policy, c.budget).policy for c in mode_cells]
-            for union, members in stat_groups(list(dict.fromkeys(policies))):
-                names = {p.name for p in members}
-                here = [c for c in mode_cells if c.policy in names]
+            chosen = {c: models.get(c.policy, c.budget).policy for c in mode_cells}   # a cell's policy: a name or a spec
+            for union, members in stat_groups(list(dict.fromkeys(chosen.values()))):
+                here = [c for c in mode_cells if chosen[c] in members]
                 rows = [g for g in group if any((g.ident, c) in todo for c in here)]
+                if not rows:
+                    continue
                 served = sum((g.ident, c) in todo for g in rows for c in here)
                 bar.set_postfix_str(f"prefill {mode} x{len(rows)} L={rows[0].prompt_tokens}")
                 shared = models.shared_prefill(union, prompt_ids(rows, mode),

@@ -94,3 +94,18 @@ def test_cli_run_report_and_calibrate(loaded, monkeypatch, tmp_path):
 
 def data_records(out):
     return json.loads((out / "quality-suite-tiny-cases.json").read_text())["cases"]
+
+
+def test_policy_specs_run_as_their_own_rows(loaded, items, tmp_path):
+    """A spec and its plain policy in one run (one shared prefill): each cell gets its own rows; a spec
+    with the same options as the default gives the default's tokens."""
+    store = Store(tmp_path / "specs.json")
+    cells = suite.cells(["streamingllm", "streamingllm[sinks=4]", "streamingllm[sinks=1]"], [0.5],
+                        ["query_aware"], reference=False)
+    assert suite.run(loaded, items, cells, store) is True
+    by = {}
+    for r in store.cases.values():
+        by.setdefault(r["policy"], {})[r["family"], r["seed"]] = r["output_ids"]
+    assert set(by) == {"streamingllm", "streamingllm[sinks=4]", "streamingllm[sinks=1]"}
+    assert all(len(v) == len(items) for v in by.values())
+    assert by["streamingllm[sinks=4]"] == by["streamingllm"]            # sinks=4 is the default
