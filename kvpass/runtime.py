@@ -778,7 +778,7 @@ class DecodeSession:
             out = None
             for keep, rows in groups.items():
                 part = self.policy.compress(take_rows(lay.cache, rows), keep)
-                part = take_rows(part, range(len(rows)), max(lay.row_caps))
+                part = with_capacity(part, max(lay.row_caps), check=False)   # live <= keep <= the capacity
                 out = out if out is not None else empty_rows(part, self.batch)
                 put_rows_at(out, part, rows)
             lay.cache = out
