@@ -138,7 +138,7 @@ def test_decode_step_has_no_graph_breaks(compiled):
     ({"budget": "a lot"}, "budget"),
     ({"policy": "streamingllm", "policy_kwargs": {"sinkz": 1}}, "no parameter"),
     ({"mode": "fastest"}, "mode"),
-    ({"bugdet": 0.2}, r"unknown key\(s\) bugdet"),
+    ({"bugdet": 0.2}, r"unknown kvpass compile option\(s\) bugdet"),
 ])
 def test_bad_options_raise_value_error(options, match):
     with pytest.raises(ValueError, match=match):
