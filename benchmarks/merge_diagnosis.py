@@ -344,8 +344,8 @@ def markdown(result: dict, top: int = 3) -> str:
         fates = {f: sum(r["fates"].get(f, 0) for r in rows) for f in ("kept", "kept_changed", "merged", "evicted")}
         cats = {c: sum(1 for r in rows for a in r["absorbers"] if a["category"] == c)
                 for c in ("sink", "needle", "needle_sentence", "near", "question", "far")}
-        mean = lambda k: [r[k] for r in rows if r.get(k) is not None]            # noqa: E731
-        avg = lambda k: (sum(mean(k)) / len(mean(k))) if mean(k) else float("nan")   # noqa: E731
+        mean = lambda k, rows=rows: [r[k] for r in rows if r.get(k) is not None]            # noqa: E731
+        avg = lambda k, mean=mean: (sum(mean(k)) / len(mean(k))) if mean(k) else float("nan")   # noqa: E731
         errs = " / ".join(f"{avg(k):.3f}" if mean(k) else "-" for k in ("out_err", "out_err_own_keys", "out_err_evict"))
         lines.append(f"| {name} | {ok(p, 'correct')} / {ok(p, 'correct_own_keys')} / {ok(p, 'correct_evict')} | "
                      + " / ".join(str(fates[f]) for f in fates) + " | " + " / ".join(str(cats[c]) for c in cats)

@@ -43,7 +43,6 @@ from kvpass.decode_step import StaticDecodeStep, fork_side_by_side, join_pending
 from kvpass.head_group import SINGLE_PROCESS, HeadGroup
 from kvpass.policies.base import Policy, Stat
 from kvpass.rewrites import CapturedModel, RewrittenGraphs
-from kvpass.rewrites.insert_compressed_cache import DECODE_STATS
 from kvpass.rewrites.fuse_sibling_linears import fuse_sibling_linears
 from kvpass.rewrites.insert_compressed_cache import DECODE_STATS
 from kvpass.rewrites.linears_to_gemv import linears_to_gemv
