@@ -26,7 +26,7 @@ py=${PYTHON:-python3}
 lengths=${LENGTHS:-}
 if [ "${CALIBRATE:-0}" = 1 ]; then
   # full + transformers per (family, length) over every family at the model's default lengths
-  declare -A cal_lengths=([smollm2]="2048 4096 8000" [gemma3-270m]="4096 8192 16384")
+  declare -A cal_lengths=([smollm2]="1024 2048 4096" [gemma3-270m]="4096 8192 16384")
   ls=${lengths:-${cal_lengths[$model]}}
   jobs=()
   for l in $ls; do

@@ -383,7 +383,7 @@ def add_suite_parser(esub) -> None:
     _suite_common(run)
     _suite_run_options(run, calibrate=False)
     cal = ssub.add_parser("calibrate", help="full cache and transformers accuracy per (family, length); keeps the "
-                                            ">= 90% cells in kvpass/eval/tasks/calibration.json")
+                                            ">= 90%% cells in kvpass/eval/tasks/calibration.json")
     _suite_common(cal)
     _suite_run_options(cal, calibrate=True)
     cal.add_argument("--no-write", dest="write", action="store_false", help="print the table only")

@@ -47,7 +47,7 @@ KIND = "suite"
 KEEP = 0.9
 CALIBRATION = Path(__file__).with_name("tasks") / "calibration.json"
 # the lengths each model is calibrated at (context tokens; SmolLM2's window is 8192)
-DEFAULT_LENGTHS = {"smollm2": [2048, 4096, 8000], "gemma3-270m": [4096, 8192, 16384]}
+DEFAULT_LENGTHS = {"smollm2": [1024, 2048, 4096], "gemma3-270m": [4096, 8192, 16384]}
 
 
 def cases(tokenizer, families: Sequence[str], lengths: Sequence[int], n: int,

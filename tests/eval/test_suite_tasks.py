@@ -39,10 +39,22 @@ def test_answers_are_in_the_context_at_the_stated_depth(tokenizer, family):
             continue
         start, end = c.spans[0]
         assert c.answers[0].split()[0] in tokenizer.decode(c.context_ids[start:end + 1])
-        # the span's offset into the whole context, as a fraction, is the stated depth up to the chat prefix
-        where = start / LENGTH
+        # the span's offset into the haystack (after a RULER preamble, if any), as a fraction of the
+        # haystack, is the stated depth up to the sentence boundary it snaps to
+        lead = _preamble_tokens(tokenizer, family, text)
+        where = (start - lead) / (LENGTH - lead)
         assert abs(where - c.depth) < 0.1, (family, seed, where, c.depth)
         assert 0.0 <= c.depth <= 1.0
+
+
+def _preamble_tokens(tokenizer, family: str, text: str) -> int:
+    """Token count of the family's preamble that ``text`` opens with (0 if none)."""
+    import importlib
+
+    mod = importlib.import_module(f"kvpass.eval.tasks.{family}")
+    texts = [getattr(mod, "PREAMBLE", "")] + [f.preamble for f in getattr(mod, "FORMATS", ()) if hasattr(f, "preamble")]
+    return max([len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in texts if p and text.startswith(p)],
+               default=0)
 
 
 def test_questions_have_equal_token_counts_within_a_family(tokenizer):

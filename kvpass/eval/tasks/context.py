@@ -46,10 +46,18 @@ def essay_tokens(tokenizer) -> tuple[list[int], list[int]]:
 @dataclass(frozen=True)
 class Insert:
     """A sentence put into the haystack at ``depth`` in [0, 1] of it (at the sentence boundary at or
-    before that point). ``text`` is tokenised with a leading space."""
+    before that point). ``text`` is tokenised with a leading space, or, with ``paragraph``, as a
+    paragraph of its own (a blank line before and after it: SmolLM2 finds a needle laid out so far
+    more often, benchmarks/results/suite-phrasing-probe-smollm2.json)."""
 
     depth: float
     text: str
+    paragraph: bool = False
+
+    @property
+    def piece(self) -> str:
+        """The text as spliced into the haystack."""
+        return f"\n\n{self.text.strip()}\n\n" if self.paragraph else " " + self.text.strip()
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.depth <= 1.0:
@@ -104,7 +112,7 @@ def build(tokenizer, length: int, question: str, inserts: Sequence[Insert], rng:
     their order)."""
     prefix, question_ids = chat_parts(tokenizer, question, answer_prefix)
     pre = ids_of(tokenizer, preamble) if preamble else []
-    pieces = [ids_of(tokenizer, " " + ins.text.strip()) for ins in inserts]
+    pieces = [ids_of(tokenizer, ins.piece) for ins in inserts]
     room = length - len(prefix) - len(pre) - sum(map(len, pieces))
     if room < 16:
         raise ValueError(f"length {length} leaves {room} haystack tokens (chat prefix {len(prefix)}, preamble "

@@ -1,5 +1,5 @@
-"""Multi-key needle: several passphrases, each for a different key, at seeded depths; the
-question asks for one key's passphrase (the others are distractors)."""
+"""Multi-key needle (RULER's niah_multikey wording): special magic numbers for several keys at
+seeded depths; the question asks for one key's number (the others are distractors)."""
 
 from __future__ import annotations
 
@@ -10,20 +10,23 @@ from kvpass.eval.tasks.context import NOUNS, Insert, build, digits, same_length
 
 NAME = "multi_key"
 MAX_NEW_TOKENS = 12
-ABOUT = "one key's passphrase among 4 key-passphrase needles"
+ABOUT = "one key's magic number among 4 key-number needles"
 KEYS = 4
+PREAMBLE = ("Some special magic numbers are hidden within the following text. Make sure to memorize them. "
+            "I will quiz you about the numbers afterwards.\n\n")
 
 
 def generate(tokenizer, length: int, seed: int) -> SuiteCase:
     rng = random.Random(f"{NAME}/{seed}")
     keys = rng.sample(same_length(tokenizer, NOUNS), KEYS)          # equal question token counts
-    values = [digits(rng, 6) for _ in keys]
+    values = [digits(rng, 7) for _ in keys]
     depths = [rng.random() for _ in keys]
     asked = rng.randrange(KEYS)
-    inserts = [Insert(d, f"The passphrase for the {k} is {v}.") for k, v, d in zip(keys, values, depths, strict=True)]
+    inserts = [Insert(d, f"One of the special magic numbers for {k} is: {v}.")
+               for k, v, d in zip(keys, values, depths, strict=True)]
     order = [asked] + [i for i in range(KEYS) if i != asked]          # the asked needle's span first
-    question = f"What is the passphrase for the {keys[asked]}? Give a brief answer."
-    ctx = build(tokenizer, length, question, [inserts[i] for i in order], rng,
-                answer_prefix=f"The passphrase for the {keys[asked]} is")
+    question = f"What is the special magic number for {keys[asked]} mentioned in the provided text?"
+    ctx = build(tokenizer, length, question, [inserts[i] for i in order], rng, preamble=PREAMBLE,
+                answer_prefix=f"The special magic number for {keys[asked]} mentioned in the provided text is")
     return SuiteCase(NAME, length, seed, ctx.depth_of(0), ctx.context_ids, ctx.question_ids, (values[asked],),
                      "all", MAX_NEW_TOKENS, ctx.spans)
