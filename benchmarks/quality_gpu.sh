@@ -33,7 +33,7 @@ calibrate)
   wait
   cp kvpass/eval/tasks/calibration.json "$out/"
   mkdir -p /tmp/kvpass-cal && cp kvpass/eval/tasks/calibration.json /tmp/kvpass-cal/  # the next command's tree is fresh
-  (cd "$out" && tar czf calibrate.tgz cal-* calibration.json) ;;
+  (set +f; cd "$out" && tar czf calibrate.tgz cal-* calibration.json) ;;
 grid)
   model=$1
   [ -f /tmp/kvpass-cal/calibration.json ] && cp /tmp/kvpass-cal/calibration.json kvpass/eval/tasks/
@@ -49,7 +49,7 @@ print(-(-300 // max(len(calibrated_grid('$model') or []), 1)))")}
   CASES=$cases BATCH=${BATCH:-16} benchmarks/suite_gpu.sh "$out/grid-$model" $((seconds - 60)) "$model" \
     "${policies[@]}" "${VARIANTS[@]}" >"$out/grid-$model.log" 2>&1
   wait
-  (cd "$out" && tar czf "$model-grid.tgz" --exclude='*.jsonl' grid-"$model"/quality-suite-* grid-"$model".log \
+  (set +f; cd "$out" && tar czf "$model-grid.tgz" --exclude='*.jsonl' grid-"$model"/quality-suite-* grid-"$model".log \
      grid-"$model"/*.log peers-"$model"* 2>/dev/null || true) ;;
 *) echo "usage: $0 calibrate|grid OUT SECONDS MODEL..." >&2; exit 2 ;;
 esac
