@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from kvpass.budget import parse_budget
-from kvpass.policies import DEFAULT_POLICY, POLICIES, Policy, parse_value
+from kvpass.policies import DEFAULT_POLICY, POLICIES, Policy, parse_value, split_spec
 
 
 def parse_policy_args(items: list[str]) -> dict[str, object]:
@@ -29,7 +29,9 @@ def parse_policy_args(items: list[str]) -> dict[str, object]:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2, gemma3-270m, a .gguf file or a transformers directory")
-    p.add_argument("--policy", default=DEFAULT_POLICY, help=f"one of: {', '.join(sorted(POLICIES))}")
+    p.add_argument("--policy", default=DEFAULT_POLICY,
+                   help=f"one of: {', '.join(sorted(POLICIES))}, or a spec name[key=value,...] "
+                        f"(default {DEFAULT_POLICY})")
     p.add_argument("--budget", type=parse_budget, default=0.2,
                    help="fraction in (0, 1] of prompt + new tokens, or an int token count (default 0.2)")
     p.add_argument("--set", dest="policy_args", action="append", default=[], metavar="NAME=VALUE",
@@ -41,7 +43,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     import kvpass
     from kvpass.models import load_model
-    from kvpass.prompts import chat_ids, needle_prompt
+    from kvpass.eval.scoring import score
+    from kvpass.prompts import chat_ids
     from kvpass.validation import check_readable_file
 
     policy_kwargs = parse_policy_args(args.policy_args)
@@ -69,11 +72,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         text = open(args.prompt_file, encoding="utf-8").read()
         ids = chat_ids(tokenizer, [{"role": "user", "content": text}])
     else:
-        prompt = needle_prompt(tokenizer, args.context_tokens, args.depth, seed=args.seed)
-        ids = chat_ids(tokenizer, prompt.messages())
-        answer = prompt.answer
+        from kvpass.eval.tasks.single_needle import demo_case
+
+        case = demo_case(tokenizer, args.context_tokens, args.depth, args.seed)
+        ids = case.context_ids + case.question_ids
+        answer = case.answers[0]
         print(f"built-in prompt: {args.context_tokens} tokens of Paul Graham essays, passphrase "
-              f"{answer!r} hidden at depth {args.depth:.0%}", file=sys.stderr)
+              f"{answer!r} hidden at depth {args.depth:.0%} (the quality suite's single needle)", file=sys.stderr)
+        print(f"prompt ends:       ...{tokenizer.decode(case.question_ids[-12:]).strip()}")
     t0 = time.perf_counter()
     kv_model = kvpass.apply(model, policy=args.policy, budget=args.budget, tp=args.tp, **policy_kwargs)
     print(f"rewrote {len(kv_model.graphs.sites)} attention sites in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
@@ -82,7 +88,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     r = kv_model.last_report
     print(f"answer:            {text}")
     if answer is not None:
-        print(f"expected:          {answer}  ({'correct' if answer in text else 'wrong'})")
+        print(f"expected:          {answer}  ({'correct' if score(text, [answer], 'all') else 'wrong'})")
     print(f"policy:            {r.policy} at budget {args.budget} = {r.budget_tokens} entries per layer")
     if args.tp and args.tp > 1:
         print(f"tensor parallel:   {args.tp} processes; cache bytes below are per process (its 1/{args.tp} of the KV heads)")
@@ -106,7 +112,9 @@ def cmd_policies(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in rows + [("policy", "spec", "what", "defaults")]) for i in range(3)]
     print(f"{'policy':<{widths[0]}}  {'spec':<{widths[1]}}  {'what':<{widths[2]}}  defaults")
     for name, section, summary, defaults in rows:
-        mark = " (default)" if name == DEFAULT_POLICY else ""
+        default_name, default_kwargs = split_spec(DEFAULT_POLICY)
+        options = ", ".join(f"{k}={v}" for k, v in default_kwargs.items())
+        mark = (f" (default{' with ' + options if options else ''})") if name == default_name else ""
         print(f"{name:<{widths[0]}}  {section:<{widths[1]}}  {summary:<{widths[2]}}  {defaults}{mark}")
     print("spec: the section of docs/policies.md that says what the policy computes")
     print(f"every policy also takes {', '.join(f'{k}={v}' for k, v in shared.items())} "

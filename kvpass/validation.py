@@ -80,7 +80,7 @@ RULES: tuple[Rule, ...] = (
          "policy must be a policy name ({names}) or a kvpass Policy, got {got}", InvalidType),
     Rule("policy.unknown", APPLY, "policy", "a name that is not registered",
          "unknown policy {got!r}; available: {names}"),
-    Rule("policy.spec", "evaluations (--policies)", "policy", "a spec that is not name or name[key=value,...]",
+    Rule("policy.spec", f"{APPLY}, evaluations (--policies)", "policy", "a spec that is not name or name[key=value,...]",
          "policy spec {got!r}: write a name, or name[key=value,...] such as d2o[scores=window]"),
     Rule("policy.kwargs_with_instance", APPLY, "policy_kwargs", "keyword arguments with a Policy instance",
          "policy keyword arguments ({names}) go with a policy name, not a Policy instance", InvalidType),

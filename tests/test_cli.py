@@ -31,3 +31,27 @@ def test_budget_and_policy_arguments_parse():
 def test_generate_rejects_bad_input_before_loading(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def _subparsers(parser):
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield name, sub
+                for deeper, subsub in _subparsers(sub):
+                    yield f"{name} {deeper}", subsub
+
+
+def test_every_command_prints_its_help(capsys):
+    """--help of every command and subcommand renders (a bare % in a help text once crashed it)."""
+    from kvpass.cli import build_parser
+
+    names = [name for name, _ in _subparsers(build_parser())]
+    assert {"generate", "eval suite run", "eval suite calibrate"} <= set(names)
+    for name in names:
+        with pytest.raises(SystemExit) as done:
+            main([*name.split(), "--help"])
+        assert done.value.code == 0, name
+        assert "usage:" in capsys.readouterr().out, name

@@ -29,7 +29,9 @@ DEFAULT_POLICY = "streamingllm"
 
 
 def get_policy(name: str | Policy, **kwargs) -> Policy:
-    """The policy called ``name`` with ``kwargs`` overriding its defaults. A Policy instance passes through."""
+    """The policy called ``name`` with ``kwargs`` overriding its defaults. ``name`` may be a spec,
+    ``name[key=value,...]`` (``split_spec``), whose values ``kwargs`` override in turn. A Policy
+    instance passes through."""
     from kvpass.validation import refuse
 
     if isinstance(name, Policy):
@@ -38,6 +40,9 @@ def get_policy(name: str | Policy, **kwargs) -> Policy:
         return name
     if not isinstance(name, str):
         raise refuse("policy.type", got=type(name).__name__, names=", ".join(sorted(POLICIES)))
+    if "[" in name:
+        name, spec_kwargs = split_spec(name)
+        kwargs = {**spec_kwargs, **kwargs}
     if name not in POLICIES:
         raise refuse("policy.unknown", got=name, names=", ".join(sorted(POLICIES)))
     cls = POLICIES[name]
@@ -86,8 +91,7 @@ def split_spec(spec: str) -> tuple[str, dict[str, object]]:
 
 def policy_from_spec(spec: str) -> Policy:
     """``get_policy`` of a spec ``name[key=value,...]`` (see ``split_spec``)."""
-    name, kwargs = split_spec(spec)
-    return get_policy(name, **kwargs)
+    return get_policy(spec)
 
 
 __all__ = ["POLICIES", "DEFAULT_POLICY", "Attention", "Policy", "Stat", "get_policy", "parse_value", "split_spec",

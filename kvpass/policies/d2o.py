@@ -77,6 +77,10 @@ class D2O(Policy):
         accumulated score starts from them (window scores + every decode row), so the eviction keeps what
         the question attends to [OURS].
     window, window_kernel: the observation window (>= 1) and odd pooling kernel of scores="window".
+    window_pool: "avg" (SnapKV's) or "max": how scores="window" pools; "max" with a kernel as wide as an
+        answer keeps its every token beside the one the question attends to (a 7-digit number is 7
+        tokens in SmolLM2; avg over 7 kept its first 3-4 digits, benchmarks/results/quality-suite-smollm2.md)
+        [OURS].
     merge: False evicts without merging (the threshold still updates) [OURS, an ablation].
     merge_floor: a cosine floor in [-1, 1]: an evicted entry merges only if its best similarity is at least
         this as well as the EMA threshold (None: no floor, the paper) [OURS, the merge guard].
@@ -106,6 +110,7 @@ class D2O(Policy):
     scores: str = "accumulated"
     window: int = 32
     window_kernel: int = 7
+    window_pool: str = "avg"
     merge: bool = True
     merge_floor: float | None = None
     merge_into_sinks: bool = True
@@ -129,6 +134,7 @@ class D2O(Policy):
         require(isinstance(self.window, int) and self.window >= 1, f"d2o: window must be an int >= 1, got {self.window!r}")
         require(isinstance(self.window_kernel, int) and self.window_kernel >= 1 and self.window_kernel % 2 == 1,
                 f"d2o: window_kernel must be an odd int >= 1, got {self.window_kernel!r}")
+        require(self.window_pool in ("avg", "max"), f"d2o: window_pool must be 'avg' or 'max', got {self.window_pool!r}")
         for name in ("merge", "merge_into_sinks", "merge_bias"):
             require(isinstance(getattr(self, name), bool), f"d2o: {name} must be True or False, got {getattr(self, name)!r}")
         floor = self.merge_floor
@@ -146,7 +152,7 @@ class D2O(Policy):
 
     def stat_options(self, stat: Stat) -> dict[str, object]:
         if stat == Stat.WINDOW_SCORES:
-            return {"obs_window": self.window, "kernel": self.window_kernel, "pool": "avg"}
+            return {"obs_window": self.window, "kernel": self.window_kernel, "pool": self.window_pool}
         return {}
 
     def min_budget(self) -> int:

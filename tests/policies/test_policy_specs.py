@@ -34,3 +34,10 @@ def test_evaluation_cells_take_specs():
     assert uses_budget("d2o[scores=window]") and not uses_budget("full")
     with pytest.raises(KVPassError):
         cells(["d2o[scores=nowhere]"], [0.2], ["query_aware"])
+
+
+def test_get_policy_and_apply_take_a_spec_and_keywords_override_it():
+    """The default policy is a spec (kvpass.DEFAULT_POLICY), so kvpass.apply / the CLI take specs."""
+    assert get_policy("d2o[scores=window]") == get_policy("d2o", scores="window")
+    assert get_policy("d2o[scores=window,window=16]", window=8).window == 8
+    assert get_policy("streamingllm[sinks=2]").name == "streamingllm"

@@ -44,12 +44,25 @@ FORMATS = (
 )
 
 
+def needle_case(tokenizer, length: int, seed: int, depth: float, value: str, fmt: Format,
+                rng: random.Random) -> SuiteCase:
+    """The case with ``value`` in format ``fmt`` at ``depth`` of a haystack drawn from ``rng`` (also
+    the built-in prompt of ``kvpass generate``)."""
+    ctx = build(tokenizer, length, fmt.question, [Insert(depth, fmt.needle.format(value=value), paragraph=fmt.paragraph)],
+                rng, preamble=fmt.preamble, answer_prefix=fmt.answer_prefix)
+    return SuiteCase(NAME, length, seed, ctx.depth_of(0), ctx.context_ids, ctx.question_ids, (value,), "all",
+                     MAX_NEW_TOKENS, ctx.spans)
+
+
 def generate(tokenizer, length: int, seed: int) -> SuiteCase:
     rng = random.Random(f"{NAME}/{seed}")
     fmt = rng.choice(FORMATS)
     value = fmt.value(rng)
-    depth = rng.random()
-    ctx = build(tokenizer, length, fmt.question, [Insert(depth, fmt.needle.format(value=value), paragraph=fmt.paragraph)], rng,
-                preamble=fmt.preamble, answer_prefix=fmt.answer_prefix)
-    return SuiteCase(NAME, length, seed, ctx.depth_of(0), ctx.context_ids, ctx.question_ids, (value,), "all",
-                     MAX_NEW_TOKENS, ctx.spans)
+    return needle_case(tokenizer, length, seed, rng.random(), value, fmt, rng)
+
+
+def demo_case(tokenizer, length: int, depth: float, seed: int) -> SuiteCase:
+    """``kvpass generate``'s built-in prompt: a passphrase (the first format) at ``depth``."""
+    rng = random.Random(f"{NAME}/demo/{seed}")
+    fmt = FORMATS[0]
+    return needle_case(tokenizer, length, seed, depth, fmt.value(rng), fmt, rng)
