@@ -13,7 +13,7 @@ def test_policies_lists_every_policy_with_its_section(capsys):
     out = capsys.readouterr().out
     for name, cls in POLICIES.items():
         assert name in out and cls.section in out
-    assert "(default)" in out
+    assert "(default with kernel=31)" in out          # the default is a spec: kvpass.DEFAULT_POLICY
 
 
 def test_budget_and_policy_arguments_parse():
