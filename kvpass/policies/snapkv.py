@@ -27,7 +27,8 @@ class SnapKV(Policy):
     Parameters
     ----------
     window: observation window w (official default 32).
-    kernel: pooling kernel, odd (official default 5; the issue's EMS setting 7).
+    kernel: pooling kernel, odd (official default 5; the issue's EMS setting 7). The default policy
+        (``kvpass.DEFAULT_POLICY``) uses 31, wide enough to keep a 7-token answer whole (§6.3).
     pool: "avg" (official default) or "max".
     interval: decode steps between compressions.
     """

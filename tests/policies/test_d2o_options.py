@@ -174,6 +174,7 @@ def test_options_change_what_they_should() -> None:
     (dict(merge=1), "merge"), (dict(merge_floor=1.5), "merge_floor"), (dict(merge_floor="high"), "merge_floor"),
     (dict(merge_into_sinks=None), "merge_into_sinks"), (dict(merge_bias="yes"), "merge_bias"),
     (dict(first_compression="never"), "first_compression"), (dict(skip_memory="free"), "skip_memory"),
+    (dict(window_pool="median"), "window_pool"),
 ])
 def test_bad_options_raise(kwargs: dict, name: str) -> None:
     with pytest.raises(ValueError, match=name):
@@ -185,10 +186,13 @@ def test_window_scores_are_asked_for_with_the_options() -> None:
     policy = D2O(scores="window", window=8, window_kernel=3)
     assert Stat.WINDOW_SCORES in policy.stats and Stat.COLUMN_SUM in policy.stats
     assert policy.stat_options(Stat.WINDOW_SCORES) == {"obs_window": 8, "kernel": 3, "pool": "avg"}
+    wide = D2O(scores="window", window_kernel=31, window_pool="max")
+    assert wide.stat_options(Stat.WINDOW_SCORES) == {"obs_window": 32, "kernel": 31, "pool": "max"}
     assert D2O(merge_into_sinks=False).min_budget() == 5
 
 
-@pytest.mark.parametrize("kwargs", [dict(scores="window"), dict(first_compression="decode"),
+@pytest.mark.parametrize("kwargs", [dict(scores="window"), dict(scores="window", window_kernel=5, window_pool="max"),
+                                    dict(first_compression="decode"),
                                     dict(merge_bias=True, merge_into_sinks=False, merge_floor=0.3),
                                     dict(first_compression="decode", scores="window", d2o_variant="code",
                                          expand_kv_heads=True)])
