@@ -158,6 +158,9 @@ RULES: tuple[Rule, ...] = (
     Rule("file.missing", "CLI (--prompt-file), calibration files", "(the file option)",
          "a path that does not exist or is not a readable file",
          "{name} {got!r} is not a readable file"),
+    Rule("file.format", "calibration files (kvpass eval suite --calibration)", "(the file option)",
+         "a file that is not the JSON object kvpass writes",
+         "{name} {got!r} is not a kvpass calibration file: {reason}"),
     Rule("cli.set", "CLI --set", "--set", "not NAME=VALUE", "--set expects NAME=VALUE, got {got!r}"),
     # ------------------------------------------------------------------ state and resources
     Rule("generate.in_use", GENERATE, "(the model)", "another thread is generating with the same KVPassModel",

@@ -246,6 +246,11 @@ def _suite_grid(args: argparse.Namespace, tokenizer_len: int | None = None) -> l
     from kvpass.eval.tasks import FAMILIES
 
     name = Path(args.model).stem
+    reads = not (args.families and args.lengths) and not getattr(args, "calibrating", False)  # calibrate may create it
+    if args.calibration and reads:
+        from kvpass.validation import check_readable_file
+
+        check_readable_file("--calibration", args.calibration)
     calibrated = None if (args.families and args.lengths) else suite.calibrated_grid(
         name, args.calibration or suite.CALIBRATION)
     if calibrated and not getattr(args, "calibrating", False):

@@ -195,13 +195,21 @@ def calibration(records: Sequence[dict], keep: float = KEEP) -> dict:
 
 def calibrated_grid(model: str, path: str | Path = CALIBRATION) -> list[tuple[str, int]] | None:
     """The (family, length) cells kept for ``model`` in the calibration file, or None if it has none."""
+    from kvpass.validation import refuse
+
     path = Path(path)
     if not path.exists():
         return None
-    data = json.loads(path.read_text(encoding="utf-8")).get(model)
-    if not data or not data.get("kept"):
-        return None
-    return [(f, int(length)) for f, length in data["kept"] if f in FAMILIES]
+    try:
+        body = json.loads(path.read_text(encoding="utf-8"))
+        data = body.get(model) if isinstance(body, dict) else None
+        if body is not None and not isinstance(body, dict):
+            raise ValueError(f"the top level is a {type(body).__name__}, not an object of models")
+        if not data or not data.get("kept"):
+            return None
+        return [(f, int(length)) for f, length in data["kept"] if f in FAMILIES]
+    except (ValueError, TypeError, AttributeError) as err:      # json.JSONDecodeError is a ValueError
+        raise refuse("file.format", name="calibration file", got=str(path), reason=str(err)) from err
 
 
 def write_calibration(model: str, summary: dict, path: str | Path = CALIBRATION, **meta) -> Path:

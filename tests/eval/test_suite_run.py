@@ -109,3 +109,22 @@ def test_policy_specs_run_as_their_own_rows(loaded, items, tmp_path):
     assert set(by) == {"streamingllm", "streamingllm[sinks=4]", "streamingllm[sinks=1]"}
     assert all(len(v) == len(items) for v in by.values())
     assert by["streamingllm[sinks=4]"] == by["streamingllm"]            # sinks=4 is the default
+
+
+@pytest.mark.parametrize(("text", "says"), [("{bad", "not a kvpass calibration file"),
+                                            ("[1, 2]", "top level is a list"),
+                                            (None, "is not a readable file")])
+def test_a_bad_calibration_file_is_refused_by_name(tmp_path, capsys, text, says):
+    """A missing or malformed --calibration file stops the run with kvpass's message, before any work."""
+    path = tmp_path / "calibration.json"
+    if text is not None:
+        path.write_text(text, encoding="utf-8")
+    try:
+        code = main(["eval", "suite", "run", "--model", "smollm2", "--calibration", str(path), "--report-only",
+                     "--out-dir", str(tmp_path / "out")])
+    except SystemExit as done:                   # argparse-style exits and kvpass's error exit alike
+        code = done.code
+    assert code == 2
+    assert not (tmp_path / "out").exists()      # refused before any work
+    err = capsys.readouterr().err
+    assert says in err and str(path) in err
