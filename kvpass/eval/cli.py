@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from kvpass.budget import parse_budget
+from kvpass.policies import DEFAULT_POLICY
 
 QUICK = {"lengths": [512, 1024], "depths": [0.0, 0.5, 1.0], "prefix": 512, "steps": 64, "segments": 1, "probes": 2}
 
@@ -192,7 +193,7 @@ def add_eval_parser(sub) -> None:
 
 
 # ------------------------------------------------------------------ the long-context suite
-SUITE_QUICK = {"lengths": [512], "cases": 2, "policies": ["full", "streamingllm", "snapkv"], "budgets": [0.2],
+SUITE_QUICK = {"lengths": [512], "cases": 2, "policies": ["full", "streamingllm", "snapkv", DEFAULT_POLICY], "budgets": [0.2],
                "families": ["single_needle", "multi_key", "multi_value", "variable_tracking", "common_words",
                             "essay_qa"]}
 
