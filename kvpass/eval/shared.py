@@ -24,11 +24,6 @@ from kvpass.policies import Policy, Stat, policy_from_spec
 from kvpass.rewrites import RewrittenGraphs, capture_causal_lm, insert_compressed_cache, match_attention
 from kvpass.runtime import KVPassModel, Prefill
 
-# Policies whose decisions would couple the rows of a batch: none. Every policy budgets each row as if alone
-# (per-row budgets and D2O per-row layer budgets, kvpass/runtime.py; tests/runtime/test_rows_independent.py),
-# so the harness batches every policy's cases. Kept, empty, for code that still reads the name.
-ROW_COUPLED: frozenset[str] = frozenset()
-
 
 def _options_key(options: dict[str, object]) -> tuple:
     return tuple(sorted((k, repr(v)) for k, v in options.items()))

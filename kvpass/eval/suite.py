@@ -7,8 +7,8 @@ for policies x budgets x modes, batched with no padding, resumable, with a time 
   ``query_agnostic`` (context compressed alone, the question fed through decode steps), and the
   plain transformers ``reference``, which ``full`` must equal case for case.
 * ``run``: per batch of cases with equal (context, question, answer) token counts and per mode, one
-  prefill shared by every (policy, budget) (``shared``), one decode session per cell (rows of
-  ``shared.ROW_COUPLED`` policies one at a time); stops cleanly at ``deadline``.
+  prefill shared by every (policy, budget) (``shared``), one decode session per cell (every policy budgets each row as if alone, EMS
+  for rows of equal length, as every suite batch is: tests/runtime/test_rows_independent.py); stops cleanly at ``deadline``.
 * ``export``: the shared case format (JSON Lines) that the kvpress runner reads.
 * ``calibration``: the full cache's and transformers' accuracy per (family, length), the cells at
   or above ``KEEP`` kept in ``tasks/calibration.json`` as the model's default grid.
@@ -110,10 +110,10 @@ def run(loaded: Loaded, items: Sequence[SuiteCase], cell_list: Sequence[Cell], s
 
     Per batch and mode, one prefill serves every (policy, budget) cell (``shared``: the union of the
     policies' statistics, one prefill per group whose statistic options conflict); each cell starts
-    from it restricted to the rows it lacks and decodes them in one session (``shared.ROW_COUPLED``
-    policies: one session per row). The reference is one batched ``generate``, after every kvpass
+    from it restricted to the rows it lacks and decodes them in one session (a batch's rows have equal token counts and every policy then
+    treats them as if alone). The reference is one batched ``generate``, after every kvpass
     cell. A case's ``seconds``: its share of its session plus its share of the prefill."""
-    from kvpass.eval.shared import ROW_COUPLED, Models, stat_groups
+    from kvpass.eval.shared import Models, stat_groups
 
     todo = {(c.ident, cell) for c in items for cell in cell_list if key_of(loaded.name, cell, c) not in store}
     bar = tqdm(total=len(todo), desc=desc, unit="case", dynamic_ncols=True)
@@ -154,19 +154,20 @@ def run(loaded: Loaded, items: Sequence[SuiteCase], cell_list: Sequence[Cell], s
                 share = shared.seconds / max(served, 1)
                 for cell in here:
                     mine = [j for j, g in enumerate(rows) if (g.ident, cell) in todo]
-                    for session_rows in ([[j] for j in mine] if cell.policy in ROW_COUPLED else [mine] if mine else []):
-                        if late():
-                            return False
-                        part = [rows[j] for j in session_rows]
-                        bar.set_postfix_str(f"{cell.policy}@{cell.budget} {mode} x{len(part)} L={part[0].prompt_tokens}")
-                        with Timer() as t:
-                            got = answer_kvpass(models.get(cell.policy, cell.budget), part, mode, new,
-                                                prefill=shared.rows(session_rows))
-                        store.add_many([_record(loaded, cell, case, tokens, size, t.seconds / len(part) + share)
-                                        for case, (tokens, size) in zip(part, got, strict=True)])
-                        for case in part:
-                            todo.discard((case.ident, cell))
-                        bar.update(len(part))
+                    if not mine:
+                        continue
+                    if late():
+                        return False
+                    part = [rows[j] for j in mine]
+                    bar.set_postfix_str(f"{cell.policy}@{cell.budget} {mode} x{len(part)} L={part[0].prompt_tokens}")
+                    with Timer() as t:
+                        got = answer_kvpass(models.get(cell.policy, cell.budget), part, mode, new,
+                                            prefill=shared.rows(mine))
+                    store.add_many([_record(loaded, cell, case, tokens, size, t.seconds / len(part) + share)
+                                    for case, (tokens, size) in zip(part, got, strict=True)])
+                    for case in part:
+                        todo.discard((case.ident, cell))
+                    bar.update(len(part))
                 del shared
     finally:
         bar.close()
