@@ -54,7 +54,7 @@ def multi_case(tok, length, seed, *, keys=4, para=False, word="passphrase", digi
     names = rng.sample(C.same_length(tok, C.NOUNS), keys)
     vals = [[C.digits(rng, digits_n) for _ in range(values_per_key)] for _ in names]
     inserts = []
-    for k, vs in zip(names, vals):
+    for k, vs in zip(names, vals, strict=True):
         for v in vs:
             t = (f"One of the special numbers for {k} is {v}." if values_per_key > 1 else f"The {word} for the {k} is {v}.")
             inserts.append(C.Insert(rng.random(), f"{PARA}{t}{PARA}" if para else t))
@@ -85,7 +85,7 @@ def word(noun="passphrase"):
 SN_Q = "What is the {noun} mentioned in the text above? Give a brief answer."
 VARIANTS = {
     # the family generators as they are
-    **{f"{f}:current": (lambda f: lambda tok, n, s: FAMILIES[f].generate(tok, n, s))(f) for f in FAMILIES},
+    **{f"{f}:current": FAMILIES[f].generate for f in FAMILIES},
     # single needle: value formats, wording, layout
     "sn:magic6": lambda t, n, s: needle_case(t, n, s, needle="The magic number is {value}.", question=SN_Q,
                                              prefix="The {noun} mentioned in the text above is", value=num(6)),
@@ -154,7 +154,7 @@ def main() -> int:
             for c in cases:              # a batch needs equal question token counts (no padding)
                 shapes.setdefault(len(c.question_ids), []).append(c)
             for rows in [g[i:i + args.batch] for g in shapes.values() for i in range(0, len(g), args.batch)]:
-                for case, out in zip(rows, answer_transformers(model, rows, rows[0].max_new_tokens)):
+                for case, out in zip(rows, answer_transformers(model, rows, rows[0].max_new_tokens), strict=True):
                     text = tok.decode(out, skip_special_tokens=True).strip()
                     ok = score(text, case.answers, case.scoring)
                     correct += ok

@@ -42,8 +42,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     import kvpass
-    from kvpass.models import load_model
     from kvpass.eval.scoring import score
+    from kvpass.models import load_model
     from kvpass.prompts import chat_ids
     from kvpass.validation import check_readable_file
 

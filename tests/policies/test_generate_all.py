@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kvpass
-from kvpass.policies import DEFAULT_POLICY, POLICIES
+from kvpass.policies import DEFAULT_POLICY
 from tests.policies.policy_helpers import ARCHS, apply_cached, captured_model
 
 POLICIES_4 = ("d2o", "h2o", "snapkv", "pyramidkv", "cam")

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import kvpass
+from kvpass.cache import entries_from_prompt
 from kvpass.policies import get_policy
 from kvpass.policies.base import Stat
 from kvpass.policies.tova import TOVA
 from tests.conftest import tiny_model
-from kvpass.cache import entries_from_prompt
 from tests.policies.policy_helpers import apply_cached, live_positions, random_cache
 
 
