@@ -3,7 +3,7 @@ on candidate phrasings of each task family, per context length, on one GPU.
 
 Each candidate is a generator like those of ``kvpass/eval/tasks`` (same haystack builder, same
 chat template, same scoring) that differs in the needle's wording, the question, the answer prefix,
-the value format or the needle's layout (``paragraph``: the needle as a paragraph of its own).
+the value format or the needle's layout (``para``: the needle as a paragraph of its own, ``Insert.paragraph``).
 The winners become the families' phrasings; this file keeps the evidence of what was tried.
 
     python benchmarks/suite_phrasing_probe.py --model smollm2 --device cuda --cases 40 \
@@ -28,28 +28,18 @@ from kvpass.eval.tasks import FAMILIES  # noqa: E402
 from kvpass.eval.tasks import context as C  # noqa: E402
 from kvpass.eval.tasks.case import SuiteCase  # noqa: E402
 
-PARA = "\u00b6"          # marks a needle to be laid out as its own paragraph
-
-
-def _ids_of(tokenizer, text: str) -> list[int]:
-    return list(tokenizer(text.replace(" " + PARA, "\n\n").replace(PARA, "\n\n"), add_special_tokens=False)["input_ids"])
-
-
-C.ids_of = _ids_of       # the probe's needles may carry paragraph marks
-
 
 def needle_case(tok, length, seed, *, needle, question, prefix, value, para=False, new=12, preamble=""):
     rng = random.Random(f"probe/{seed}")
     noun, v = value(rng)
     depth = rng.random()
     text = needle.format(noun=noun, value=v)
-    text = f"{PARA}{text}{PARA}" if para else text
-    ctx = C.build(tok, length, question.format(noun=noun), [C.Insert(depth, text)], rng,
+    ctx = C.build(tok, length, question.format(noun=noun), [C.Insert(depth, text, paragraph=para)], rng,
                   answer_prefix=prefix.format(noun=noun), preamble=preamble)
     return SuiteCase("probe", length, seed, ctx.depth_of(0), ctx.context_ids, ctx.question_ids, (v,), "all", new, ctx.spans)
 
 
-def multi_case(tok, length, seed, *, keys=4, para=False, word="passphrase", digits_n=6, answer_all=False, values_per_key=1):
+def multi_case(tok, length, seed, *, keys=4, para=False, word="passphrase", digits_n=6, values_per_key=1):
     rng = random.Random(f"probe-mk/{seed}")
     names = rng.sample(C.same_length(tok, C.NOUNS), keys)
     vals = [[C.digits(rng, digits_n) for _ in range(values_per_key)] for _ in names]
@@ -57,7 +47,7 @@ def multi_case(tok, length, seed, *, keys=4, para=False, word="passphrase", digi
     for k, vs in zip(names, vals, strict=True):
         for v in vs:
             t = (f"One of the special numbers for {k} is {v}." if values_per_key > 1 else f"The {word} for the {k} is {v}.")
-            inserts.append(C.Insert(rng.random(), f"{PARA}{t}{PARA}" if para else t))
+            inserts.append(C.Insert(rng.random(), t, paragraph=para))
     asked = rng.randrange(keys)
     mine = [i for i in range(len(inserts)) if i // values_per_key == asked]
     order = mine + [i for i in range(len(inserts)) if i not in mine]
