@@ -110,10 +110,10 @@ def cmd_policies(args: argparse.Namespace) -> int:
              ", ".join(f"{k}={v}" for k, v in cls.defaults().items() if k not in shared) or "-")
             for name, cls in sorted(POLICIES.items())]
     widths = [max(len(r[i]) for r in rows + [("policy", "spec", "what", "defaults")]) for i in range(3)]
+    default_name, default_kwargs = split_spec(DEFAULT_POLICY)
+    options = ", ".join(f"{k}={v}" for k, v in default_kwargs.items())
     print(f"{'policy':<{widths[0]}}  {'spec':<{widths[1]}}  {'what':<{widths[2]}}  defaults")
     for name, section, summary, defaults in rows:
-        default_name, default_kwargs = split_spec(DEFAULT_POLICY)
-        options = ", ".join(f"{k}={v}" for k, v in default_kwargs.items())
         mark = (f" (default{' with ' + options if options else ''})") if name == default_name else ""
         print(f"{name:<{widths[0]}}  {section:<{widths[1]}}  {summary:<{widths[2]}}  {defaults}{mark}")
     print("spec: the section of docs/policies.md that says what the policy computes")
