@@ -79,3 +79,23 @@ def by_position(cache: LayerCache) -> dict[str, torch.Tensor]:
     for name in ("k", "v"):                                   # an empty slot's K, V are never read
         out[name] = out[name] * live[..., None]
     return out
+
+
+def check_budget_8_generation(policy: str, prompt_ids: torch.Tensor, slack: int, **kwargs) -> None:
+    """``policy`` at a budget of 8 entries on the tiny Llama (two layers) generates 6 finite tokens per
+    row, compresses, keeps every layer within 8 + ``slack`` entries and changes the logits; at budget 1.0
+    it gives the full cache's logits (§8.1)."""
+    def run(name: str, budget: float | int, **kw):
+        out = apply_cached("llama", name, budget, **kw).generate(prompt_ids, max_new_tokens=6,
+                                                                 return_dict_in_generate=True, output_logits=True)
+        return out, torch.stack(out.logits, 1)
+
+    _, full = run("full", 1.0)
+    out, logits = run(policy, 8, **kwargs)
+    assert out.sequences.shape == (2, prompt_ids.shape[1] + 6)
+    assert torch.isfinite(logits).all()
+    report = out.report
+    assert report.compressions > 0 and report.layer_budgets == {0: 8, 1: 8}
+    assert all(n <= 8 + slack for n in report.entries.values())
+    assert not torch.allclose(logits, full, atol=1e-4)
+    torch.testing.assert_close(run(policy, 1.0)[1], full)
