@@ -27,12 +27,8 @@ from kvpass.kernels.cluster_recall_attention import (
 from kvpass.kernels.cosine_kmeans_assign import cosine_kmeans_assign, cosine_kmeans_assign_reference
 from kvpass.kernels.cosine_kmeans_update import cosine_kmeans_update, cosine_kmeans_update_reference
 from kvpass.kernels.cosine_match import cosine_match, cosine_match_reference
-from kvpass.kernels.d2o_evict_one import (
-    d2o_evict_one,
-    d2o_evict_one_ragged,
-    d2o_evict_one_ragged_reference,
-    d2o_evict_one_reference,
-)
+from kvpass.kernels.d2o_evict_one import d2o_evict_one, d2o_evict_one_reference
+from kvpass.kernels.d2o_evict_one_ragged import d2o_evict_one_ragged, d2o_evict_one_ragged_reference
 from kvpass.kernels.decode_attention import decode_attention, decode_attention_reference
 from kvpass.kernels.ems_expansion_attention import ems_expansion_attention, ems_expansion_attention_reference
 from kvpass.kernels.gemv import gemv, gemv_reference

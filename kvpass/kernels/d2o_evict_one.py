@@ -33,6 +33,10 @@ updated in place; nothing is returned and nothing synchronises with the host.
 Cost per evicting row: reads of C positions, C scores and C keys (C D elements), writes of at most
 three slots. Rows that evict nothing read nothing beyond their length.
 
+Rows of budgets of their own (D2O's per-row layer budgets): kvpass/kernels/d2o_evict_one_ragged.py, the
+same step with keep, sinks, recent, target_from per batch row (the references share ``evict_one_in_place``,
+the kernels their RAGGED form); there the newest entry of an evicting row is at slot length - 1.
+
 Triton path (CUDA; on CPU under TRITON_INTERPRET=1 for the tests), three kernels. A and B run one
 program per (row, split of its slots): A the chunk's lowest candidate score, B the row's e from A's
 minima and the chunk's most similar key. C, one program per batch row: combines the splits' maxima,
@@ -160,33 +164,17 @@ def d2o_evict_one_reference(k: Tensor, v: Tensor, col_sum: Tensor, position: Ten
                             target_from: int = 0, bias: bool = False) -> None:
     """The in-place step in plain torch (the op's definition; CPU and export). O(C) reads of the
     scores and keys of a row, writes of two slots per row (index_select / index_copy_)."""
-    _evict_one_in_place(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks, recent,
-                        target_from, beta, variant, min_cos, bias)
+    evict_one_in_place(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks, recent,
+                       target_from, beta, variant, min_cos, bias)
 
 
-def d2o_evict_one_ragged_reference(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor,
-                                   length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: Tensor,
-                                   sinks: Tensor, recent: Tensor, target_from: Tensor, beta: float, variant: str,
-                                   min_cos: float = NO_FLOOR, bias: bool = False) -> None:
-    """``d2o_evict_one_reference`` with a budget per batch row: keep, sinks, recent, target_from [B] int64
-    (row b's split of its own budget keep[b]), in a layer of any capacity C. Row b evicts where it holds
-    more than keep[b] entries (then exactly keep[b] + 1: its newest entry, the one the decode step just
-    wrote, is in slot length - 1, the slot that moves into the evicted one and is emptied) and is left
-    unchanged otherwise, whatever its length. So each row gets what the one-budget op gives it alone in a
-    layer of its own capacity keep[b] + 1 (the same scan, match, threshold, merge and move;
-    tests/kernels/test_d2o_evict_ragged.py). The values are the caller's contract (0 <= sinks, 0 <= recent,
-    sinks + recent <= keep and 0 <= target_from < keep in a row that can evict), not checked: that would
-    synchronise with the device."""
-    _evict_one_in_place(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks, recent,
-                        target_from, beta, variant, min_cos, bias)
-
-
-def _evict_one_in_place(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor,
-                        length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: int | Tensor,
-                        sinks: int | Tensor, recent: int | Tensor, target_from: int | Tensor, beta: float,
-                        variant: str, min_cos: float, bias: bool) -> None:
+def evict_one_in_place(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor,
+                       length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: int | Tensor,
+                       sinks: int | Tensor, recent: int | Tensor, target_from: int | Tensor, beta: float,
+                       variant: str, min_cos: float, bias: bool) -> None:
     """Both references: one ``keep`` for every row (ints: an evicting row is full, its newest entry in slot
-    C - 1) or one per batch row ([B] tensors: the newest entry of an evicting row in slot length - 1)."""
+    C - 1) or one per batch row ([B] int64 tensors, ``d2o_evict_one_ragged``: the newest entry of an
+    evicting row in slot length - 1; a row that evicts nothing is left as it is, even full)."""
     b, h, c, d = k.shape
     pick = pick_one(k, v, col_sum, position, length, keep, sinks, recent, target_from)
     new_tau, new_set = ema_threshold(pick.u_star, pick.valid, tau, tau_set, beta)
@@ -456,7 +444,7 @@ def check_evict_one_inputs(k: Tensor, v: Tensor, col_sum: Tensor, position: Tens
                            length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: int,
                            sinks: int, recent: int, variant: str, target_from: int = 0) -> None:
     """ValueError naming the tensor, the expected and the actual shape/dtype (or the bad split of keep)."""
-    _check_layer(k, v)
+    check_layer_tensors(k, v)
     c = k.shape[2]
     if c != keep + 1 or keep < 1:
         raise ValueError(f"capacity C must be keep + 1 with keep >= 1, got C = {c}, keep = {keep}")
@@ -464,32 +452,20 @@ def check_evict_one_inputs(k: Tensor, v: Tensor, col_sum: Tensor, position: Tens
         raise ValueError(f"sinks ({sinks}) + recent ({recent}) must be at most keep ({keep}), both >= 0")
     if not 0 <= target_from < keep:                       # else an evicting row could have no merge target
         raise ValueError(f"target_from must lie in [0, keep = {keep}), got {target_from}")
-    _check_metadata(k, v, col_sum, position, log_weight, length, tau, tau_set, others, variant)
+    check_layer_metadata(k, v, col_sum, position, log_weight, length, tau, tau_set, others, variant)
 
 
-def check_evict_one_ragged_inputs(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor,
-                                  length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: Tensor,
-                                  sinks: Tensor, recent: Tensor, target_from: Tensor, variant: str) -> None:
-    """``check_evict_one_inputs`` for per-row budgets: keep, sinks, recent, target_from must be contiguous
-    [B] int64 on k's device (their values are not read: that would synchronise with the device)."""
-    _check_layer(k, v)
-    b = k.shape[0]
-    for name, t in (("keep", keep), ("sinks", sinks), ("recent", recent), ("target_from", target_from)):
-        if not isinstance(t, Tensor) or t.dtype != torch.int64 or tuple(t.shape) != (b,) or not t.is_contiguous():
-            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else repr(t)
-            raise ValueError(f"{name} must be a contiguous torch.int64 ({b},) tensor (one value per batch row), got {got}")
-        check_device(name, t, k.device)
-    _check_metadata(k, v, col_sum, position, log_weight, length, tau, tau_set, others, variant)
-
-
-def _check_layer(k: Tensor, v: Tensor) -> None:
+def check_layer_tensors(k: Tensor, v: Tensor) -> None:
+    """ValueError unless k, v are one float [B, Hkv, C, D] shape and dtype."""
     if k.dim() != 4 or v.shape != k.shape or v.dtype != k.dtype or not k.dtype.is_floating_point:
         raise ValueError(f"k, v must be one float [B, Hkv, C, D] shape, got {k.dtype} {tuple(k.shape)}, "
                          f"{v.dtype} {tuple(v.shape)}")
 
 
-def _check_metadata(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor, length: Tensor,
-                    tau: Tensor, tau_set: Tensor, others: list[Tensor], variant: str) -> None:
+def check_layer_metadata(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor,
+                         length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], variant: str) -> None:
+    """ValueError naming the tensor where the variant, or a metadata tensor's dtype, shape, layout or
+    device, is not what the step takes."""
     b, h, c, _ = k.shape
     if variant not in ("paper", "code"):
         raise ValueError(f"variant must be 'paper' or 'code', got {variant!r}")
@@ -537,31 +513,19 @@ def d2o_evict_one_triton(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor
     require_triton()
     check_evict_one_inputs(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks, recent,
                            variant, target_from)
-    _launch(k, v, col_sum, position, log_weight, length, tau, tau_set, others, (keep, sinks, recent, target_from),
-            None, beta, variant, min_cos, bias, splits, block_c, block_scan, num_warps)
+    launch_evict_one(k, v, col_sum, position, log_weight, length, tau, tau_set, others,
+                     (keep, sinks, recent, target_from), None, beta, variant, min_cos, bias, splits, block_c,
+                     block_scan, num_warps)
 
 
-def d2o_evict_one_ragged_triton(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor,
-                                length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: Tensor,
-                                sinks: Tensor, recent: Tensor, target_from: Tensor, beta: float, variant: str,
-                                min_cos: float = NO_FLOOR, bias: bool = False, *, splits: int | None = None,
-                                block_c: int = 32, block_scan: int = 1024, num_warps: int = 8) -> None:
-    """The same three kernels with a budget per batch row (contract of ``d2o_evict_one_ragged_reference``):
-    they read row b's keep, sinks, recent and target_from from the [B] tensors (no compilation per budget)
-    and take the newest entry from slot length - 1. A row below its own budget scans nothing."""
-    require_triton()
-    check_evict_one_ragged_inputs(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks,
-                                  recent, target_from, variant)
-    _launch(k, v, col_sum, position, log_weight, length, tau, tau_set, others, (0, 0, 0, 0),
-            (keep, sinks, recent, target_from), beta, variant, min_cos, bias, splits, block_c, block_scan, num_warps)
-
-
-def _launch(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor, length: Tensor,
-            tau: Tensor, tau_set: Tensor, others: list[Tensor], split: tuple[int, int, int, int],
-            row_split: tuple[Tensor, Tensor, Tensor, Tensor] | None, beta: float, variant: str, min_cos: float,
-            bias: bool, splits: int | None, block_c: int, block_scan: int, num_warps: int) -> None:
-    """Kernels A, B, C. ``split``: (keep, sinks, recent, target_from) of every row; ``row_split``: the same as
-    [B] tensors, one value per batch row (then ``split`` is ignored), or None."""
+def launch_evict_one(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor, length: Tensor,
+                     tau: Tensor, tau_set: Tensor, others: list[Tensor], split: tuple[int, int, int, int],
+                     row_split: tuple[Tensor, Tensor, Tensor, Tensor] | None, beta: float, variant: str,
+                     min_cos: float, bias: bool, splits: int | None, block_c: int, block_scan: int,
+                     num_warps: int) -> None:
+    """Kernels A, B, C on checked inputs. ``split``: (keep, sinks, recent, target_from) of every row;
+    ``row_split``: the same as [B] int64 tensors, one value per batch row (``d2o_evict_one_ragged``; then
+    ``split`` is ignored), or None."""
     b, h, c, d = k.shape
     keep, sinks, recent, target_from = split
     ragged = row_split is not None
@@ -619,31 +583,9 @@ def _(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, s
     return None
 
 
-@torch.library.custom_op("kvpass::d2o_evict_one_ragged", mutates_args=(
-    "k", "v", "col_sum", "position", "log_weight", "length", "tau", "tau_set", "others"))
-def d2o_evict_one_ragged(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor,
-                         length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: Tensor,
-                         sinks: Tensor, recent: Tensor, target_from: Tensor, beta: float, variant: str,
-                         min_cos: float = NO_FLOOR, bias: bool = False) -> None:
-    d2o_evict_one_ragged_reference(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks,
-                                   recent, target_from, beta, variant, min_cos, bias)
-
-
-@d2o_evict_one_ragged.register_fake
-def _(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks, recent, target_from, beta,
-      variant, min_cos=NO_FLOOR, bias=False):
-    return None
-
-
 if HAS_TRITON:
     @d2o_evict_one.register_kernel("cuda")
     def _(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks, recent, beta, variant,
           min_cos=NO_FLOOR, target_from=0, bias=False):
         d2o_evict_one_triton(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks,
                              recent, beta, variant, min_cos, target_from, bias)
-
-    @d2o_evict_one_ragged.register_kernel("cuda")
-    def _(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks, recent, target_from, beta,
-          variant, min_cos=NO_FLOOR, bias=False):
-        d2o_evict_one_ragged_triton(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks,
-                                    recent, target_from, beta, variant, min_cos, bias)

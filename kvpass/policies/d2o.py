@@ -16,7 +16,6 @@ from kvpass.kernels.d2o_evict_one import (
     NO_FLOOR,
     NO_MERGE,
     OneEviction,
-    d2o_evict_one_ragged_reference,
     d2o_evict_one_reference,
     ema_threshold,
     merge_weights,
@@ -24,6 +23,7 @@ from kvpass.kernels.d2o_evict_one import (
     pick_one,
 )
 from kvpass.kernels.d2o_evict_one import merged_rows as _merged_rows
+from kvpass.kernels.d2o_evict_one_ragged import d2o_evict_one_ragged_reference
 from kvpass.policies.allocation import apportion
 from kvpass.policies.base import Policy, Stat, require
 from kvpass.policies.selection import kept_slots, ordered_slots, select_kept

@@ -12,11 +12,8 @@ import pytest
 import torch
 
 from kvpass.cache import LayerCache, put_rows_at, take_rows
-from kvpass.kernels.d2o_evict_one import (
-    d2o_evict_one_ragged_reference,
-    d2o_evict_one_ragged_triton,
-    d2o_evict_one_reference,
-)
+from kvpass.kernels.d2o_evict_one import d2o_evict_one_reference
+from kvpass.kernels.d2o_evict_one_ragged import d2o_evict_one_ragged_reference, d2o_evict_one_ragged_triton
 from kvpass.policies.d2o import D2O, TAU, TAU_SET
 from tests.kernels.test_d2o_evict_one import assert_same, copied, decode_write, random_layer
 
