@@ -101,7 +101,8 @@ def run(args: argparse.Namespace) -> dict:
     models = {}
     for name in {policy for _, policy, _ in CONFIGS}:
         policy = get_policy(name)
-        models[name] = KVPassModel(model, policy, args.budget, captured, insert_compressed_cache(captured.gm, sites, policy))
+        graphs = insert_compressed_cache(captured.gm, sites, policy)
+        models[name] = KVPassModel(model, policy, args.budget, captured, graphs)
     rows: list[dict] = []
     for batch in args.batches:
         ids, mask = unequal_prompts(batch, args.prompt, args.spread, config["vocab_size"], seed=batch)
@@ -152,9 +153,11 @@ def run(args: argparse.Namespace) -> dict:
         got = {r["label"]: r for r in rows if r["batch"] == batch and "ms_per_token_median" in r}
         entry = {}
         if "d2o" in got and "d2o-per-row" in got:
-            entry["d2o_per_row_over_one_call"] = got["d2o-per-row"]["ms_per_token_median"] / got["d2o"]["ms_per_token_median"]
+            entry["d2o_per_row_over_one_call"] = (got["d2o-per-row"]["ms_per_token_median"]
+                                                  / got["d2o"]["ms_per_token_median"])
         if "d2o" in got and "streamingllm" in got:
-            entry["d2o_tokens_per_s_over_streamingllm"] = got["d2o"]["tokens_per_s"] / got["streamingllm"]["tokens_per_s"]
+            entry["d2o_tokens_per_s_over_streamingllm"] = (got["d2o"]["tokens_per_s"]
+                                                           / got["streamingllm"]["tokens_per_s"])
         summary[str(batch)] = entry
     return {"device": gpu_name(device) if device.type == "cuda" else "cpu", "dtype": str(dtype), "model": config,
             "budget": args.budget, "prompt": args.prompt, "spread": args.spread, "smoke": args.smoke,
@@ -168,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model and prompts (a test of the script)")
     parser.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes (default 16 32; smoke 2 3)")
     parser.add_argument("--prompt", type=int, default=None, help="longest prompt (default 4096; smoke 48)")
-    parser.add_argument("--spread", type=int, default=None, help="prompts are [prompt - spread, prompt] (default 512; smoke 16)")
+    parser.add_argument("--spread", type=int, default=None,
+                        help="prompt lengths lie in [prompt - spread, prompt] (default 512; smoke 16)")
     parser.add_argument("--budget", type=float, default=0.2)
     parser.add_argument("--warm", type=int, default=None, help="untimed steps (default 8; smoke 2)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 32; smoke 4)")

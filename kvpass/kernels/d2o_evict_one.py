@@ -184,7 +184,8 @@ def evict_one_in_place(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, 
     ragged = not isinstance(keep, int)
     row0 = torch.arange(b * h, device=k.device).view(b, h, 1) * c
     last = newest_slot(length, pick.valid[..., 0], c)[..., None] if ragged else c - 1
-    flat_n, flat_e, flat_last = (pick.nearest + row0).reshape(-1), (pick.e + row0).reshape(-1), (row0 + last).reshape(-1)
+    flat_n, flat_e = (pick.nearest + row0).reshape(-1), (pick.e + row0).reshape(-1)
+    flat_last = (row0 + last).reshape(-1)
     for buf, src in ((k, pick.k_e), (v, pick.v_e)):
         rows = buf.view(b * h * c, d)
         into = rows.index_select(0, flat_n).view(b, h, 1, d)

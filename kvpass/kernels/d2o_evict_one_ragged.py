@@ -52,7 +52,8 @@ def check_evict_one_ragged_inputs(k: Tensor, v: Tensor, col_sum: Tensor, positio
     for name, t in (("keep", keep), ("sinks", sinks), ("recent", recent), ("target_from", target_from)):
         if not isinstance(t, Tensor) or t.dtype != torch.int64 or tuple(t.shape) != (b,) or not t.is_contiguous():
             got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else repr(t)
-            raise ValueError(f"{name} must be a contiguous torch.int64 ({b},) tensor (one value per batch row), got {got}")
+            raise ValueError(f"{name} must be a contiguous torch.int64 ({b},) tensor (one value per batch row), "
+                             f"got {got}")
         check_device(name, t, k.device)
     check_layer_metadata(k, v, col_sum, position, log_weight, length, tau, tau_set, others, variant)
 

@@ -314,7 +314,8 @@ class D2O(Policy):
         budget + 1 (the one-in-one-out step, ``interval`` 1): a row is due exactly when it holds budget + 1
         entries, so compressing every row of the layer at its own budget evicts one entry from each due row
         and nothing from the others. Not under tensor parallelism (the threshold spans ranks: the general path)."""
-        return self.heads.world == 1 and all(1 <= cap <= keep + 1 for keep, cap in zip(budgets, capacities, strict=True))
+        return self.heads.world == 1 and all(1 <= cap <= keep + 1
+                                             for keep, cap in zip(budgets, capacities, strict=True))
 
     def split_rows(self, keep: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``split`` per batch row: keep [B] int64 -> (sinks, important N incl. sinks, recent M), each [B]."""

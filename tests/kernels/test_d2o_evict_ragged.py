@@ -94,7 +94,7 @@ def test_ragged_reference_with_one_keep_is_the_one_budget_reference() -> None:
     keep, sinks, recent = 10, 2, 3
     want = random_layer(3, 2, keep, 8, seed=4, dtype=torch.float32)
     got = copied(want, "cpu")
-    split = (torch.full((3,), keep), torch.full((3,), sinks), torch.full((3,), recent), torch.zeros(3, dtype=torch.long))
+    split = tuple(torch.full((3,), x) for x in (keep, sinks, recent, 0))
     gen, gen2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
     for step in range(3):
         d2o_evict_one_reference(want["k"], want["v"], want["col_sum"], want["position"], want["log_weight"],
