@@ -159,6 +159,7 @@ class _Layer:
     row_caps: list[int] = field(default_factory=list)
     row_len: list[int] = field(default_factory=list)
     row_extra: list[int] = field(default_factory=list)    # head_capacity(budget) - budget per row (adakv)
+    _keep_rows: tuple[tuple[int, ...], Tensor] | None = field(default=None, repr=False)
 
     def caches(self) -> list[LayerCache]:
         return [self.cache] if self.full is None else [self.cache, self.full]
@@ -173,8 +174,21 @@ class _Layer:
 
     def whole(self, rows: Sequence[int]) -> bool:
         """Whether compressing ``rows`` is compressing the whole layer at one budget in its own buffers."""
-        return (len(rows) == len(self.row_budgets) and len(set(self.row_budgets)) == 1
-                and all(cap == self.cache.capacity for cap in self.row_caps))
+        return len(rows) == len(self.row_budgets) and self.one_budget
+
+    @property
+    def one_budget(self) -> bool:
+        """Every row has the layer's budget and capacity (``Policy.compress_into`` fits the layer)."""
+        return len(set(self.row_budgets)) == 1 and all(cap == self.cache.capacity for cap in self.row_caps)
+
+    def keep_rows(self) -> Tensor:
+        """``row_budgets`` as a [B] int64 tensor on the cache's device (``Policy.compress_rows_into``), made
+        once for the session's budgets: it exists before a CUDA-graphed step is captured (the step calls
+        this first) and keeps its address."""
+        key = tuple(self.row_budgets)
+        if self._keep_rows is None or self._keep_rows[0] != key or self._keep_rows[1].device != self.cache.k.device:
+            self._keep_rows = (key, torch.tensor(key, dtype=torch.long, device=self.cache.k.device))
+        return self._keep_rows[1]
 
     def set_row_len(self, lengths: Sequence[int]) -> None:
         self.row_len = [int(n) for n in lengths]
@@ -258,6 +272,11 @@ class KVPassModel(nn.Module):
         # per-layer budgets (D2O, PyramidKV) are then those of the first group's largest [OURS]: the one
         # place where a row's budgets depend on its batch-mates (the stacked buffers need one layout).
         self.prefill_rows: int | None = None
+        # Decode-time compression of a layer whose rows have budgets of their own (D2O's per-row layer budgets):
+        # True takes the whole layer in one call where the policy can (``Policy.rows_in_one_call``), in the
+        # CUDA-graphed step; False compresses the due rows one budget at a time in copies (eager, a host sync
+        # a layer): the old path, kept for benchmarks/ragged_decode_gpu.py's before/after. Same tokens.
+        self.rows_in_one_call = True
         self._lock = threading.Lock()              # held by generate(): a second thread gets ModelInUse
         # bytes free on the device for the pre-prefill memory check (None: validation.free_device_bytes, which
         # asks CUDA and skips other devices); tests set a function to exercise the check on the CPU
@@ -724,7 +743,7 @@ class DecodeSession:
             rows = lay.due_rows() if lay.compressible and not self._still_wide(lay) else []
             if not rows:
                 continue
-            if lay.whole(rows):                   # every row at one budget in the layer's own buffers
+            if lay.whole(rows) or self._rows_in_one_call(lay):    # the whole layer in its own buffers
                 whole.append(i)
             else:                                 # some rows, or rows of their own budgets: each as if alone
                 self.owner._compress_rows_into(lay, rows)
@@ -733,7 +752,7 @@ class DecodeSession:
         if due and not self.owner.decode_step.graphed(self.logits.device, due):
             for i in due:                         # eager: compress, check the budget (a sync), then the step
                 lay = self.layers[i]
-                self.policy.compress_into(lay.cache, lay.budget)
+                self._compress_layer(lay)
                 lay.set_row_len(self.owner.heads.max(lay.cache.length.amax(-1)).tolist())
                 self.owner._check_within_budget(lay)
             due_in_step: tuple[int, ...] = ()
@@ -755,6 +774,28 @@ class DecodeSession:
                     load_into(lay.cache, self.policy.maintain(lay.cache, site.layer))
         self.decode_seconds += time.perf_counter() - start
         return self.logits
+
+    def _rows_in_one_call(self, lay: _Layer) -> bool:
+        """Whether the layer's rows, of budgets of their own, are compressed by one call of the policy
+        (``Policy.rows_in_one_call``: every due row as alone, the others unchanged) rather than one budget at
+        a time in copies (``KVPassModel._compress_rows_into``). Makes the per-row budget tensor now, before
+        a CUDA-graphed step could capture it. ``KVPassModel.rows_in_one_call = False`` turns it off (the
+        benchmark's before/after)."""
+        if not (self.owner.rows_in_one_call and not any(lay.row_extra)
+                and self.policy.rows_in_one_call(lay.row_budgets, lay.row_caps)):
+            return False
+        if not lay.one_budget:
+            lay.keep_rows()
+        return True
+
+    def _compress_layer(self, lay: _Layer) -> None:
+        """The whole layer in its own buffers: ``compress_rows_into`` at each row's own budget where the rows'
+        budgets or capacities differ and ``_rows_in_one_call``, else ``compress_into`` at the layer's budget.
+        No host sync."""
+        if not lay.one_budget and self._rows_in_one_call(lay):
+            self.policy.compress_rows_into(lay.cache, lay.keep_rows())
+        else:
+            self.policy.compress_into(lay.cache, lay.budget)
 
     def _still_wide(self, lay: _Layer) -> bool:
         """A layer whose prompt compression ``Policy.prompt_compression_deferred`` put off: its buffers
@@ -862,7 +903,7 @@ class DecodeSession:
         with ``join=False`` left for the decode graph to await layer by layer (``fork_side_by_side``; the
         step joins what is left after the graph)."""
         def compress(i: int) -> None:
-            self.policy.compress_into(self.layers[i].cache, self.layers[i].budget)
+            self._compress_layer(self.layers[i])
             if slots is not None and i in slots:
                 slots[i].copy_(self.layers[i].cache.length)
 

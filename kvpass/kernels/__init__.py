@@ -28,6 +28,7 @@ from kvpass.kernels.cosine_kmeans_assign import cosine_kmeans_assign, cosine_kme
 from kvpass.kernels.cosine_kmeans_update import cosine_kmeans_update, cosine_kmeans_update_reference
 from kvpass.kernels.cosine_match import cosine_match, cosine_match_reference
 from kvpass.kernels.d2o_evict_one import d2o_evict_one, d2o_evict_one_reference
+from kvpass.kernels.d2o_evict_one_ragged import d2o_evict_one_ragged, d2o_evict_one_ragged_reference
 from kvpass.kernels.decode_attention import decode_attention, decode_attention_reference
 from kvpass.kernels.ems_expansion_attention import ems_expansion_attention, ems_expansion_attention_reference
 from kvpass.kernels.gemv import gemv, gemv_reference
@@ -51,6 +52,7 @@ REFERENCES: dict[str, Callable] = {
     "cosine_kmeans_update": cosine_kmeans_update_reference,
     "cosine_match": cosine_match_reference,
     "d2o_evict_one": d2o_evict_one_reference,
+    "d2o_evict_one_ragged": d2o_evict_one_ragged_reference,
     "decode_attention": decode_attention_reference,
     "ems_expansion_attention": ems_expansion_attention_reference,
     "gemv": gemv_reference,
@@ -88,6 +90,7 @@ __all__ = [
     "cosine_kmeans_update", "cosine_kmeans_update_reference",
     "cosine_match", "cosine_match_reference",
     "d2o_evict_one", "d2o_evict_one_reference",
+    "d2o_evict_one_ragged", "d2o_evict_one_ragged_reference",
     "decode_attention", "decode_attention_reference",
     "ems_expansion_attention", "ems_expansion_attention_reference",
     "gemv", "gemv_reference",

@@ -33,6 +33,10 @@ updated in place; nothing is returned and nothing synchronises with the host.
 Cost per evicting row: reads of C positions, C scores and C keys (C D elements), writes of at most
 three slots. Rows that evict nothing read nothing beyond their length.
 
+Rows of budgets of their own (D2O's per-row layer budgets): kvpass/kernels/d2o_evict_one_ragged.py, the
+same step with keep, sinks, recent, target_from per batch row (the references share ``evict_one_in_place``,
+the kernels their RAGGED form); there the newest entry of an evicting row is at slot length - 1.
+
 Triton path (CUDA; on CPU under TRITON_INTERPRET=1 for the tests), three kernels. A and B run one
 program per (row, split of its slots): A the chunk's lowest candidate score, B the row's e from A's
 minima and the chunk's most similar key. C, one program per batch row: combines the splits' maxima,
@@ -71,28 +75,45 @@ class OneEviction(NamedTuple):
     u_star: Tensor
 
 
-def pick_one(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, length: Tensor, keep: int, sinks: int,
-             recent: int, target_from: int = 0) -> OneEviction:
+def _rows(x: int | Tensor, b: int, dims: int) -> int | Tensor:
+    """An int as it is, or a per batch row [B] tensor viewed [B, 1, ...] (``dims`` ones) to broadcast."""
+    return x if isinstance(x, int) else x.view(b, *([1] * dims))
+
+
+def newest_slot(length: Tensor, evict: Tensor, c: int) -> Tensor:
+    """[B, Hkv] slot of the newest entry of an evicting row, ``length - 1`` (the slot the decode step just
+    wrote), and C - 1 for the others (then the move of the newest entry is a move of slot C - 1 onto itself)."""
+    return torch.where(evict, length - 1, c - 1)
+
+
+def pick_one(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, length: Tensor, keep: int | Tensor,
+             sinks: int | Tensor, recent: int | Tensor, target_from: int | Tensor = 0) -> OneEviction:
     """§5.5-5.6 for rows of at most keep + 1 entries (plain torch): the lowest ``col_sum`` outside the
     sinks (slots [0, sinks), where they stay) and the recent window (the ``recent`` newest positions),
     its K, V and its most cosine-similar other live key at a slot >= ``target_from``. A row holding at
     most keep entries evicts nothing (e = C - 1). A row's positions count its tokens and the window is never evicted, so the
     window is exactly the positions above newest - recent, wherever their slots are; newest is the
-    position in slot C - 1, where the decode step wrote its entry (a row that evicts is full).
-    k, v: [B, Hkv, C, D]; col_sum, position: [B, Hkv, C]; length: [B, Hkv]."""
+    position in slot length - 1, where the decode step wrote its entry (slot C - 1 with one ``keep`` for
+    every row: a row that evicts is full).
+    k, v: [B, Hkv, C, D]; col_sum, position: [B, Hkv, C]; length: [B, Hkv]; keep, sinks, recent,
+    target_from: ints, or [B] int64 tensors (each batch row its own budget and split: ``d2o_evict_one_ragged``)."""
     b, h, c, d = k.shape
     j = torch.arange(c, device=k.device)
     live = j < length[..., None]
-    evict = length > keep                                                  # [B, Hkv]
-    newest = position[..., c - 1:]                                         # [B, Hkv, 1]
-    cand = live & (j >= sinks) & (position <= newest - recent)
+    evict = length > _rows(keep, b, 1)                                     # [B, Hkv]
+    if isinstance(keep, int):
+        newest = position[..., c - 1:]                                     # [B, Hkv, 1]
+    else:
+        newest = position.gather(2, newest_slot(length, evict, c)[..., None])
+    cand = live & (j >= _rows(sinks, b, 2)) & (position <= newest - _rows(recent, b, 2))
     prio = torch.where(cand, col_sum.double(), float("inf"))
     e = torch.where(evict, prio.argmin(-1), c - 1)[..., None]              # [B, Hkv, 1]
     flat_e = (e + torch.arange(b * h, device=e.device).view(b, h, 1) * c).reshape(-1)
     k_e = k.reshape(b * h * c, d).index_select(0, flat_e).view(b, h, 1, d)
     v_e = v.reshape(b * h * c, d).index_select(0, flat_e).view(b, h, 1, d)
     # one source row per (b, g): the plain torch matcher (one [1, C] product) beats a kernel launch
-    nearest, u_star = cosine_match_reference(k_e, k, live & (j != e) & (j >= target_from))     # [B, Hkv, 1]
+    targets = live & (j != e) & (j >= _rows(target_from, b, 2))
+    nearest, u_star = cosine_match_reference(k_e, k, targets)                               # [B, Hkv, 1]
     valid = evict[..., None]
     return OneEviction(e, valid, k_e, v_e, nearest.clamp(min=0), torch.where(valid, u_star, 0.0))
 
@@ -143,30 +164,48 @@ def d2o_evict_one_reference(k: Tensor, v: Tensor, col_sum: Tensor, position: Ten
                             target_from: int = 0, bias: bool = False) -> None:
     """The in-place step in plain torch (the op's definition; CPU and export). O(C) reads of the
     scores and keys of a row, writes of two slots per row (index_select / index_copy_)."""
+    evict_one_in_place(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks, recent,
+                       target_from, beta, variant, min_cos, bias)
+
+
+def evict_one_in_place(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor,
+                       length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: int | Tensor,
+                       sinks: int | Tensor, recent: int | Tensor, target_from: int | Tensor, beta: float,
+                       variant: str, min_cos: float, bias: bool) -> None:
+    """Both references: one ``keep`` for every row (ints: an evicting row is full, its newest entry in slot
+    C - 1) or one per batch row ([B] int64 tensors, ``d2o_evict_one_ragged``: the newest entry of an
+    evicting row in slot length - 1; a row that evicts nothing is left as it is, even full)."""
     b, h, c, d = k.shape
     pick = pick_one(k, v, col_sum, position, length, keep, sinks, recent, target_from)
     new_tau, new_set = ema_threshold(pick.u_star, pick.valid, tau, tau_set, beta)
     tau.copy_(new_tau)
     tau_set.copy_(new_set)
     merged, w_e, w_self = merge_weights(pick.u_star, pick.valid, new_tau, variant, min_cos)
+    ragged = not isinstance(keep, int)
     row0 = torch.arange(b * h, device=k.device).view(b, h, 1) * c
+    last = newest_slot(length, pick.valid[..., 0], c)[..., None] if ragged else c - 1
     flat_n, flat_e = (pick.nearest + row0).reshape(-1), (pick.e + row0).reshape(-1)
-    flat_last = (row0 + c - 1).reshape(-1)
+    flat_last = (row0 + last).reshape(-1)
     for buf, src in ((k, pick.k_e), (v, pick.v_e)):
         rows = buf.view(b * h * c, d)
         into = rows.index_select(0, flat_n).view(b, h, 1, d)
         rows.index_copy_(0, flat_n, merged_rows(into, src, merged, w_e, w_self, variant).view(b * h, d))
-    if bias:                                           # before the move: nearest may be slot c - 1
+    if bias:                                           # before the move: nearest may be the newest entry
         lw = log_weight.view(-1)
         into, src = lw.index_select(0, flat_n), lw.index_select(0, flat_e)
         lw.index_copy_(0, flat_n, torch.where(merged.reshape(-1), merged_log_weight(into, src), into))
-    # the newest entry (slot c - 1) moves into the evicted slot; a row that evicted nothing has
-    # e = c - 1, an empty slot, so the move and the clearing below leave it unchanged
+    # the newest entry (slot last) moves into the evicted slot; a row that evicted nothing has
+    # e = last = c - 1, so the move is of that slot onto itself
     for t in (k, v, log_weight, position, col_sum, *others):
         rows = t.view(b * h * c, *t.shape[3:])
         rows.index_copy_(0, flat_e, rows.index_select(0, flat_last))
     for t, empty in ((log_weight, EMPTY), (position, -1), (col_sum, 0), *((m, 0) for m in others)):
-        t[:, :, c - 1] = empty
+        if not ragged:                                 # one keep: slot c - 1 of a row that evicts nothing is empty
+            t[:, :, c - 1] = empty
+            continue
+        rows = t.view(b * h * c, *t.shape[3:])         # a row of its own keep may be full and evict nothing
+        gone = pick.valid.reshape(-1, *([1] * (t.dim() - 3)))
+        rows.index_copy_(0, flat_last, torch.where(gone, empty, rows.index_select(0, flat_last)))
     length.sub_(pick.valid[..., 0].long())
 
 
@@ -174,8 +213,10 @@ def d2o_evict_one_reference(k: Tensor, v: Tensor, col_sum: Tensor, position: Ten
 # Three kernels; the first two split every row's C slots into chunks [s CHUNK, (s + 1) CHUNK), one
 # program a (row = b Hkv + g, split s), so a row's scans run side by side (B Hkv programs alone would
 # leave most SMs idle at B = 1). n = length if length > keep else 0 (a row that evicts nothing scans nothing).
+# RAGGED: keep, sinks, recent and target_from are row b's, loaded from [B] tensors; else the same for all.
+# last = n - 1 if the row evicts, else C - 1: the newest entry's slot (C - 1 with one keep: the row is full).
 # Kernel A, the candidates of the chunk:
-#     newest = position[C - 1]          (the entry this step wrote: a row that evicts is full)
+#     newest = position[last]           (the entry this step wrote)
 #     low[row, s], arg[row, s] = first (min, argmin) over j < n of the chunk of
 #              (col_sum[j] if j >= sinks and position[j] <= newest - recent else inf)     (arg = s CHUNK if none)
 #     fp32 comparisons give the order of the reference's fp64 ones (an exact cast)
@@ -207,21 +248,33 @@ def _row_scan_bounds(LENGTH, row, split, CHUNK, KEEP):
     return evict, n, lo, tl.minimum(lo + CHUNK, n)
 
 
+@triton.jit
+def _of_row(SCALAR, ROWS, b, RAGGED: tl.constexpr):
+    """ROWS[b] (a [B] int64 tensor: each batch row its own value) if RAGGED, else SCALAR (every row's)."""
+    if RAGGED:
+        return tl.load(ROWS + b)
+    else:
+        return SCALAR
+
+
 # The row lengths, budget and splits are plain integers, not specialised on (Triton would compile again for
 # each new divisibility by 16, and these change with every budget: a new max_new_tokens, a new layer budget).
 _LENGTHS = ("C", "CHUNK", "KEEP", "SPLITS")
 
 
-@triton.jit(do_not_specialize=(*_LENGTHS, "SINKS", "RECENT"))
+@triton.jit(do_not_specialize=(*_LENGTHS, "SINKS", "RECENT", "HKV"))
 def _candidate_kernel(
-    COL, POS, LENGTH, LOW, ARG, C, CHUNK, KEEP, SINKS, RECENT, SPLITS,
-    BLOCK_SCAN: tl.constexpr,
+    COL, POS, LENGTH, LOW, ARG, C, CHUNK, KEEP, SINKS, RECENT, SPLITS, HKV, KEEPS, SINKSS, RECENTS,
+    BLOCK_SCAN: tl.constexpr, RAGGED: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
+    b = (row // HKV).to(tl.int64)
     base = row.to(tl.int64) * C                          # COL, POS: contiguous [B Hkv, C]
-    evict, n, lo, hi = _row_scan_bounds(LENGTH, row, split, CHUNK, KEEP)
-    newest = tl.load(POS + base + C - 1)
+    evict, n, lo, hi = _row_scan_bounds(LENGTH, row, split, CHUNK, _of_row(KEEP, KEEPS, b, RAGGED))
+    sinks = _of_row(SINKS, SINKSS, b, RAGGED)
+    recent = _of_row(RECENT, RECENTS, b, RAGGED)
+    newest = tl.load(POS + base + tl.where(evict, n - 1, C - 1))
     low = tl.full([], float("inf"), tl.float32)
     e = lo.to(tl.int64)
     for c0 in range(lo, hi, BLOCK_SCAN):
@@ -229,7 +282,7 @@ def _candidate_kernel(
         m = offs < hi
         pos = tl.load(POS + base + offs, mask=m, other=-1)
         score = tl.load(COL + base + offs, mask=m, other=0.0)
-        score = tl.where(m & (offs >= SINKS) & (pos <= newest - RECENT), score, float("inf"))
+        score = tl.where(m & (offs >= sinks) & (pos <= newest - recent), score, float("inf"))
         blk_low = tl.min(score, 0)
         blk_e = tl.argmin(score, 0).to(tl.int64) + c0
         e = tl.where(blk_low < low, blk_e, e)
@@ -243,15 +296,16 @@ def _candidate_kernel(
 def _nearest_key_kernel(
     K, LENGTH, LOW, ARG, E, BEST, NEAREST,
     skb, skh, skc, skd,
-    HKV, C, CHUNK, KEEP, SPLITS, TARGET_FROM,
+    HKV, C, CHUNK, KEEP, SPLITS, TARGET_FROM, KEEPS, TARGETS,
     HEAD_DIM: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SPLITS: tl.constexpr, ACC: tl.constexpr, F64: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr, ACC: tl.constexpr, F64: tl.constexpr, RAGGED: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
     b = (row // HKV).to(tl.int64)
     g = (row % HKV).to(tl.int64)
-    evict, n, lo, hi = _row_scan_bounds(LENGTH, row, split, CHUNK, KEEP)
+    evict, n, lo, hi = _row_scan_bounds(LENGTH, row, split, CHUNK, _of_row(KEEP, KEEPS, b, RAGGED))
+    target_from = _of_row(TARGET_FROM, TARGETS, b, RAGGED)
     offs_s = tl.arange(0, BLOCK_SPLITS)
     parts = row.to(tl.int64) * SPLITS + offs_s
     low = tl.load(LOW + parts, mask=offs_s < SPLITS, other=float("inf"))
@@ -272,7 +326,7 @@ def _nearest_key_kernel(
         y = tl.load(k_row + offs[:, None] * skc + offs_d[None, :] * skd, mask=m[:, None] & d_mask[None, :],
                     other=0.0).to(ACC)
         s = _unit(tl.sum(x[None, :] * y, 1), tl.sum(y * y, 1), eps, F64)       # one division a key, not D
-        s = tl.where(m & (offs != e) & (offs >= TARGET_FROM), s, float("-inf"))
+        s = tl.where(m & (offs != e) & (offs >= target_from), s, float("-inf"))
         blk_best = tl.max(s, 0)
         blk_j = tl.argmax(s, 0).to(tl.int64) + c0
         nearest = tl.where(blk_best > best, blk_j, nearest)
@@ -285,19 +339,19 @@ def _nearest_key_kernel(
 
 # Kernel C, program b over its heads g (vectors of BLOCK_H):
 #     nearest_g, u_g = first max over the splits of (best, nearest) (an earlier split wins ties)
-#     ev_g = length_g > keep;  u_g = 0 unless ev_g;  n = sum_g ev_g
+#     ev_g = length_g > keep;  last_g = length_g - 1 if ev_g else C - 1;  u_g = 0 unless ev_g;  n = sum_g ev_g
 #     current = sum_g u_g / max(n, 1);  tau, tau_set as in the module docstring (beta, 1 - beta fp32)
 #     merged_g, w_e, norm per the variant, and u_g >= min_cos;  per block of D:
 #         new  = (w_self k[nearest_g] + w_e k[e_g]) / norm   (fp32, IEEE division, no FMA contraction,
 #                                                            as torch's separate elementwise kernels)
-#         k[nearest_g] <- new where merged_g;  k[e_g] <- (new if merged_g and nearest_g = C - 1 else
-#                                                         k[C - 1]) where ev_g          (v likewise)
+#         k[nearest_g] <- new where merged_g;  k[e_g] <- (new if merged_g and nearest_g = last_g else
+#                                                         k[last_g]) where ev_g          (v likewise)
 #     BIAS: lw[nearest_g] <- max + log(exp(lw_n - max) + exp(lw_e - max)) where merged_g (before the move)
-#     slot e_g <- slot C - 1's col_sum, position, log_weight; slot C - 1 <- empty; length_g -= 1
+#     slot e_g <- slot last_g's col_sum, position, log_weight; slot last_g <- empty; length_g -= 1 (where ev_g)
 # All loads of a block come before its stores (with a barrier), so no program reads what it writes.
 
 @triton.jit
-def _merge_and_move(X, batch_off, head_off, sc, sd, e, nearest, evict, merged, take_new, w_e, norm, w_self, C,
+def _merge_and_move(X, batch_off, head_off, sc, sd, e, nearest, evict, merged, take_new, w_e, norm, w_self, last,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Kernel C's K (or V) part for the BLOCK_H heads of one batch row (see the comment above it)."""
     offs_d = tl.arange(0, BLOCK_D)
@@ -307,29 +361,30 @@ def _merge_and_move(X, batch_off, head_off, sc, sd, e, nearest, evict, merged, t
         m_ev = evict[:, None] & d_mask[None, :]
         m_merge = merged[:, None] & d_mask[None, :]
         src = tl.load(head + e[:, None] * sc, mask=m_ev, other=0.0)
-        last = tl.load(head + (C - 1) * sc, mask=m_ev, other=0.0)
+        newest = tl.load(head + last[:, None] * sc, mask=m_ev, other=0.0)
         into = tl.load(head + nearest[:, None] * sc, mask=m_merge, other=0.0)
         new = tl.div_rn(w_self * into.to(tl.float32) + w_e[:, None] * src.to(tl.float32), norm[:, None])
         new = new.to(X.dtype.element_ty)
         tl.debug_barrier()
         tl.store(head + nearest[:, None] * sc, new, mask=m_merge)
-        tl.store(head + e[:, None] * sc, tl.where(take_new[:, None], new, last), mask=m_ev)
+        tl.store(head + e[:, None] * sc, tl.where(take_new[:, None], new, newest), mask=m_ev)
 
 
 @triton.jit(do_not_specialize=("C", "KEEP", "SPLITS"))
 def _merge_move_kernel(
     K, V, COL, POS, LW, LENGTH, TAU, TAU_SET, E, BEST, NEAREST,
     skb, skh, skc, skd, svb, svh, svc, svd,
-    HKV, C, KEEP, SPLITS, beta, one_minus_beta, w_self, min_cos,
+    HKV, C, KEEP, SPLITS, beta, one_minus_beta, w_self, min_cos, KEEPS,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SPLITS: tl.constexpr, ACC: tl.constexpr, PAPER: tl.constexpr, BIAS: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr, ACC: tl.constexpr, PAPER: tl.constexpr, BIAS: tl.constexpr, RAGGED: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H).to(tl.int64)
     h_mask = offs_h < HKV
     rows = b * HKV + offs_h
     length = tl.load(LENGTH + rows, mask=h_mask, other=0)
-    evict = h_mask & (length > KEEP)
+    evict = h_mask & (length > _of_row(KEEP, KEEPS, b, RAGGED))
+    last = tl.where(evict, length - 1, C - 1)            # the newest entry's slot (C - 1: nothing moves)
     offs_s = tl.arange(0, BLOCK_SPLITS)
     parts = rows[:, None] * SPLITS + offs_s[None, :]                       # [BLOCK_H, BLOCK_SPLITS], one load
     m_parts = h_mask[:, None] & (offs_s < SPLITS)[None, :]
@@ -356,18 +411,18 @@ def _merge_move_kernel(
         merged = evict & ((tl.zeros([BLOCK_H], tl.float32) + current) >= tau) & floor   # one decision for all heads
         w_e = tl.where(merged, u, 0.0)
         norm = w_self + merged.to(tl.float32)
-    take_new = merged & (nearest == C - 1)
-    _merge_and_move(K, b * skb, offs_h * skh, skc, skd, e, nearest, evict, merged, take_new, w_e, norm, w_self, C,
+    take_new = merged & (nearest == last)
+    _merge_and_move(K, b * skb, offs_h * skh, skc, skd, e, nearest, evict, merged, take_new, w_e, norm, w_self, last,
                     HEAD_DIM, BLOCK_D)
-    _merge_and_move(V, b * svb, offs_h * svh, svc, svd, e, nearest, evict, merged, take_new, w_e, norm, w_self, C,
+    _merge_and_move(V, b * svb, offs_h * svh, svc, svd, e, nearest, evict, merged, take_new, w_e, norm, w_self, last,
                     HEAD_DIM, BLOCK_D)
     slot_e = rows * C + e
-    slot_last = rows * C + C - 1
-    is_last = e == C - 1                                  # recent = 0 can evict the newest entry itself
+    slot_last = rows * C + last
+    is_last = e == last                                   # recent = 0 can evict the newest entry itself
     col = tl.load(COL + slot_last, mask=evict, other=0.0)
     pos = tl.load(POS + slot_last, mask=evict, other=-1)
     lw = tl.load(LW + slot_last, mask=evict, other=float("-inf"))
-    if BIAS:                                 # the merged entry's log-size; moved with it if it is slot C - 1
+    if BIAS:                                 # the merged entry's log-size; moved with it if it is the newest
         slot_n = rows * C + nearest
         lw_n = tl.load(LW + slot_n, mask=merged, other=0.0)
         lw_e = tl.load(LW + slot_e, mask=merged, other=0.0)
@@ -390,18 +445,31 @@ def check_evict_one_inputs(k: Tensor, v: Tensor, col_sum: Tensor, position: Tens
                            length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: int,
                            sinks: int, recent: int, variant: str, target_from: int = 0) -> None:
     """ValueError naming the tensor, the expected and the actual shape/dtype (or the bad split of keep)."""
-    if k.dim() != 4 or v.shape != k.shape or v.dtype != k.dtype or not k.dtype.is_floating_point:
-        raise ValueError(f"k, v must be one float [B, Hkv, C, D] shape, got {k.dtype} {tuple(k.shape)}, "
-                         f"{v.dtype} {tuple(v.shape)}")
-    b, h, c, _ = k.shape
+    check_layer_tensors(k, v)
+    c = k.shape[2]
     if c != keep + 1 or keep < 1:
         raise ValueError(f"capacity C must be keep + 1 with keep >= 1, got C = {c}, keep = {keep}")
     if sinks < 0 or recent < 0 or sinks + recent > keep:        # else an evicting row could have no candidate
         raise ValueError(f"sinks ({sinks}) + recent ({recent}) must be at most keep ({keep}), both >= 0")
-    if variant not in ("paper", "code"):
-        raise ValueError(f"variant must be 'paper' or 'code', got {variant!r}")
     if not 0 <= target_from < keep:                       # else an evicting row could have no merge target
         raise ValueError(f"target_from must lie in [0, keep = {keep}), got {target_from}")
+    check_layer_metadata(k, v, col_sum, position, log_weight, length, tau, tau_set, others, variant)
+
+
+def check_layer_tensors(k: Tensor, v: Tensor) -> None:
+    """ValueError unless k, v are one float [B, Hkv, C, D] shape and dtype."""
+    if k.dim() != 4 or v.shape != k.shape or v.dtype != k.dtype or not k.dtype.is_floating_point:
+        raise ValueError(f"k, v must be one float [B, Hkv, C, D] shape, got {k.dtype} {tuple(k.shape)}, "
+                         f"{v.dtype} {tuple(v.shape)}")
+
+
+def check_layer_metadata(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor,
+                         length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], variant: str) -> None:
+    """ValueError naming the tensor where the variant, or a metadata tensor's dtype, shape, layout or
+    device, is not what the step takes."""
+    b, h, c, _ = k.shape
+    if variant not in ("paper", "code"):
+        raise ValueError(f"variant must be 'paper' or 'code', got {variant!r}")
     for name, t, dtype, shape in (("col_sum", col_sum, torch.float32, (b, h, c)),
                                   ("position", position, torch.int64, (b, h, c)),
                                   ("log_weight", log_weight, torch.float32, (b, h, c)),
@@ -446,7 +514,23 @@ def d2o_evict_one_triton(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor
     require_triton()
     check_evict_one_inputs(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks, recent,
                            variant, target_from)
+    launch_evict_one(k, v, col_sum, position, log_weight, length, tau, tau_set, others,
+                     (keep, sinks, recent, target_from), None, beta, variant, min_cos, bias, splits, block_c,
+                     block_scan, num_warps)
+
+
+def launch_evict_one(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor, length: Tensor,
+                     tau: Tensor, tau_set: Tensor, others: list[Tensor], split: tuple[int, int, int, int],
+                     row_split: tuple[Tensor, Tensor, Tensor, Tensor] | None, beta: float, variant: str,
+                     min_cos: float, bias: bool, splits: int | None, block_c: int, block_scan: int,
+                     num_warps: int) -> None:
+    """Kernels A, B, C on checked inputs. ``split``: (keep, sinks, recent, target_from) of every row;
+    ``row_split``: the same as [B] int64 tensors, one value per batch row (``d2o_evict_one_ragged``; then
+    ``split`` is ignored), or None."""
     b, h, c, d = k.shape
+    keep, sinks, recent, target_from = split
+    ragged = row_split is not None
+    keeps, sinkss, recents, targets = row_split if ragged else (length,) * 4      # not read unless ragged
     splits = splits or default_splits(b * h, c, k.device)
     chunk = triton.cdiv(c, splits)
     acc = torch.float64 if k.dtype == torch.float64 else torch.float32
@@ -455,31 +539,33 @@ def d2o_evict_one_triton(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor
     arg = torch.empty(b * h * splits, dtype=torch.int64, device=k.device)
     best = torch.empty(b * h * splits, dtype=acc, device=k.device)
     nearest = torch.empty(b * h * splits, dtype=torch.int64, device=k.device)
-    evict = length > keep if others else None                                   # before kernel C shortens rows
+    if others:                                                        # before kernel C shortens rows
+        evict = length > (keeps[:, None] if ragged else keep)
+        last = newest_slot(length, evict, c) if ragged else c - 1
     block_d = max(16, next_pow2(d))
     tl_acc = tl.float64 if acc == torch.float64 else tl.float32
     _candidate_kernel[(b * h, splits)](
-        col_sum, position, length, low, arg, c, chunk, keep, sinks, recent, splits,
-        BLOCK_SCAN=min(block_scan, next_pow2(chunk)), num_warps=4)
+        col_sum, position, length, low, arg, c, chunk, keep, sinks, recent, splits, h, keeps, sinkss, recents,
+        BLOCK_SCAN=min(block_scan, next_pow2(chunk)), RAGGED=ragged, num_warps=4)
     _nearest_key_kernel[(b * h, splits)](
-        k, length, low, arg, e, best, nearest, *k.stride(), h, c, chunk, keep, splits, target_from,
+        k, length, low, arg, e, best, nearest, *k.stride(), h, c, chunk, keep, splits, target_from, keeps, targets,
         HEAD_DIM=d, BLOCK_C=block_c, BLOCK_D=block_d, BLOCK_SPLITS=next_pow2(splits),
-        ACC=tl_acc, F64=acc == torch.float64, num_warps=num_warps)
+        ACC=tl_acc, F64=acc == torch.float64, RAGGED=ragged, num_warps=num_warps)
     _merge_move_kernel[(b,)](
         k, v, col_sum, position, log_weight, length, tau, tau_set.view(torch.uint8), e, best, nearest,
         *k.stride(), *v.stride(), h, c, keep, splits, float(beta), 1.0 - float(beta),
-        math.e if variant == "paper" else 1.0, float(min_cos),
+        math.e if variant == "paper" else 1.0, float(min_cos), keeps,
         HEAD_DIM=d, BLOCK_H=next_pow2(h), BLOCK_D=min(block_d, 128),
-        BLOCK_SPLITS=next_pow2(splits), ACC=tl_acc, PAPER=variant == "paper", BIAS=bool(bias), num_warps=4,
-        enable_fp_fusion=False)
-    if others:                                       # a row that evicts nothing has e = C - 1: no move
-        flat_e = e + torch.arange(b * h, device=k.device) * c
-        flat_last = torch.arange(b * h, device=k.device) * c + c - 1
+        BLOCK_SPLITS=next_pow2(splits), ACC=tl_acc, PAPER=variant == "paper", BIAS=bool(bias), RAGGED=ragged,
+        num_warps=4, enable_fp_fusion=False)
+    if others:                                       # a row that evicts nothing has e = last = C - 1: no move
+        row0 = torch.arange(b * h, device=k.device) * c
+        flat_e, flat_last = e + row0, (row0 + last.view(-1)) if ragged else row0 + c - 1
         for t in others:
             rows = t.view(b * h * c, *t.shape[3:])
             rows.index_copy_(0, flat_e, rows.index_select(0, flat_last))
-            last = t[:, :, c - 1]
-            last.copy_(torch.where(evict.view(b, h, *([1] * (t.dim() - 3))), 0, last))
+            gone = evict.view(b * h, *([1] * (t.dim() - 3)))
+            rows.index_copy_(0, flat_last, torch.where(gone, 0, rows.index_select(0, flat_last)))
 
 
 @torch.library.custom_op("kvpass::d2o_evict_one", mutates_args=(

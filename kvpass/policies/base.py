@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import TYPE_CHECKING, ClassVar
 
+from torch import Tensor
+
 from kvpass.cache import LayerCache, load_into
 from kvpass.head_group import SINGLE_PROCESS, HeadGroup
 
@@ -179,6 +181,21 @@ class Policy:
         same entries and values as ``compress`` but may leave them in other slots (tests compare the
         two as sets of entries)."""
         load_into(cache, self.compress(cache, keep))
+
+    def rows_in_one_call(self, budgets: Sequence[int], capacities: Sequence[int]) -> bool:
+        """Whether a layer whose batch row b has budget ``budgets[b]`` and is compressed when it holds
+        ``capacities[b]`` entries (its own budget + interval, or fewer for a short row) can be compressed
+        whole, whichever rows are due, by one call: ``compress_rows_into`` (or ``compress_into`` where every
+        row has one budget and the layer's capacity), each row that is due compressed exactly as alone and
+        every other row left unchanged. Then the runtime's decode step takes the layer in its own buffers
+        (CUDA-graphed) instead of compressing the due rows one budget at a time in copies of their own
+        capacity (``KVPassModel._compress_rows_into``: eager, a host sync). Default False."""
+        return False
+
+    def compress_rows_into(self, cache: LayerCache, keep: Tensor) -> None:
+        """``compress_into`` with a budget per batch row, ``keep`` [B] int64 on the cache's device, for
+        layers ``rows_in_one_call`` accepts (the runtime calls it for no other)."""
+        raise NotImplementedError(f"{self.name}: no per-row budgets in one call (rows_in_one_call is False)")
 
     def prepare(self, cache: LayerCache, layer: int, budget: int) -> LayerCache:
         """Called once per full-attention layer after prefill (and after any compression): build the

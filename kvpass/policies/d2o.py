@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -22,6 +23,7 @@ from kvpass.kernels.d2o_evict_one import (
     pick_one,
 )
 from kvpass.kernels.d2o_evict_one import merged_rows as _merged_rows
+from kvpass.kernels.d2o_evict_one_ragged import d2o_evict_one_ragged_reference
 from kvpass.policies.allocation import apportion
 from kvpass.policies.base import Policy, Stat, require
 from kvpass.policies.selection import kept_slots, ordered_slots, select_kept
@@ -306,6 +308,46 @@ class D2O(Policy):
              cache.state[TAU], cache.state[TAU_SET], [t for n, t in cache.slot_meta.items() if n != score],
              keep, sinks, recent, self.beta, self.d2o_variant, self._min_cos(), self._target_from(keep),
              self.merge_bias)
+
+    def rows_in_one_call(self, budgets: Sequence[int], capacities: Sequence[int]) -> bool:
+        """Rows of their own budgets in one call (``compress_rows_into``) where no row's capacity exceeds its
+        budget + 1 (the one-in-one-out step, ``interval`` 1): a row is due exactly when it holds budget + 1
+        entries, so compressing every row of the layer at its own budget evicts one entry from each due row
+        and nothing from the others. Not under tensor parallelism (the threshold spans ranks: the general path)."""
+        return self.heads.world == 1 and all(1 <= cap <= keep + 1
+                                             for keep, cap in zip(budgets, capacities, strict=True))
+
+    def split_rows(self, keep: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``split`` per batch row: keep [B] int64 -> (sinks, important N incl. sinks, recent M), each [B]."""
+        n, m = self.n_m_ratio
+        recent = keep * m // (n + m)
+        important = keep - recent
+        return important.clamp(max=self.sinks), important, recent
+
+    def compress_rows_into(self, cache: LayerCache, keep: Tensor) -> None:
+        """``compress_into``'s one-in-one-out step with a budget per batch row, keep [B] int64 (the runtime's
+        layers whose rows have budgets of their own, ``rows_in_one_call``), in the layer's own buffers of any
+        capacity C >= every keep + 1: row b evicts one entry where it holds keep[b] + 1 entries (its newest in
+        slot keep[b]) and is unchanged otherwise, so it gets exactly what it gets alone in a layer of capacity
+        keep[b] + 1 (tests/kernels/test_d2o_evict_ragged.py). Each row's sinks and recent window come from
+        its own budget (``split_rows``, device tensors: nothing synchronises, the CUDA-graphed step captures
+        it). On CUDA the Triton op ``torch.ops.kvpass.d2o_evict_one_ragged`` (the same three kernels, which
+        read the per-row values from the tensors: no compilation per budget), elsewhere its reference."""
+        if self.heads.world > 1:
+            raise NotImplementedError("d2o: per-row budgets in one call need one process (rows_in_one_call)")
+        b, device = cache.k.shape[0], cache.k.device
+        keep = keep.to(device=device, dtype=torch.long).contiguous()
+        sinks, _, recent = self.split_rows(keep)
+        target_from = torch.zeros_like(keep) if self.merge_into_sinks else sinks
+        for name, dtype in ((TAU, torch.float32), (TAU_SET, torch.bool)):     # the op mutates existing tensors
+            if name not in cache.state:
+                cache.state[name] = torch.zeros(b, dtype=dtype, device=device)
+        score = self._score_name(cache)
+        step = (torch.ops.kvpass.d2o_evict_one_ragged if cache.k.is_cuda and not torch.compiler.is_exporting()
+                else d2o_evict_one_ragged_reference)
+        step(cache.k, cache.v, cache.slot_meta[score], cache.position, cache.log_weight, cache.length,
+             cache.state[TAU], cache.state[TAU_SET], [t for n, t in cache.slot_meta.items() if n != score],
+             keep, sinks, recent, target_from, self.beta, self.d2o_variant, self._min_cos(), self.merge_bias)
 
     def _pick_one(self, cache: LayerCache, keep: int) -> OneEviction:
         """``pick_one`` (§5.5-5.6 for rows of at most keep + 1 entries) on this layer's cache."""

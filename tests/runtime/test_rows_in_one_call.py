@@ -1,0 +1,84 @@
+"""Decode-time compression of a layer whose batch rows have budgets of their own (D2O's per-row layer
+budgets) in one call of the policy (``Policy.rows_in_one_call`` / ``compress_rows_into``), in the
+layer's own buffers, instead of one budget at a time in copies (``KVPassModel._compress_rows_into``: eager,
+a host sync a layer, outside the CUDA-graphed step). Same tokens as the per-row path and as each row alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpass.policies.d2o import D2O
+from kvpass.runtime import KVPassModel
+from tests.conftest import padded_batch
+from tests.policies.policy_helpers import apply_cached
+from tests.runtime.test_rows_independent import NEW, _greedy
+
+
+def _count(monkeypatch, cls, name: str) -> list[int]:
+    """Calls of ``cls.name`` from now on (the method still runs)."""
+    calls: list[int] = []
+    original = getattr(cls, name)
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("lengths, options", [([40, 40, 40], {}), ([40, 23, 31], {}),
+                                              ([40, 23, 31], {"merge_into_sinks": False, "merge_bias": True,
+                                                              "d2o_variant": "code"})],
+                         ids=["equal", "padded", "padded-options"])
+def test_d2o_rows_of_their_own_budgets_compress_in_one_call(monkeypatch, lengths, options):
+    """Rows whose layer budgets differ (their own attention variance, their own prompt length): no decode
+    step goes through the per-row path, every compression is one ``compress_rows_into`` per layer; the
+    tokens and logits equal the per-row path's (``rows_in_one_call = False``) and each row's alone."""
+    kv = apply_cached("llama", "d2o", 0.4, **options)
+    ids, mask = padded_batch(lengths, seed=2)
+    session = kv.start(ids, mask, max_new_tokens=NEW)
+    compressed = [lay for lay in session.layers if lay.compressible]
+    assert all(not lay.one_budget for lay in compressed)       # the case: the rows' budgets differ in every layer
+    per_row = _count(monkeypatch, KVPassModel, "_compress_rows_into")
+    in_one = _count(monkeypatch, D2O, "compress_rows_into")
+    tokens, logits = _greedy(kv, ids, mask)
+    assert per_row == [] and len(in_one) >= len(compressed) * (NEW - 2)
+    in_one.clear()
+    monkeypatch.setattr(kv, "rows_in_one_call", False)
+    old_tokens, old_logits = _greedy(kv, ids, mask)
+    assert in_one == [] and len(per_row) >= len(compressed) * (NEW - 2)
+    assert torch.equal(tokens, old_tokens)
+    torch.testing.assert_close(logits, old_logits, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(kv, "rows_in_one_call", True)
+    for row, n in enumerate(lengths):
+        alone_tokens, alone_logits = _greedy(kv, ids[row:row + 1, ids.shape[1] - n:], None)
+        assert torch.equal(tokens[row:row + 1], alone_tokens), row
+        torch.testing.assert_close(logits[row:row + 1], alone_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_interval_above_one_keeps_the_per_row_path(monkeypatch):
+    """D2O with interval > 1 evicts several entries at a time, each row at its own steps: not one call
+    (``D2O.rows_in_one_call`` False), the per-row path, still equal to each row alone."""
+    kv = apply_cached("llama", "d2o", 0.4, interval=3)
+    ids, mask = padded_batch([40, 23, 31], seed=2)
+    per_row = _count(monkeypatch, KVPassModel, "_compress_rows_into")
+    in_one = _count(monkeypatch, D2O, "compress_rows_into")
+    tokens, _ = _greedy(kv, ids, mask)
+    assert in_one == [] and per_row
+    for row, n in enumerate([40, 23, 31]):
+        assert torch.equal(tokens[row:row + 1], _greedy(kv, ids[row:row + 1, ids.shape[1] - n:], None)[0]), row
+
+
+def test_rows_in_one_call_accepts_one_in_one_out_only():
+    """The policy's host-side decision: every row's capacity at most its budget + 1; one process."""
+    d2o = D2O()
+    assert d2o.rows_in_one_call([20, 18, 23], [21, 19, 24])
+    assert d2o.rows_in_one_call([20, 18], [21, 10])              # a short row: never due before its end
+    assert not d2o.rows_in_one_call([20, 18], [21, 20])          # two entries at a time: interval 2
+    assert not D2O(interval=2).rows_in_one_call([20, 18], [22, 20])
+    keep = torch.tensor([20, 7, 4, 1])
+    sinks, important, recent = d2o.split_rows(keep)
+    for b, k in enumerate(keep.tolist()):
+        assert (int(sinks[b]), int(important[b]), int(recent[b])) == d2o.split(k)
