@@ -279,6 +279,49 @@ def test_batch_rows_are_independent():
         torch.testing.assert_close(torch.stack(both.logits, 1)[row], torch.stack(alone.logits, 1)[0], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("lengths, budget", [([40, 8, 31], 0.4), ([40, 23, 31], 0.9)], ids=["mixed", "all-fit"])
+def test_rows_of_different_budgets_share_one_cache(lengths, budget):
+    """Left-padded rows with a fraction budget: every row gets its own N_budget (its own prompt + new tokens)
+    and its own table of S = gamma * N_budget slots in the layer's table (as wide as the widest row's), and
+    keeps exactly the entries and slots it keeps alone, every step. "mixed": rows compressed at prefill to
+    different budgets beside a row whose prompt fits its budget (tabled at ``prepare``); "all-fit": no row
+    compressed at prefill, every budget different. fp64 (the rows' scores then agree to the last bit that
+    decides a near-tie; tests/runtime/test_rows_independent.py)."""
+    import copy
+
+    from tests.conftest import padded_batch
+    from tests.policies.policy_helpers import captured_model
+    from kvpass.policies.ems import BUDGET
+
+    new = 12
+    km = kvpass.apply(copy.deepcopy(captured_model("llama")[0]).double(), "ems", budget, **SMALL)
+    ids, mask = padded_batch(lengths, seed=5)
+    both = km.start(ids, mask, max_new_tokens=new)
+    alone = [km.start(ids[r:r + 1, ids.shape[1] - n:], max_new_tokens=new) for r, n in enumerate(lengths)]
+    budgets = [int(budget * (n + new)) for n in lengths]
+    assert len(set(budgets)) == len(budgets)
+    for step in range(new):
+        for r, solo in enumerate(alone):
+            for lay, own in zip(both.layers, solo.layers, strict=True):
+                c, o = lay.cache, own.cache
+                assert c.state[BUDGET][r].tolist() == [budgets[r]] * c.length.shape[1]
+                assert c.state[ENTRY].shape[-1] == km.policy.n_slots(max(budgets))
+                assert int((c.state[ENTRY][r] >= 0).sum(-1).max()) <= km.policy.n_slots(budgets[r])
+                for g in range(c.length.shape[1]):
+                    assert c.position[r, g, :int(c.length[r, g])].tolist() == o.position[0, g, :int(o.length[0, g])].tolist()
+                    got, want = table_of(c, r, g), table_of(o, 0, g)
+                    assert {p: (x["owner"], x["founder"]) for p, x in got.items()} == \
+                        {p: (x["owner"], x["founder"]) for p, x in want.items()}, (step, r, g)
+        if step < new - 1:
+            tok = both.logits.argmax(-1)
+            both.step(tok)
+            for r, solo in enumerate(alone):
+                assert torch.equal(solo.logits.argmax(-1), tok[r:r + 1])
+                solo.step(tok[r:r + 1])
+    for r, solo in enumerate(alone):
+        torch.testing.assert_close(both.logits[r:r + 1], solo.logits, rtol=1e-6, atol=1e-6)
+
+
 # ------------------------------------------------------------------ generate, errors
 @pytest.mark.parametrize("arch", ARCHS)
 def test_generate_within_budget(arch):
