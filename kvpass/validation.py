@@ -27,7 +27,7 @@ from kvpass.errors import (
 )
 
 APPLY = "kvpass.apply, torch.compile(backend='kvpass'), CLI"
-GENERATE = "KVPassModel.generate / __call__ / start / prefill, CLI generate"
+GENERATE = "KVPassModel.generate / __call__ / start / prefill, OnnxRunner.generate, CLI generate"
 CALIBRATION = "Chelsea(calibration=...), kvpass.apply(..., calibration=...), CLI --set calibration=..."
 
 
@@ -154,9 +154,10 @@ RULES: tuple[Rule, ...] = (
          "{name}={got!r} ({feature}) is not supported by kvpass: {advice}", InvalidType),
     Rule("generate.unknown", GENERATE, "(the argument named)", "an argument generate() does not know",
          "generate() got unsupported argument(s) {got}; supported: {names}", InvalidType),
-    Rule("export.value", "kvpass.export.onnx / tensorrt", "(the argument named)",
-         "not a KVPassModel; max_length < 2 or beyond the context; example_length outside [2, max_length); an "
-         "unknown tensorrt_check, precision or max_batch < 1; sliding-window layers or full-cache heads (ONNX)",
+    Rule("export.value", "kvpass.export.onnx / tensorrt, OnnxRunner", "(the argument named)",
+         "not a KVPassModel; max_length < 2 or beyond the context; example_length outside [2, max_length); a bad "
+         "budget; an unknown tensorrt_check, precision or max_batch < 1; sliding-window layers or full-cache heads "
+         "(ONNX); an out_dir without kvpass_export.json (OnnxRunner)",
          "(the message names the argument, the value and what is allowed: kvpass/export/onnx_export.py _validate, "
          "kvpass/export/tensorrt.py)"),
     # ------------------------------------------------------------------ calibration files (Chelsea's outlier heads)
