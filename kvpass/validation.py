@@ -215,6 +215,8 @@ def errors_markdown() -> str:
              "is a `ValueError`, `InvalidType` and the refused generation features a `TypeError`, `UnsupportedModel` "
              "a `ValueError`; `ModelInUse` and `OutOfDeviceMemory` are `RuntimeError`s. `err.argument` names the "
              "argument. `{...}` in a message is filled with the values.", "",
+             "Issue 27's checklist, each class of bad input against the test that feeds it: "
+             "[errors-coverage.md](errors-coverage.md).", "",
              "| key | entry points | argument | refused when | error | message |", "|---|---|---|---|---|---|"]
     for r in RULES:
         cells = [f"`{r.key}`", r.entry, f"`{r.argument}`", r.condition, r.error.__name__, r.message]
