@@ -130,7 +130,6 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from kvpass.models import load_model
-
     from kvpass.validation import check_option
 
     policy = Chelsea(sinks=args.sinks, recent=args.recent, chunk=args.chunk)

@@ -198,7 +198,6 @@ def compiled_model(compiled: nn.Module):
     eager model with the options given there, its prefill and decode graphs compiled by the backend.
     Built on the first call (or first ``compiled.generate``), then the same object for this module."""
     from kvpass.api import apply
-
     from kvpass.validation import refuse
 
     if not isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule):

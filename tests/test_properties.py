@@ -6,7 +6,6 @@ its solo run, and ``full`` equal to transformers. Small example counts keep it t
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 # a plain import, not importorskip: hypothesis is a dev dependency (pyproject.toml), so CI (`make test`) has it,

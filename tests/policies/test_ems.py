@@ -4,6 +4,7 @@ against plain attention over the explicitly expanded cache, and properties of lo
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -13,10 +14,24 @@ import kvpass
 from kvpass.cache import LayerCache, with_capacity
 from kvpass.kernels import decode_attention_reference, ems_expansion_attention_reference
 from kvpass.policies import get_policy
-from kvpass.policies.ems import EMS, ENTRY, FOUNDER, GLO, KNORM, KRAW, LOC_CUR, LOC_PAST, POS, PROB, unrotate
+from kvpass.policies.ems import (
+    BUDGET,
+    EMS,
+    ENTRY,
+    FOUNDER,
+    GLO,
+    KNORM,
+    KRAW,
+    LOC_CUR,
+    LOC_PAST,
+    POS,
+    PROB,
+    unrotate,
+)
+from tests.conftest import padded_batch
 from tests.policies import ems_reference as ref
 from tests.policies.merging_support import prompt, tiny_model
-from tests.policies.policy_helpers import ARCHS, apply_cached
+from tests.policies.policy_helpers import ARCHS, apply_cached, captured_model
 
 INV_FREQ = (1.0, 0.3, 0.05)          # rotate-half RoPE over the first 6 of 8 dims (2 pass through)
 
@@ -268,7 +283,6 @@ def test_tiny_budget_has_no_nan():
 
 
 def test_batch_rows_are_independent():
-    from tests.conftest import padded_batch
     ids, mask = padded_batch([50, 37], seed=3)
     km = apply_cached("llama", "ems", 14, **SMALL)
     both = km.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=[], return_dict_in_generate=True,
@@ -287,12 +301,6 @@ def test_rows_of_different_budgets_share_one_cache(lengths, budget):
     different budgets beside a row whose prompt fits its budget (tabled at ``prepare``); "all-fit": no row
     compressed at prefill, every budget different. fp64 (the rows' scores then agree to the last bit that
     decides a near-tie; tests/runtime/test_rows_independent.py)."""
-    import copy
-
-    from tests.conftest import padded_batch
-    from tests.policies.policy_helpers import captured_model
-    from kvpass.policies.ems import BUDGET
-
     new = 12
     km = kvpass.apply(copy.deepcopy(captured_model("llama")[0]).double(), "ems", budget, **SMALL)
     ids, mask = padded_batch(lengths, seed=5)
