@@ -1087,6 +1087,42 @@ def _split_tp(argv: list[str]) -> tuple[int | None, list[str]]:
     return tp, rest
 
 
+SECTIONS = ("correctness", "kernels", "e2e", "throughput")
+
+
+def bench_methods() -> set[str]:
+    """Every name ``--methods`` may hold: the e2e section's rows (without their "kvpass-" prefix)."""
+    import kvpass
+
+    return ({"transformers", "streamingllm-eager"} | set(kvpass.POLICIES) | set(VARIANTS)
+            | {f"{p}-compiled" for p in COMPILED_ROWS})
+
+
+def _checked_options(args: argparse.Namespace) -> tuple[list[int] | None, set[str] | None]:
+    """(prompt lengths, methods) from the command line, every option checked before any work
+    (``kvpass.validation.check_option``: a KVPassError naming the option)."""
+    from kvpass.validation import check_budget, check_option
+
+    check_budget(args.budget)
+    check_option("--total-s", args.total_s > 0, args.total_s, "a number of seconds > 0")
+    check_option("--max-batch", args.max_batch >= 1, args.max_batch, "an int >= 1")
+    sections = [s for s in args.sections.split(",") if s]
+    check_option("--sections", bool(sections) and set(sections) <= set(SECTIONS), args.sections,
+                 f"a comma-separated subset of {','.join(SECTIONS)}")
+    prompts = None
+    if args.prompts:
+        parts = args.prompts.split(",")
+        check_option("--prompts", all(p.strip().isdigit() and int(p) >= 1 for p in parts), args.prompts,
+                     "comma-separated prompt lengths (ints >= 1)")
+        prompts = [int(p) for p in parts]
+    methods = set(args.methods.split(",")) if args.methods else None
+    if methods is not None:
+        unknown = sorted(methods - bench_methods())
+        check_option("--methods", not unknown, ",".join(unknown),
+                     f"comma-separated names among {', '.join(sorted(bench_methods()))}")
+    return prompts, methods
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"), help="output folder")
@@ -1106,8 +1142,7 @@ def main(argv: list[str] | None = None) -> int:
         from kvpass.bench_tp import main as tp_main
         return tp_main([*rest, "--tp", str(tp)])
     args = ap.parse_args(argv)
-    prompts = [int(p) for p in args.prompts.split(",")] if args.prompts else None
-    methods = set(args.methods.split(",")) if args.methods else None
+    prompts, methods = _checked_options(args)
     run(Path(args.out), args.smoke, args.total_s, tuple(s for s in args.sections.split(",") if s), prompts, args.budget,
         methods, args.max_batch)
     return 0

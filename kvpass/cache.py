@@ -284,7 +284,10 @@ def put_rows_at(dst: LayerCache, src: LayerCache, rows: Sequence[int]) -> None:
     """In place, the inverse of ``take_rows``: rows ``rows`` of ``dst`` become ``src``'s (slots past ``src``'s
     capacity empty), in ``dst``'s own buffers (addresses kept). Slot metadata or per-row state that ``src``
     has and ``dst`` lacks is added to ``dst`` (zeros in its other rows); slot metadata ``src`` lacks is zeroed
-    in these rows. ValueError where ``src`` has more slots than ``dst``."""
+    in these rows. Per-row state whose last dimension differs (a policy whose state width follows a row's
+    budget: EMS's slot table of gamma * budget slots) is padded with zeros to the wider of the two (``dst``'s
+    then replaced by a wider copy: only at prompt compression, never in a replayed step). ValueError where
+    ``src`` has more slots than ``dst``."""
     if src.capacity > dst.capacity:
         raise ValueError(f"cannot put rows of {src.capacity} slots into a cache of {dst.capacity}")
     b = dst.length.shape[0]
@@ -305,4 +308,15 @@ def put_rows_at(dst: LayerCache, src: LayerCache, rows: Sequence[int]) -> None:
             continue
         if name not in dst.state:
             dst.state[name] = t.new_zeros((b, *t.shape[1:]))
-        dst.state[name].index_copy_(0, idx, t)
+        d = dst.state[name]
+        if d.shape[1:] != t.shape[1:] and d.shape[1:-1] == t.shape[1:-1]:
+            width = max(d.shape[-1], t.shape[-1])
+            d = dst.state[name] = _zero_padded(d, width)
+            t = _zero_padded(t, width)
+        d.index_copy_(0, idx, t)
+
+
+def _zero_padded(t: Tensor, width: int) -> Tensor:
+    """t [..., w] -> [..., width] with zeros after its own w values (t itself when w == width)."""
+    pad = width - t.shape[-1]
+    return t if pad == 0 else torch.cat([t, t.new_zeros((*t.shape[:-1], pad))], dim=-1)

@@ -130,17 +130,21 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from kvpass.models import load_model
+    from kvpass.validation import check_option
 
     policy = Chelsea(sinks=args.sinks, recent=args.recent, chunk=args.chunk)
-    if not 0.0 < args.threshold <= 1.0:
-        raise ValueError(f"--threshold must lie in (0, 1], got {args.threshold}")
+    check_option("--threshold", 0.0 < args.threshold <= 1.0, args.threshold, "a number in (0, 1]")
+    check_option("--ratio", 0.0 < args.ratio < 1.0, args.ratio, "a number in (0, 1)")
+    check_option("--samples", args.samples >= 1, args.samples, "an int >= 1")
+    check_option("--length", args.length >= 2, args.length, "an int >= 2")
+    check_option("--force-layer", all(i >= 0 for i in args.force_layer), args.force_layer, "layer indices >= 0")
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model)
     print(f"loaded {args.model} ({model.config.model_type}, {model.config.num_hidden_layers} layers) "
           f"in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     context = getattr(model.config, "max_position_embeddings", None)
-    if context is not None and args.length > context:
-        raise ValueError(f"--length {args.length} exceeds the model's context of {context} tokens")
+    check_option("--length", context is None or args.length <= context, args.length,
+                 f"at most the model's context of {context} tokens")
     sequences = calibration_sequences(tokenizer, args.samples, args.length)
     t0 = time.perf_counter()
     cal = calibrate(model, sequences, name=Path(args.model).stem if Path(args.model).exists() else args.model,

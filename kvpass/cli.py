@@ -45,13 +45,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from kvpass.eval.scoring import score
     from kvpass.models import load_model
     from kvpass.prompts import chat_ids
-    from kvpass.validation import check_readable_file
+    from kvpass.validation import check_option, check_readable_file
 
     policy_kwargs = parse_policy_args(args.policy_args)
     kvpass.get_policy(args.policy, **policy_kwargs)              # fail fast, before loading the model
     kvpass.check_budget(args.budget)
     if args.prompt_file:
         check_readable_file("--prompt-file", args.prompt_file)
+    check_option("--max-new-tokens", args.max_new_tokens >= 1, args.max_new_tokens, "an int >= 1")
+    check_option("--context-tokens", args.context_tokens >= 1, args.context_tokens, "an int >= 1")
+    check_option("--depth", 0.0 <= args.depth <= 1.0, args.depth, "a number in [0, 1]")
+    check_option("--tp", args.tp is None or args.tp >= 1, args.tp, "an int >= 1")
     device = "cpu"
     if args.tp is not None and args.tp > 1:                 # one process per shard (torchrun), rank 0 prints
         if "RANK" not in os.environ:
@@ -175,12 +179,18 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:                   # its own options, passed through untouched
         from kvpass.bench import main as bench_main
 
-        return bench_main(argv[1:])
+        return _reported(lambda: bench_main(argv[1:]))
     args = build_parser().parse_args(argv)
     args.argv = list(argv)                      # for commands that record how they were run
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    return _reported(lambda: args.func(args))
+
+
+def _reported(command: Callable[[], int]) -> int:
+    """Run a command; bad input (kvpass's refusals are ValueErrors / TypeErrors) and missing files become one
+    line on stderr and exit code 2, not a traceback."""
     try:
-        return args.func(args)
+        return command()
     except (ValueError, TypeError, FileNotFoundError) as err:
         print(f"kvpass: error: {err}", file=sys.stderr)
         return 2

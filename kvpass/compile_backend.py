@@ -93,7 +93,7 @@ class CompileOptions:
         get_policy(opts.policy, **opts.policy_kwargs)                    # ValueError: unknown name / parameter
         try:
             check_budget(opts.budget)
-        except TypeError as err:                 # torch.compile reports backend errors as ValueErrors alike
+        except (TypeError, ValueError) as err:   # torch.compile reports backend errors as ValueErrors alike
             raise InvalidValue(f"options['budget']: {err}", "options") from err
         if opts.mode not in _INDUCTOR_MODES:
             raise refuse("options.value", name="mode", got=opts.mode, allowed=", ".join(_INDUCTOR_MODES))
@@ -198,15 +198,16 @@ def compiled_model(compiled: nn.Module):
     eager model with the options given there, its prefill and decode graphs compiled by the backend.
     Built on the first call (or first ``compiled.generate``), then the same object for this module."""
     from kvpass.api import apply
+    from kvpass.validation import refuse
 
     if not isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule):
-        raise ValueError(f"expected the result of torch.compile(model, backend='kvpass'), got {type(compiled).__name__}")
+        raise refuse("compiled.type", got=type(compiled).__name__)
     if compiled in _MODELS:
         return _MODELS[compiled]
     wrapper = _compile_wrapper(compiled)
     if wrapper is None or wrapper.compiler_name != BACKEND:
         name = getattr(wrapper, "compiler_name", "unknown")
-        raise ValueError(f"this module was compiled with backend {name!r}; use torch.compile(model, backend='kvpass')")
+        raise refuse("compiled.backend", got=name)
     opts = CompileOptions.parse(wrapper.kwargs.get("options"))
     model = apply(compiled._orig_mod, policy=opts.policy, budget=opts.budget, **opts.policy_kwargs)
     compile_graphs(model, opts)

@@ -436,7 +436,10 @@ class KVPassModel(nn.Module):
         for site, lay in zip(self.graphs.sites, layers, strict=True):
             if lay.sliding:
                 continue
-            lay.cache = self.policy.prepare(lay.cache, site.layer, lay.budget if lay.compressible else recall)
+            budget_of: int | Tensor = lay.budget if lay.compressible else recall
+            if lay.compressible and len(set(lay.row_budgets)) > 1:     # each row's own (EMS sizes its table by it)
+                budget_of = torch.tensor(lay.row_budgets, dtype=torch.long, device=self.device)
+            lay.cache = self.policy.prepare(lay.cache, site.layer, budget_of)
             for name in self.policy.host_resident if on_host else ():
                 setattr(lay.cache, name, getattr(lay.cache, name).to("cpu").pin_memory())
         return layers, compressions

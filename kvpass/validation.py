@@ -27,7 +27,8 @@ from kvpass.errors import (
 )
 
 APPLY = "kvpass.apply, torch.compile(backend='kvpass'), CLI"
-GENERATE = "KVPassModel.generate / __call__ / start / prefill, CLI generate"
+GENERATE = "KVPassModel.generate / __call__ / start / prefill, OnnxRunner.generate, CLI generate"
+CALIBRATION = "Chelsea(calibration=...), kvpass.apply(..., calibration=...), CLI --set calibration=..."
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,10 @@ RULES: tuple[Rule, ...] = (
     Rule("options.value", "torch.compile(backend='kvpass', options=...)", "options",
          "policy not a name, policy_kwargs not a dict, a bad budget, mode not an Inductor mode",
          "options[{name!r}] must be {allowed}, got {got!r}"),
+    Rule("compiled.type", "kvpass.compiled", "compiled", "not the result of torch.compile",
+         "compiled must be the result of torch.compile(model, backend='kvpass'), got {got}", InvalidType),
+    Rule("compiled.backend", "kvpass.compiled", "compiled", "compiled with another backend",
+         "compiled: this module was compiled with backend {got!r}; use torch.compile(model, backend='kvpass')"),
     # ------------------------------------------------------------------ the inputs
     Rule("input_ids.missing", GENERATE, "input_ids", "None", "generate() needs input_ids"),
     Rule("input_ids.type", GENERATE, "input_ids", "not a tensor or a list of ints",
@@ -149,11 +154,23 @@ RULES: tuple[Rule, ...] = (
          "{name}={got!r} ({feature}) is not supported by kvpass: {advice}", InvalidType),
     Rule("generate.unknown", GENERATE, "(the argument named)", "an argument generate() does not know",
          "generate() got unsupported argument(s) {got}; supported: {names}", InvalidType),
-    Rule("export.value", "kvpass.export.onnx / tensorrt", "(the argument named)",
-         "not a KVPassModel; max_length < 2 or beyond the context; example_length outside [2, max_length); an "
-         "unknown tensorrt_check, precision or max_batch < 1; sliding-window layers or full-cache heads (ONNX)",
+    Rule("export.value", "kvpass.export.onnx / tensorrt, OnnxRunner", "(the argument named)",
+         "not a KVPassModel; max_length < 2 or beyond the context; example_length outside [2, max_length); a bad "
+         "budget; an unknown tensorrt_check, precision or max_batch < 1; sliding-window layers or full-cache heads "
+         "(ONNX); an out_dir without kvpass_export.json (OnnxRunner)",
          "(the message names the argument, the value and what is allowed: kvpass/export/onnx_export.py _validate, "
          "kvpass/export/tensorrt.py)"),
+    # ------------------------------------------------------------------ calibration files (Chelsea's outlier heads)
+    Rule("calibration.type", CALIBRATION, "calibration", "not a path, a shipped name or a Calibration",
+         "calibration must be a path, a shipped model name or a Calibration, got {got!r}", InvalidType),
+    Rule("calibration.missing", CALIBRATION, "calibration", "neither a file nor the name of a shipped calibration",
+         "calibration {got!r} is neither a file nor a shipped calibration ({names}); write one with "
+         "`kvpass calibrate`"),
+    Rule("calibration.format", CALIBRATION, "calibration", "not JSON, or not the fields `kvpass calibrate` writes",
+         "{got} is not a valid calibration file: {reason}"),
+    Rule("calibration.model", CALIBRATION, "calibration",
+         "made for a model of another shape (layers, KV heads, head dim, sliding-window layers)",
+         "{where} {reason}; run `kvpass calibrate` for this model"),
     # ------------------------------------------------------------------ files (CLI)
     Rule("file.missing", "CLI (--prompt-file), calibration files", "(the file option)",
          "a path that does not exist or is not a readable file",
@@ -162,6 +179,9 @@ RULES: tuple[Rule, ...] = (
          "a file that is not the JSON object kvpass writes",
          "{name} {got!r} is not a kvpass calibration file: {reason}"),
     Rule("cli.set", "CLI --set", "--set", "not NAME=VALUE", "--set expects NAME=VALUE, got {got!r}"),
+    Rule("cli.value", "CLI (every command)", "(the option named)",
+         "an option's value outside what it allows (checked before any model loads)",
+         "{name} must be {allowed}, got {got!r}"),
     # ------------------------------------------------------------------ state and resources
     Rule("generate.in_use", GENERATE, "(the model)", "another thread is generating with the same KVPassModel",
          "this KVPassModel is in use by another thread's generate(); wait for it, or kvpass.apply the model "
@@ -195,6 +215,8 @@ def errors_markdown() -> str:
              "is a `ValueError`, `InvalidType` and the refused generation features a `TypeError`, `UnsupportedModel` "
              "a `ValueError`; `ModelInUse` and `OutOfDeviceMemory` are `RuntimeError`s. `err.argument` names the "
              "argument. `{...}` in a message is filled with the values.", "",
+             "Issue 27's checklist, each class of bad input against the test that feeds it: "
+             "[errors-coverage.md](errors-coverage.md).", "",
              "| key | entry points | argument | refused when | error | message |", "|---|---|---|---|---|---|"]
     for r in RULES:
         cells = [f"`{r.key}`", r.entry, f"`{r.argument}`", r.condition, r.error.__name__, r.message]
@@ -395,6 +417,12 @@ def check_sampling(do_sample: bool, temperature: float, top_k: object, top_p: ob
         raise refuse("top_p.range", got=top_p)
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
         raise refuse("top_k.range", got=top_k)
+
+
+def check_option(name: str, ok: bool, got: object, allowed: str) -> None:
+    """A command-line option ``name`` (e.g. ``--max-new-tokens``) whose value ``got`` must be ``allowed``."""
+    if not ok:
+        raise refuse("cli.value", argument=name, name=name, got=got, allowed=allowed)
 
 
 def check_readable_file(name: str, path: object) -> None:

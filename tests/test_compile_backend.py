@@ -154,5 +154,5 @@ def test_backend_validates_options_when_compiling():
 def test_compiled_rejects_other_backends(llama):
     with pytest.raises(ValueError, match="backend 'eager'"):
         kvpass.compiled(torch.compile(llama, backend="eager"))
-    with pytest.raises(ValueError, match="torch.compile"):
+    with pytest.raises(TypeError, match="torch.compile"):              # kvpass.errors.InvalidType
         kvpass.compiled(llama)

@@ -6,16 +6,16 @@ its solo run, and ``full`` equal to transformers. Small example counts keep it t
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, event, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+# a plain import, not importorskip: hypothesis is a dev dependency (pyproject.toml), so CI (`make test`) has it,
+# and a missing install fails loudly instead of skipping the property tests
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
-from kvpass.errors import KVPassError  # noqa: E402
-from kvpass.validation import RULES  # noqa: E402
-from tests.policies.policy_helpers import apply_cached, captured_model  # noqa: E402
+from kvpass.errors import KVPassError
+from kvpass.validation import RULES
+from tests.policies.policy_helpers import apply_cached, captured_model
 
 CONTEXT = 256                     # the tiny Llama's positions
 ARGUMENTS = {r.argument for r in RULES}
@@ -30,9 +30,10 @@ PARAMS = {                        # policy -> strategies of some of its paramete
     "kvmerger": {"interval": st.integers(1, 8)},
     "knorm": {"sinks": st.integers(-1, 8), "interval": st.integers(1, 8)},
     "tova": {"sinks": st.integers(0, 8), "interval": st.integers(1, 4)},
+    "ems": {"local_window": st.integers(0, 8), "gamma": st.floats(0.5, 5.0, allow_nan=False)},
     "full": {},
 }
-SETTINGS = settings(max_examples=20, deadline=None, derandomize=True,
+SETTINGS = settings(max_examples=120, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 

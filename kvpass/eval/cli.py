@@ -135,11 +135,56 @@ def run_lm(args: argparse.Namespace, store, loaded) -> None:
     lm.run(loaded, lm_segments(args), configs, store, args.probes, shard=args.shard or (0, 1))
 
 
+def check_policies_and_budgets(policies: list[str], budgets: list) -> None:
+    """Every --policies spec and --budgets value refused (a KVPassError naming it) before any model loads."""
+    from kvpass.policies import policy_from_spec
+    from kvpass.validation import check_budget
+
+    for policy in policies:
+        policy_from_spec(policy)
+    for budget in budgets:
+        check_budget(budget)
+
+
+def check_eval_options(args: argparse.Namespace) -> None:
+    """The numeric options of ``kvpass eval niah | ppl | fidelity | leaderboard`` (those the command has)."""
+    from kvpass.validation import check_option
+
+    at_least = {"--jobs": ("jobs", 1), "--needles": ("needles", 1), "--max-new-tokens": ("max_new_tokens", 1),
+                "--batch": ("batch", 1), "--prefix": ("prefix", 1), "--steps": ("steps", 1),
+                "--segments": ("segments", 1), "--probes": ("probes", 0)}
+    for option, (name, low) in at_least.items():
+        if hasattr(args, name):
+            value = getattr(args, name)
+            check_option(option, value >= low, value, f"an int >= {low}")
+    if hasattr(args, "lengths"):
+        check_option("--lengths", all(n >= 1 for n in args.lengths), args.lengths, "token counts >= 1")
+    if hasattr(args, "depths"):
+        check_option("--depths", all(0.0 <= d <= 1.0 for d in args.depths), args.depths, "depths in [0, 1]")
+
+
+def family_tokens(items: list[str]) -> dict[str, int]:
+    """--max-new-tokens FAMILY=N ... -> {family: N}; refused (``cli.value``) unless every item is a known family
+    and an int N >= 1."""
+    from kvpass.eval.tasks import FAMILIES
+    from kvpass.validation import check_option
+
+    out = {}
+    for item in items:
+        family, _, n = item.partition("=")
+        check_option("--max-new-tokens", family in FAMILIES and n.strip().isdigit() and int(n) >= 1, item,
+                     f"FAMILY=N with FAMILY one of {', '.join(FAMILIES)} and N an int >= 1")
+        out[family] = int(n)
+    return out
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from kvpass.eval import report
     from kvpass.eval.common import selected_cases
 
     _apply_quick(args)
+    check_policies_and_budgets(args.policies, args.budgets)
+    check_eval_options(args)
     command = args.eval_command
     path, store = _store(args, "quality" if command == "leaderboard" else "lm" if command in ("ppl", "fidelity")
                          else command)
@@ -270,8 +315,8 @@ def _suite_cases(args: argparse.Namespace, tokenizer) -> list:
     from kvpass.eval import suite
 
     items = suite.cases(tokenizer, [], [], args.cases, grid=_suite_grid(args))
-    overrides = dict(kv.split("=", 1) for kv in getattr(args, "max_new_tokens", []) or [])
-    return [replace(c, max_new_tokens=int(overrides[c.family])) if c.family in overrides else c for c in items]
+    overrides = family_tokens(getattr(args, "max_new_tokens", []) or [])
+    return [replace(c, max_new_tokens=overrides[c.family]) if c.family in overrides else c for c in items]
 
 
 def _suite_stores(args: argparse.Namespace):
@@ -315,6 +360,12 @@ def cmd_suite(args: argparse.Namespace) -> int:
     command = args.suite_command
     calibrating = command == "calibrate"
     args.calibrating = calibrating
+    family_tokens(getattr(args, "max_new_tokens", []) or [])          # refused before any model loads
+    from kvpass.validation import check_option
+
+    check_option("--cases", args.cases >= 1, args.cases, "an int >= 1")
+    check_option("--batch", getattr(args, "batch", 1) >= 1, getattr(args, "batch", 1), "an int >= 1")
+    _suite_grid(args)                                                  # reads --calibration: refused here if bad
     if command == "export":
         loaded = _load_suite(args)
         path = suite.export(loaded.name, _suite_cases(args, loaded.tokenizer), args.out)
@@ -325,6 +376,7 @@ def cmd_suite(args: argparse.Namespace) -> int:
             setattr(args, name, value)
     policies = ["full"] if calibrating else args.policies
     budgets = [] if calibrating else args.budgets
+    check_policies_and_budgets(policies, budgets)
     reference = True if calibrating else args.reference
     store, others = _suite_stores(args)
     finished = True

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from torch.export import Dim
 
-from kvpass.budget import budget_tokens
+from kvpass.budget import budget_tokens, check_budget
 from kvpass.errors import InvalidValue
 from kvpass.export.graphs import (
     CompressGraph,
@@ -80,22 +80,24 @@ def _export(module: torch.nn.Module, args: tuple, path: Path, input_names: list[
 
 def _validate(model: KVPassModel, max_length: int, check: str, example_length: int) -> None:
     if not isinstance(model, KVPassModel):
-        raise InvalidValue(f"kvpass.export.onnx needs a KVPassModel (from kvpass.apply), got {type(model).__name__}")
+        raise InvalidValue(f"model: kvpass.export.onnx needs a KVPassModel (from kvpass.apply), got {type(model).__name__}",
+                           "model")
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
-        raise InvalidValue(f"max_length must be an int >= 2 (prompt + new tokens), got {max_length!r}")
+        raise InvalidValue(f"max_length must be an int >= 2 (prompt + new tokens), got {max_length!r}", "max_length")
     if max_length > model.captured.context_length:
-        raise InvalidValue(f"max_length {max_length} exceeds the model's context of {model.captured.context_length}")
+        raise InvalidValue(f"max_length {max_length} exceeds the model's context of {model.captured.context_length}",
+                           "max_length")
     if check not in _CHECK_MODES:
-        raise InvalidValue(f"tensorrt_check must be one of {', '.join(_CHECK_MODES)}, got {check!r}")
+        raise InvalidValue(f"tensorrt_check must be one of {', '.join(_CHECK_MODES)}, got {check!r}", "tensorrt_check")
     if not 2 <= example_length < max_length:
-        raise InvalidValue(f"example_length must lie in [2, max_length), got {example_length}")
+        raise InvalidValue(f"example_length must lie in [2, max_length), got {example_length}", "example_length")
     windowed = [s.layer for s in model.graphs.sites if s.window is not None]
     if windowed:
-        raise InvalidValue(f"layers {windowed} use sliding-window attention; ONNX export does not support "
-                         "sliding-window rings yet")
+        raise InvalidValue(f"model: layers {windowed} use sliding-window attention; ONNX export does not support "
+                           "sliding-window rings yet", "model")
     if model.graphs.full_heads:
-        raise InvalidValue(f"KV heads {model.graphs.full_heads} keep a full cache (a calibration file); ONNX export "
-                         "does not support the split-group layout yet")
+        raise InvalidValue(f"model: KV heads {model.graphs.full_heads} keep a full cache (a calibration file); ONNX "
+                           "export does not support the split-group layout yet", "model")
 
 
 @dataclass
@@ -131,10 +133,12 @@ def graph_specs(model: KVPassModel, max_length: int, budget: int | None = None,
                 example_length: int = 8) -> ExportPlan:
     """Build the prefill, decode and compress modules of ``model`` with example inputs (on its device)."""
     _validate(model, max_length, "off", example_length)
+    if budget is not None:
+        check_budget(budget)
     policy = model.policy
     budget = budget_tokens(model.budget if budget is None else budget, max_length)
     if policy.compresses and budget < policy.min_budget():
-        raise InvalidValue(f"budget {budget} is below {policy.name}'s minimum of {policy.min_budget()}")
+        raise InvalidValue(f"budget {budget} is below {policy.name}'s minimum of {policy.min_budget()}", "budget")
     sites = list(model.graphs.sites)
     n = len(sites)
     meta, pstate = _layer_meta(model)

@@ -30,7 +30,10 @@ class OnnxRunner:
         self.dir = Path(out_dir)
         meta_path = self.dir / METADATA
         if not meta_path.exists():
-            raise ValueError(f"{self.dir} has no {METADATA}; export with kvpass.export.onnx first")
+            from kvpass.errors import InvalidValue
+
+            raise InvalidValue(f"out_dir {str(self.dir)!r} has no {METADATA}; export with kvpass.export.onnx first",
+                               "out_dir")
         self.meta = json.loads(meta_path.read_text())
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
@@ -83,23 +86,23 @@ class OnnxRunner:
         padding. eos / pad ids default to the exported model's generation config, as in
         ``KVPassModel.generate``. Returns sequences [B, T + new] int64 (rows that finished early are filled
         with the pad id; generation stops when every row has finished)."""
-        ids = np.asarray(input_ids.cpu() if hasattr(input_ids, "cpu") else input_ids, dtype=np.int64)
-        if ids.ndim == 1:
-            ids = ids[None]
-        mask = np.ones_like(ids) if attention_mask is None else np.asarray(
-            attention_mask.cpu() if hasattr(attention_mask, "cpu") else attention_mask, dtype=np.int64)
-        if mask.shape != ids.shape:
-            raise ValueError(f"attention_mask shape {mask.shape} differs from input_ids {ids.shape}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if (np.diff(mask, axis=1) < 0).any():
-            raise ValueError("OnnxRunner needs left padding (each attention_mask row 0...0 1...1)")
+        import torch
+
+        from kvpass.validation import as_input_ids, check_max_new_tokens, left_pads, refuse
+
+        def host(x):                   # numpy, lists and tensors alike, as a CPU tensor (its dtype kept: checked)
+            return x.cpu() if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+
+        max_new_tokens = check_max_new_tokens(max_new_tokens)
+        ids_t = as_input_ids(host(input_ids), torch.device("cpu"), self.meta.get("vocab_size"))
+        mask_t, _ = left_pads(None if attention_mask is None else host(attention_mask), ids_t)
+        ids, mask = ids_t.numpy(), mask_t.numpy().astype(np.int64)
         pad = (mask == 0).sum(-1).astype(np.int64)
         b, t = ids.shape
         longest = int(t - pad.min())
         if longest + max_new_tokens > self.meta["max_length"]:
-            raise ValueError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the exported "
-                             f"max_length of {self.meta['max_length']}")
+            raise refuse("max_new_tokens.context", prompt=longest, got=max_new_tokens,
+                         context=f"{self.meta['max_length']} (the exported max_length)")
         pos = np.clip(np.cumsum(mask, -1) - 1, 0, None).astype(np.int64)
         if eos_token_id is None:
             eos_token_id = self.meta.get("eos_token_id")

@@ -60,9 +60,9 @@ def tensorrt(model: KVPassModel, out_dir: str | Path, max_length: int = 512, bud
     prompt length follow their torch.export dims. Raises TensorRTUnavailable (before any work) when
     torch-tensorrt is not installed, ValueError for a bad precision. Returns {graph key: engine file}."""
     if precision not in _PRECISIONS:
-        raise InvalidValue(f"precision must be one of {', '.join(_PRECISIONS)}, got {precision!r}")
+        raise InvalidValue(f"precision must be one of {', '.join(_PRECISIONS)}, got {precision!r}", "precision")
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-        raise InvalidValue(f"max_batch must be an int >= 1, got {max_batch!r}")
+        raise InvalidValue(f"max_batch must be an int >= 1, got {max_batch!r}", "max_batch")
     if not tensorrt_available():
         raise TensorRTUnavailable(
             "kvpass.export.tensorrt needs torch-tensorrt (with TensorRT and a CUDA GPU), which is not installed. "

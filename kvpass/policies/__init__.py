@@ -54,11 +54,13 @@ def get_policy(name: str | Policy, **kwargs) -> Policy:
         hint = f" ({', '.join(sorted(unknown))} belongs to: {', '.join(owners)})" if owners else ""
         raise refuse("policy.parameter", policy=name, got=", ".join(sorted(unknown)),
                      names=", ".join(cls.defaults()) or "none", hint=hint)
+    from kvpass.errors import InvalidValue, KVPassError
+
     try:
         return cls(**kwargs)
+    except KVPassError:                          # the policy's own refusal, naming its argument
+        raise
     except TypeError as err:                     # a dataclass field given a value its code cannot take
-        from kvpass.errors import InvalidValue
-
         raise InvalidValue(f"{name}: {err}", "policy_kwargs") from err
 
 

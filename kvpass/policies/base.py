@@ -97,9 +97,10 @@ class Policy:
     # for all of them: a prompt's compression is otherwise launch-bound on the GPU).
     rows_independent: ClassVar[bool] = False
     # True: the cache of one layer may hold batch rows of different budgets (each row compressed to its own,
-    # as if alone: the runtime compresses a row in a copy of its own capacity and writes it back). False
-    # (a policy whose metadata shapes depend on the budget, e.g. EMS's slot table): every row of a batch
-    # gets the budget of the batch's longest row.
+    # as if alone: the runtime compresses a row in a copy of its own capacity and writes it back). False: every
+    # row of a batch gets the budget of the batch's longest row (a row's tokens then depend on its batch-mates;
+    # no policy needs it: EMS, whose slot table's width follows the budget, holds each row's table in one as
+    # wide as the widest row's).
     ragged_rows: ClassVar[bool] = True
     expand_kv_heads: bool = field(default=False, kw_only=True)
 

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvpass.validation import refuse
+
 if TYPE_CHECKING:
     from kvpass.rewrites import AttentionSite
 
@@ -109,25 +111,25 @@ class Calibration:
                        outliers=tuple((int(a), int(b)) for a, b in outliers),
                        settings=tuple((str(k), _frozen(v)) for k, v in settings.items()))
         except _Malformed as err:
-            raise ValueError(f"{source} is not a valid calibration file: {err}") from None
+            raise refuse("calibration.format", got=source, reason=str(err)) from None
 
     def heads_by_layer(self, sites: Sequence[AttentionSite]) -> dict[int, tuple[int, ...]]:
         """{layer: outlier KV heads, ascending} for the model whose attention sites are ``sites``.
         Raises ValueError when the file was made for a model of another shape."""
         where = f"calibration of {self.model!r} ({self.model_type}, {self.layers} layers x {self.kv_heads} KV heads)"
         if len(sites) != self.layers:
-            raise ValueError(f"{where} does not fit a model with {len(sites)} layers; run `kvpass calibrate` "
-                             "for this model")
+            raise refuse("calibration.model", where=where, reason=f"does not fit a model with {len(sites)} layers")
         for site in sites:
             if (site.n_kv_heads, site.head_dim) != (self.kv_heads, self.head_dim):
-                raise ValueError(f"{where}, head dim {self.head_dim}, does not fit layer {site.layer} of this model "
-                                 f"({site.n_kv_heads} KV heads, head dim {site.head_dim}); run `kvpass calibrate` "
-                                 "for this model")
+                raise refuse("calibration.model", where=f"{where}, head dim {self.head_dim},",
+                             reason=f"does not fit layer {site.layer} of this model ({site.n_kv_heads} KV heads, "
+                                    f"head dim {site.head_dim})")
         by_layer: dict[int, list[int]] = {}
         for layer, head in self.outliers:
             if sites[layer].window is not None:
-                raise ValueError(f"{where} marks KV head {head} of layer {layer} as an outlier, but layer {layer} "
-                                 "is a sliding-window layer (never compressed)")
+                raise refuse("calibration.model", where=where,
+                             reason=f"marks KV head {head} of layer {layer} as an outlier, but layer {layer} is a "
+                                    "sliding-window layer (never compressed)")
             by_layer.setdefault(layer, []).append(head)
         return {layer: tuple(sorted(heads)) for layer, heads in sorted(by_layer.items())}
 
@@ -155,19 +157,18 @@ def load_calibration(source: str | os.PathLike | Calibration) -> Calibration:
     if isinstance(source, Calibration):
         return source
     if not isinstance(source, (str, os.PathLike)):
-        raise TypeError(f"calibration must be a path, a shipped model name or a Calibration, got {source!r}")
+        raise refuse("calibration.type", got=source)
     path = Path(source)
     if not path.is_file():
         shipped = SHIPPED_DIR / f"{source}.json"
         if not shipped.is_file():
             names = sorted(p.stem for p in SHIPPED_DIR.glob("*.json"))
-            raise FileNotFoundError(f"calibration {str(source)!r} is neither a file nor a shipped calibration "
-                                    f"({', '.join(names) or 'none shipped'}); write one with `kvpass calibrate`")
+            raise refuse("calibration.missing", got=str(source), names=", ".join(names) or "none shipped")
         path = shipped
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} is not a valid calibration file: not JSON ({err})") from None
+        raise refuse("calibration.format", got=str(path), reason=f"not JSON ({err})") from None
     return Calibration.from_dict(data, source=str(path))
 
 

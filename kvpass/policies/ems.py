@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
-from kvpass.cache import EMPTY, LayerCache, gather_slots, with_capacity
+from kvpass.cache import EMPTY, LayerCache, concat_rows, gather_slots, split_rows, take_rows, with_capacity
 from kvpass.policies.base import Attention, Policy, Stat, require
 from kvpass.policies.ems_plan import (
     CENTER,
@@ -33,9 +33,10 @@ LOC_PAST = "ems_loc_past"    # fp32 s_Loc of the previous full window of L_win q
 LOC_CUR = "ems_loc_cur"      # fp32 s_Loc accumulated over the current window
 FOUNDER = "ems_founder"      # bool: the token that founded its entry (rep[e] of §4.5, stored per slot)
 PROB = "ems_prob"            # fp32 this step's probability of the slot (written by the decode op)
+TABLE = (ENTRY, KNORM, POS, GLO, LOC_PAST, LOC_CUR, FOUNDER, PROB)
 # per (batch row, KV head), LayerCache.state [B, Hkv] int64:
 C_LOC = "ems_c_loc"          # queries accumulated into LOC_CUR
-BUDGET = "ems_budget"        # N_budget of the layer
+BUDGET = "ems_budget"        # N_budget of the layer for this batch row (0: no slot table built yet)
 # per entry, LayerCache.slot_meta [B, Hkv, C, D] ("w.o. pos" only):
 KRAW = "ems_kraw"            # unit pre-RoPE key direction, merged like the key (Khat_raw of §4.5)
 
@@ -73,7 +74,9 @@ def slot_scores(glo: Tensor, loc: Tensor, pos: Tensor, tracked: Tensor, candidat
     s_Loc) with both sums over every tracked slot, then mean-pooled (kernel ``pool``, zero padding) over the
     candidates sorted by position [OURS]. All [B, Hkv, S]; returns fp32 [B, Hkv, S], 0 off the candidates."""
     g, lo = glo.masked_fill(~tracked, 0), loc.masked_fill(~tracked, 0)
-    factor = lo.sum(-1, keepdim=True) / g.sum(-1, keepdim=True).clamp(min=1e-30)
+    # the sums in float64: a row's sum then does not depend on how many free slots its table has (a batch
+    # holds every row's table at the widest row's S; an fp32 sum's rounding depends on the length summed)
+    factor = (lo.double().sum(-1, keepdim=True) / g.double().sum(-1, keepdim=True).clamp(min=1e-30)).to(g.dtype)
     gl = torch.maximum(g * factor, lo).masked_fill(~candidate, 0)
     key = torch.where(candidate, pos, torch.iinfo(torch.int64).max)
     order = torch.sort(key, dim=-1, stable=True).indices                   # candidates first, by position
@@ -126,7 +129,6 @@ class EMS(Policy):
     windows of L_win queries), without the global part, so the question's attention alone ranks [OURS].
     """
 
-    ragged_rows: ClassVar[bool] = False     # the slot table's size follows the budget: one budget per batch
     name: ClassVar[str] = "ems"
     section: ClassVar[str] = "§4"
     summary: ClassVar[str] = "global-local score; evict, then merge into class centres expanded by a slot table"
@@ -167,6 +169,11 @@ class EMS(Policy):
         """S = gamma * N_budget token slots per head (§4.5)."""
         return budget + self.n_tbm(budget)
 
+    def slot_limit(self, budget: Tensor) -> Tensor:
+        """``n_slots`` of every row's own N_budget: budget [B, Hkv] int64 -> [B, Hkv] int64 (Python's and
+        torch's round both round halves to even, on the same float64 product)."""
+        return budget + torch.round((self.gamma - 1.0) * budget.double()).long()
+
     def stat_options(self, stat: Stat) -> dict[str, object]:
         if stat == Stat.WINDOW_SCORES:     # s_Loc: the last L_win queries, every column, unpooled
             return {"obs_window": self.local_window, "kernel": 1, "pool": "avg", "include_window": True}
@@ -191,12 +198,45 @@ class EMS(Policy):
         require(keep >= self.min_budget(), f"ems: budget {keep} is below local_window + 1 = {self.min_budget()}")
         return self._prefill(cache, keep)
 
-    def prepare(self, cache: LayerCache, layer: int, budget: int) -> LayerCache:
+    def prepare(self, cache: LayerCache, layer: int, budget: int | Tensor) -> LayerCache:
         """A prompt that fitted the budget was never compressed: give every token its own entry and slot
-        (§4.6 step 0) in the cache's capacity."""
-        if ENTRY in cache.state:
+        (§4.6 step 0) in the cache's capacity. ``budget``: the layer's N_budget, or [B] int64 when the batch
+        rows' differ (each row as if alone: its own N_budget and table of its own S slots; the layer's table
+        is as wide as the widest row's, the others' extra slots free). Rows the prompt compression already
+        gave a table (``ems_budget`` > 0) keep it."""
+        b = cache.length.shape[0]
+        budgets = [int(x) for x in budget.tolist()] if isinstance(budget, Tensor) else [int(budget)] * b
+        ready = (cache.state[BUDGET] > 0).all(-1).tolist() if ENTRY in cache.state else [False] * b
+        if all(ready):
+            return self._fit_tables(cache)
+        if not any(ready) and len(set(budgets)) == 1:
+            return with_capacity(self._prefill(cache, budgets[0]), cache.capacity)
+        groups: dict[int, list[int]] = {}          # rows to build, by budget (0: rows that have their table)
+        for row, (keep, done) in enumerate(zip(budgets, ready, strict=True)):
+            groups.setdefault(0 if done else keep, []).append(row)
+        rows: list[LayerCache | None] = [None] * b
+        for keep, members in groups.items():
+            part = take_rows(cache, members)
+            if keep:
+                part = with_capacity(self._prefill(part, keep), cache.capacity)
+            else:
+                part.slot_meta.pop(Stat.WINDOW_SCORES.value, None)   # the prompt's statistic: no longer read
+            for row, one in zip(members, split_rows(part, len(members)), strict=True):
+                rows[row] = one
+        width = max(one.state[ENTRY].shape[-1] for one in rows)
+        for one in rows:
+            one.state = {**one.state, **_pad_table({n: one.state[n] for n in TABLE}, width)}
+        return self._fit_tables(concat_rows(rows))
+
+    def _fit_tables(self, cache: LayerCache) -> LayerCache:
+        """Every row's slots past its own S = ``slot_limit`` free (a table widened for a batch-mate of a larger
+        budget holds zeros there)."""
+        st = cache.state
+        beyond = torch.arange(st[ENTRY].shape[-1], device=cache.k.device) >= self.slot_limit(st[BUDGET])[..., None]
+        if not bool(beyond.any()):
             return cache
-        return with_capacity(self._prefill(cache, budget), cache.capacity)
+        cache.state = {**st, **{n: _clear(st[n], ~beyond, n) for n in TABLE}}
+        return cache
 
     def _prefill(self, cache: LayerCache, keep: int) -> LayerCache:
         b, hkv, c, d = cache.k.shape
@@ -223,7 +263,7 @@ class EMS(Policy):
         idx = torch.sort((~kept).to(torch.int8), dim=-1, stable=True).indices[..., :cap]   # entries, in order
         kept_sel = torch.gather(kept, -1, idx)
         emap = torch.cumsum(kept.long(), -1) - 1                              # prompt slot -> entry index
-        meta = {Stat.COLUMN_SUM.value: torch.zeros(b, hkv, cap, device=dev)}
+        meta = {Stat.COLUMN_SUM.value: cache.slot_meta[Stat.COLUMN_SUM.value].new_zeros(b, hkv, cap)}   # its own dtype
         if not self.with_pos:
             kraw = torch.where(grouped, merged.dirs, unit(ks)) if merged.dirs is not None else unit(ks)
             meta[KRAW] = gather_slots(kraw.to(cache.k.dtype), idx) * kept_sel[..., None]
@@ -267,7 +307,8 @@ class EMS(Policy):
         b, hkv, c, d = cache.k.shape
         dev = cache.k.device
         n_win = self.local_window
-        n_slots = st[ENTRY].shape[-1]
+        n_slots = st[ENTRY].shape[-1]                                         # the batch's widest S
+        row_slots = self.slot_limit(st[BUDGET])                               # each row's own S
         live, n = cache.live, cache.length
         last = (n - 1).clamp(min=0)                                           # [B, Hkv]
 
@@ -360,7 +401,7 @@ class EMS(Policy):
 
         # step 5: slot overflow
         tracked = entry >= 0
-        over = tracked.sum(-1) > n_slots
+        over = tracked.sum(-1) > row_slots
         deletable = tracked & ~founder & ~is_local
         victim = s_hat.masked_fill(~deletable, math.inf).argmin(-1)
         entry = entry.masked_fill(over[..., None] & (torch.arange(n_slots + 1, device=dev) == victim[..., None]), -1)

@@ -123,7 +123,7 @@ def test_malformed_calibration_files_raise(tmp_path, edit, message):
 
 
 def test_calibration_errors_name_the_problem(tmp_path):
-    with pytest.raises(FileNotFoundError, match="kvpass calibrate"):
+    with pytest.raises(ValueError, match="kvpass calibrate"):                # kvpass.errors.InvalidValue
         Chelsea(calibration=str(tmp_path / "missing.json"))
     model = captured_model("llama")[0]
     with pytest.raises(ValueError, match="does not fit a model with 2 layers"):

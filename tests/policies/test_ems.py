@@ -4,6 +4,7 @@ against plain attention over the explicitly expanded cache, and properties of lo
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -13,10 +14,24 @@ import kvpass
 from kvpass.cache import LayerCache, with_capacity
 from kvpass.kernels import decode_attention_reference, ems_expansion_attention_reference
 from kvpass.policies import get_policy
-from kvpass.policies.ems import EMS, ENTRY, FOUNDER, GLO, KNORM, KRAW, LOC_CUR, LOC_PAST, POS, PROB, unrotate
+from kvpass.policies.ems import (
+    BUDGET,
+    EMS,
+    ENTRY,
+    FOUNDER,
+    GLO,
+    KNORM,
+    KRAW,
+    LOC_CUR,
+    LOC_PAST,
+    POS,
+    PROB,
+    unrotate,
+)
+from tests.conftest import padded_batch
 from tests.policies import ems_reference as ref
 from tests.policies.merging_support import prompt, tiny_model
-from tests.policies.policy_helpers import ARCHS, apply_cached
+from tests.policies.policy_helpers import ARCHS, apply_cached, captured_model
 
 INV_FREQ = (1.0, 0.3, 0.05)          # rotate-half RoPE over the first 6 of 8 dims (2 pass through)
 
@@ -268,7 +283,6 @@ def test_tiny_budget_has_no_nan():
 
 
 def test_batch_rows_are_independent():
-    from tests.conftest import padded_batch
     ids, mask = padded_batch([50, 37], seed=3)
     km = apply_cached("llama", "ems", 14, **SMALL)
     both = km.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=[], return_dict_in_generate=True,
@@ -277,6 +291,43 @@ def test_batch_rows_are_independent():
         alone = km.generate(ids[row:row + 1, -n:], max_new_tokens=20, eos_token_id=[], return_dict_in_generate=True,
                             output_logits=True)
         torch.testing.assert_close(torch.stack(both.logits, 1)[row], torch.stack(alone.logits, 1)[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("lengths, budget", [([40, 8, 31], 0.4), ([40, 23, 31], 0.9)], ids=["mixed", "all-fit"])
+def test_rows_of_different_budgets_share_one_cache(lengths, budget):
+    """Left-padded rows with a fraction budget: every row gets its own N_budget (its own prompt + new tokens)
+    and its own table of S = gamma * N_budget slots in the layer's table (as wide as the widest row's), and
+    keeps exactly the entries and slots it keeps alone, every step. "mixed": rows compressed at prefill to
+    different budgets beside a row whose prompt fits its budget (tabled at ``prepare``); "all-fit": no row
+    compressed at prefill, every budget different. fp64 (the rows' scores then agree to the last bit that
+    decides a near-tie; tests/runtime/test_rows_independent.py)."""
+    new = 12
+    km = kvpass.apply(copy.deepcopy(captured_model("llama")[0]).double(), "ems", budget, **SMALL)
+    ids, mask = padded_batch(lengths, seed=5)
+    both = km.start(ids, mask, max_new_tokens=new)
+    alone = [km.start(ids[r:r + 1, ids.shape[1] - n:], max_new_tokens=new) for r, n in enumerate(lengths)]
+    budgets = [int(budget * (n + new)) for n in lengths]
+    assert len(set(budgets)) == len(budgets)
+    for step in range(new):
+        for r, solo in enumerate(alone):
+            for lay, own in zip(both.layers, solo.layers, strict=True):
+                c, o = lay.cache, own.cache
+                assert c.state[BUDGET][r].tolist() == [budgets[r]] * c.length.shape[1]
+                assert c.state[ENTRY].shape[-1] == km.policy.n_slots(max(budgets))
+                assert int((c.state[ENTRY][r] >= 0).sum(-1).max()) <= km.policy.n_slots(budgets[r])
+                for g in range(c.length.shape[1]):
+                    assert c.position[r, g, :int(c.length[r, g])].tolist() == o.position[0, g, :int(o.length[0, g])].tolist()
+                    got, want = table_of(c, r, g), table_of(o, 0, g)
+                    assert {p: (x["owner"], x["founder"]) for p, x in got.items()} == \
+                        {p: (x["owner"], x["founder"]) for p, x in want.items()}, (step, r, g)
+        if step < new - 1:
+            tok = both.logits.argmax(-1)
+            both.step(tok)
+            for r, solo in enumerate(alone):
+                assert torch.equal(solo.logits.argmax(-1), tok[r:r + 1])
+                solo.step(tok[r:r + 1])
+    for r, solo in enumerate(alone):
+        torch.testing.assert_close(both.logits[r:r + 1], solo.logits, rtol=1e-6, atol=1e-6)
 
 
 # ------------------------------------------------------------------ generate, errors

@@ -24,7 +24,10 @@ NEW = 12
 # ClusterKV's k-means assignments are discrete decisions on cosines: in fp32 the last-bit differences between a
 # batched and a one-row matmul can flip a near-tie (seen on these prompts: same clusters in fp64, not in fp32),
 # which is rounding, not coupling. It is compared in fp64, where the rows' inputs to every decision agree.
-FP64 = {"clusterkv"}
+# EMS likewise: its demoted centre merges into the centre of highest R = cos(k) cos(v), and on these prompts
+# two centres' R differ by 1.2e-7 in fp32 (0.99999779 vs 0.99999768), so the rows' last-bit differences pick
+# different ones (seen at decode step 10 of the padded-fraction case; tokens still equal).
+FP64 = {"clusterkv", "ems"}
 
 
 @functools.cache
@@ -45,8 +48,6 @@ def _greedy(kv, ids, mask):
 @pytest.mark.parametrize("lengths, budget", CASES, ids=["equal", "padded-fraction", "padded-tokens"])
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_each_row_decodes_as_alone(policy, lengths, budget):
-    if policy == "ems" and len(set(lengths)) > 1 and isinstance(budget, float):
-        pytest.skip("ems: one budget per batch (Policy.ragged_rows), the longest row's")
     if policy in FP64:
         kv = kvpass.apply(_double_llama(), policy, budget, **SMALL.get(policy, {}))
     else:
