@@ -99,6 +99,10 @@ class Policy:
     # (a policy whose metadata shapes depend on the budget, e.g. EMS's slot table): every row of a batch
     # gets the budget of the batch's longest row.
     ragged_rows: ClassVar[bool] = True
+    # True: a chunked prefill (``prefill_chunk``, kvpass/chunked_prefill.py) may compress the cache between the
+    # prompt's chunks, and later chunks attend over what ``compress`` left. False (EMS: its first compression
+    # turns the cache into entries expanded through a slot table, which only its decode op reads): refused.
+    prefill_chunks: ClassVar[bool] = True
     expand_kv_heads: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:

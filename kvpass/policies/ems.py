@@ -127,6 +127,7 @@ class EMS(Policy):
     """
 
     ragged_rows: ClassVar[bool] = False     # the slot table's size follows the budget: one budget per batch
+    prefill_chunks: ClassVar[bool] = False  # after its first compression the cache is read through the slot table
     name: ClassVar[str] = "ems"
     section: ClassVar[str] = "§4"
     summary: ClassVar[str] = "global-local score; evict, then merge into class centres expanded by a slot table"
