@@ -384,7 +384,7 @@ class KVPassModel(nn.Module):
             if site.window is not None and site.window < total:
                 ring = ring_from_prompt(k, v, pad, site.window) if prompt is None else prompt.caches[i]
                 layers.append(_Layer(ring, site.window, False, site.window, int(ring.length.max()), True))
-                layers[-1].peak = layers[-1].host_len if prompt is None else prompt.peaks[i]
+                layers[-1].peak = prompt_len if prompt is None else prompt.peaks[i]   # the prefill held the prompt
                 continue
             if prompt is None:
                 layer_stats = stats.get(site.layer, {})
