@@ -183,7 +183,8 @@ class _ChunkedPrefill:
                              for s in self.sites]
         self.ring = [s.window is not None and s.window < total for s in self.sites]
         self.caches: list[LayerCache] = []
-        self.entries: list[list[int]] = []
+        self.entries: list[list[int]] = []    # per site, per row: live entries as the runtime counts them
+        self.longest: list[list[int]] = []    # per site, per row: the most live entries of one KV head
         self.peaks: list[int] = []
         self.budgets: list[list[int]] = [[] for _ in self.sites]       # per site: each row's budget
         self.caps: list[list[int]] = [[] for _ in self.sites]          # per site: each row's most entries per head
@@ -210,6 +211,7 @@ class _ChunkedPrefill:
             cache.state.update({name: x for name, x in got.items() if not Stat(name).per_slot})
             self.caches.append(cache)
             self.entries.append([t0 - p for p in pad.tolist()])
+        self.longest = [list(e) for e in self.entries]
         self.peaks = [max(e) for e in self.entries]
         self._decide_budgets(t0, layer_budgets)
         largest = max(b - a for a, b in chunk_bounds(self.tokens, self.chunk))
@@ -219,6 +221,7 @@ class _ChunkedPrefill:
                 capacity = self.sites[i].window + largest
                 self.caches[i] = last_entries(cache, self.sites[i].window, capacity)
                 self.entries[i] = [min(n, self.sites[i].window) for n in self.entries[i]]
+                self.longest[i] = list(self.entries[i])
             else:
                 capacity = (max(self.caps[i]) if self.compressible[i] else longest) + largest
                 self.caches[i] = with_capacity(cache, max(capacity, max(self.entries[i])))
@@ -284,10 +287,12 @@ class _ChunkedPrefill:
                 fresh.setdefault(name, torch.zeros(old.shape[0], old.shape[1], t, dtype=old.dtype, device=old.device))
             append_chunk(cache, outs[1 + 2 * site.layer], outs[2 + 2 * site.layer], pad, pos, fresh)
             self.entries[i] = [e + a for e, a in zip(self.entries[i], added, strict=True)]
-            self.peaks[i] = max(self.peaks[i], max(self.entries[i]))
+            self.longest[i] = [e + a for e, a in zip(self.longest[i], added, strict=True)]
+            self.peaks[i] = max(self.peaks[i], max(self.longest[i]))
             if self.ring[i]:
                 self.caches[i] = last_entries(cache, site.window, cache.capacity)
                 self.entries[i] = [min(e, site.window) for e in self.entries[i]]
+                self.longest[i] = list(self.entries[i])
         return outs[0][:, -1].float()
 
     # ------------------------------------------------------------------ between chunks
@@ -322,11 +327,17 @@ class _ChunkedPrefill:
                 if n > cap:
                     raise RuntimeError(f"policy {self.policy.name} left {n} entries in a KV head of batch row {b} "
                                        f"for a budget of {self.budgets[i][b]} (at most {cap} in one head)")
-            self.entries[i] = [int(n) for n in lengths]
+            # the runtime's count (``_Layer.row_len``): a head may hold up to the head capacity, the row is counted
+            # at its budget after a compression (``KVPassModel._check_within_budget``); ``longest`` the real most
+            self.longest[i] = [int(n) for n in lengths]
+            self.entries[i] = [min(int(n), keep) for n, keep in zip(lengths, self.budgets[i], strict=True)]
 
     def prompt_caches(self) -> PromptCaches:
+        """The caches for ``KVPassModel._build_layers``, handed over: this state keeps no reference to them (each
+        working buffer is freed when its layer's decode buffers replace it, not all at the end)."""
         caches = [ring_of(c, s.window) if ring else c for c, s, ring in zip(self.caches, self.sites, self.ring,
                                                                               strict=True)]
+        self.caches = []
         return PromptCaches(caches, self.entries, self.peaks, self.tokens)
 
 
@@ -375,12 +386,13 @@ def start_chunked(model: KVPassModel, input_ids: Tensor, attention_mask: Tensor 
     started = time.perf_counter()
     state = _ChunkedPrefill(model, pad, total, t, chunk)
     logits = None
+    deferred = model.policy.prompt_compression_deferred()
     for n, (a, b) in enumerate(bounds):
         if n == 0:
             logits = state.first(ids[:, a:b], pos[:, a:b], layer_budgets)
         else:
             logits = state.step(ids[:, a:b], pos[:, a:b], a)
-        if n < len(bounds) - 1:
+        if n < len(bounds) - 1 or not deferred:     # the last one too, in place: no second copy of every layer
             state.compress()
     layers, compressions = model._build_layers(None, {}, pad, total, budget, budget_tokens(model.budget, total),
                                                state.row_layer_budgets, state.prompt_caches())

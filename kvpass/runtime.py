@@ -383,6 +383,8 @@ class KVPassModel(nn.Module):
                 k, v = kv[2 * site.layer], kv[2 * site.layer + 1]
             if site.window is not None and site.window < total:
                 ring = ring_from_prompt(k, v, pad, site.window) if prompt is None else prompt.caches[i]
+                if prompt is not None:
+                    prompt.caches[i] = None
                 layers.append(_Layer(ring, site.window, False, site.window, int(ring.length.max()), True))
                 layers[-1].peak = prompt_len if prompt is None else prompt.peaks[i]   # the prefill held the prompt
                 continue
@@ -391,7 +393,7 @@ class KVPassModel(nn.Module):
                 cache = entries_from_prompt(k, v, pad, {n: x for n, x in layer_stats.items() if Stat(n).per_slot})
                 cache.state.update({n: x for n, x in layer_stats.items() if not Stat(n).per_slot})
             else:
-                cache = prompt.caches[i]
+                cache, prompt.caches[i] = prompt.caches[i], None     # the layer owns it: freed when replaced
             kept_full = full_heads.get(site.layer, ())
             compressible = (self.policy.compresses and site.window is None and len(kept_full) < site.n_kv_heads
                             and site.layer not in kept_whole)
