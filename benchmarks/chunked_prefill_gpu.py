@@ -5,7 +5,8 @@
 
 A Llama-3.1-8B-shaped model (hidden 4096, 32 layers, 32 query / 8 KV heads of 128, vocab 128256; ``--layers``
 fewer) with random bf16 weights, built on the meta device and materialised on the GPU (seconds, not the
-minutes of a random CPU init). Rows: prompts of 32k and 128k tokens at batch 1, and 128k at batch 8;
+minutes of a random CPU init). Rows: prompts of 32k and 128k tokens at batch 1, and 128k at batch 8 (``--smoke``:
+a 2-layer model, 96 and 160 tokens, chunk 32, batch 2);
 ``full`` prefilled in one piece (the baseline: weights + the whole cache), ``d2o`` and ``streamingllm`` at
 budget 0.2 with ``prefill_chunk`` 4096 (``--chunk``), and ``d2o`` unchunked at batch 1 for comparison. A row
 whose full cache cannot fit the device is recorded as skipped, with the bytes it would need.
@@ -43,15 +44,16 @@ import torch  # noqa: E402
 import kvpass  # noqa: E402
 from kvpass.bench import LLAMA_8B, TINY_LLAMA  # noqa: E402
 
-# (prompt tokens, batch, policy, prefill_chunk or None); the chunk None rows are the unchunked baselines
-def plan(prompts: list[int], chunk: int, batch8: bool) -> list[tuple[int, int, str, int | None]]:
+def plan(prompts: list[int], chunk: int, big_batch: int) -> list[tuple[int, int, str, int | None]]:
+    """(prompt tokens, batch, policy, prefill_chunk or None) of every row, smallest first; the rows without a
+    chunk are the unchunked baselines; ``big_batch`` (0: none) the batch of the longest prompt's last rows."""
     rows = []
     for prompt in sorted(prompts):
         rows += [(prompt, 1, "full", None), (prompt, 1, "d2o", None), (prompt, 1, "d2o", chunk),
                  (prompt, 1, "streamingllm", chunk)]
-    if batch8:
+    if big_batch:
         top = max(prompts)
-        rows += [(top, 8, "full", None), (top, 8, "d2o", chunk), (top, 8, "streamingllm", chunk)]
+        rows += [(top, big_batch, "full", None), (top, big_batch, "d2o", chunk), (top, big_batch, "streamingllm", chunk)]
     return rows
 
 
@@ -112,9 +114,9 @@ def full_cache_bytes(config, batch: int, tokens: int, elem: int) -> int:
     return 2 * batch * config.num_hidden_layers * config.num_key_value_heads * head_dim * tokens * elem
 
 
-def run_row(model, prompt: int, batch: int, policy: str, chunk: int | None, budget: float, warmup: int, steps: int,
-            device: torch.device, weights: int) -> dict:
-    kv = kvpass.apply(model, policy, budget)
+def run_row(kv, prompt: int, batch: int, chunk: int | None, warmup: int, steps: int, device: torch.device,
+            weights: int) -> dict:
+    model, policy, budget = kv.model, kv.policy.name, kv.budget
     ids = torch.randint(1, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(prompt))
     ids = ids.to(device)
     new = warmup + steps + 1
@@ -136,7 +138,7 @@ def run_row(model, prompt: int, batch: int, policy: str, chunk: int | None, budg
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     full = full_cache_bytes(model.config, batch, prompt + new, next(model.parameters()).element_size())
     budgets = list(report.layer_budgets.values())
-    del session, kv
+    del session
     return {"prompt": prompt, "batch": batch, "policy": policy, "budget": budget if policy != "full" else None,
             "prefill_chunk": chunk, "ttft_s": round(ttft, 4), "ms_per_token": round(decode / steps * 1e3, 3),
             "tokens_per_s": round(batch * steps / decode, 1),
@@ -165,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     if args.smoke:
         device, dtype, shape = torch.device("cpu"), torch.float32, dict(TINY_LLAMA)
-        prompts, chunk, args.steps, args.warmup = args.prompts or [256, 512], args.chunk or 64, 3, 1
+        prompts, chunk, args.steps, args.warmup = args.prompts or [96, 160], args.chunk or 32, 2, 1
     else:
         if not torch.cuda.is_available():
             p.error("needs a CUDA device (or --smoke)")
@@ -181,10 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     weights = sum(t.numel() * t.element_size() for t in model.parameters())
     total_memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     rows = []
+    kv = {policy: kvpass.apply(model, policy, 1.0 if policy == "full" else args.budget)    # one trace per policy
+          for policy in ("full", "d2o", "streamingllm")}
     # warm-up: Triton compilation and cuBLAS plans at a short prompt, every policy and the chunked path
     for policy, c in (("full", None), ("d2o", None), ("d2o", chunk), ("streamingllm", chunk)):
-        run_row(model, 3 * chunk + 17, 1, policy, c, args.budget, 1, 2, device, weights)
-    for prompt, batch, policy, c in plan(prompts, chunk, args.batch8):
+        run_row(kv[policy], 3 * chunk + 17, 1, c, 1, 2, device, weights)
+    for prompt, batch, policy, c in plan(prompts, chunk, (2 if args.smoke else 8) if args.batch8 else 0):
         row = {"prompt": prompt, "batch": batch, "policy": policy, "prefill_chunk": c}
         need = weights + full_cache_bytes(model.config, batch, prompt, dtype.itemsize)
         if policy == "full" and total_memory is not None and need > 0.95 * total_memory:
@@ -194,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             row["skipped"] = f"time limit of {args.time_limit:.0f} s reached"
         else:
             try:
-                row = run_row(model, prompt, batch, policy, c, args.budget, args.warmup, args.steps, device, weights)
+                row = run_row(kv[policy], prompt, batch, c, args.warmup, args.steps, device, weights)
             except torch.OutOfMemoryError as err:
                 row["error"] = f"out of memory: {str(err).splitlines()[0]}"
             except Exception as err:                      # noqa: BLE001 - recorded; the other rows still run
