@@ -44,6 +44,7 @@ import torch  # noqa: E402
 import kvpass  # noqa: E402
 from kvpass.bench import LLAMA_8B, TINY_LLAMA  # noqa: E402
 
+
 def plan(prompts: list[int], chunk: int, big_batch: int) -> list[tuple[int, int, str, int | None]]:
     """(prompt tokens, batch, policy, prefill_chunk or None) of every row, smallest first; the rows without a
     chunk are the unchunked baselines; ``big_batch`` (0: none) the batch of the longest prompt's last rows."""
@@ -70,7 +71,7 @@ def build_model(config_kwargs: dict, device: torch.device, dtype: torch.dtype, c
     model = model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:
                 p.fill_(1.0)                                 # RMSNorm weights
             else:

@@ -97,7 +97,7 @@ def chunk_attention_reference(q: Tensor, k: Tensor, v: Tensor, pad: Tensor, k_ca
 #     online softmax over the slots: o_m = sum_j 2^(s2_mj - lse2_m) v_j,  lse2_m = log2 sum_j 2^(s2_mj)
 # A row without a live slot gets o = 0 and lse2 = -inf (it weighs nothing in the merge).
 @triton.jit
-def _cache_attention_kernel(Q, K, V, LW, O, LSE, sqb, sqh, sqt, sqd, skb, skh, skc, skd, svb, svh, svc, svd,
+def _cache_attention_kernel(Q, K, V, LW, OUT, LSE, sqb, sqh, sqt, sqd, skb, skh, skc, skd, svb, svh, svc, svd,
                             slb, slh, slc, sob, soh, sot, sod, HKV, G, T, C, scale,
                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_D: tl.constexpr, DOT: tl.constexpr):
@@ -132,7 +132,7 @@ def _cache_attention_kernel(Q, K, V, LW, O, LSE, sqb, sqh, sqt, sqd, skb, skh, s
         acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, DOT)
         mx = new
     o = acc / tl.maximum(total, 1e-30)[:, None]
-    tl.store(O + b * sob + head[:, None] * soh + tok[:, None] * sot + d[None, :] * sod, o.to(O.dtype.element_ty),
+    tl.store(OUT + b * sob + head[:, None] * soh + tok[:, None] * sot + d[None, :] * sod, o.to(OUT.dtype.element_ty),
              mask=m_ok[:, None] & d_ok[None, :])
     lse = tl.where(total > 0, mx + tl.log2(tl.maximum(total, 1e-30)), float("-inf"))
     tl.store(LSE + (b * HKV * G + head) * T + tok, lse, mask=m_ok)

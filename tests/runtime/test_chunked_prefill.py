@@ -37,7 +37,7 @@ def test_chunks_are_balanced_and_bounded():
         bounds = chunk_bounds(t, c)
         sizes = [b - a for a, b in bounds]
         assert bounds[0][0] == 0 and bounds[-1][1] == t and max(sizes) <= c and max(sizes) - min(sizes) <= 1
-        assert all(a == b for (_, a), (b, _) in zip(bounds, bounds[1:]))
+        assert all(a == b for (_, a), (b, _) in zip(bounds, bounds[1:], strict=False))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "mistral"])
