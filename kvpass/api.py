@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from kvpass.budget import check_budget
+from kvpass.chunked_prefill import check_prefill_chunk, check_prefill_chunk_value
 from kvpass.policies import DEFAULT_POLICY, Policy, get_policy
 from kvpass.rewrites import rewrite_model
 from kvpass.runtime import KVPassModel
@@ -13,7 +14,8 @@ from kvpass.validation import check_budget_for_model, check_fuse_linears, check_
 
 
 def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float | int = 0.2, *,
-          fuse_linears: bool | None = None, tp: int | None = None, device_mesh=None, **policy_kwargs) -> KVPassModel:
+          fuse_linears: bool | None = None, tp: int | None = None, device_mesh=None, prefill_chunk: int | None = None,
+          **policy_kwargs) -> KVPassModel:
     """Rewrite a transformers causal LM to decode over a compressed KV cache.
 
     model: any ``*ForCausalLM`` whose attention kvpass can find (SDPA or eager). It is traced, not
@@ -29,6 +31,10 @@ def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float
         projection weights and of the KV heads with their caches; the model's parameters become this rank's
         shards (``kvpass/rewrites/shard_tensor_parallel.py``). None or 1: one process, graphs untouched.
     device_mesh: a 1-D ``torch.distributed.DeviceMesh`` to shard over instead of ``tp``.
+    prefill_chunk: prefill prompts this many tokens at a time, compressing every layer back to its budget
+        between chunks, so prefill holds about budget + prefill_chunk entries per layer instead of the whole
+        prompt (kvpass/chunked_prefill.py says what each policy's statistics become; EMS is refused). None
+        (default): in one piece. ``generate(prefill_chunk=...)`` overrides it per call.
     policy_kwargs: the policy's hyperparameters (e.g. ``sinks=4`` for streamingllm).
 
     Bad arguments are refused before any work (``kvpass.validation.RULES``, docs/errors.md): a KVPassError
@@ -44,5 +50,9 @@ def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float
     if isinstance(context, int):
         check_budget_for_model(budget, context)
     shard, heads = resolve_shard(tp, device_mesh, next(model.parameters()).device)
+    check_prefill_chunk_value(prefill_chunk)
     captured, graphs = rewrite_model(model, chosen, shard)
-    return KVPassModel(model, chosen, budget, captured, graphs, fuse_linears=fuse_linears, heads=heads)
+    out = KVPassModel(model, chosen, budget, captured, graphs, fuse_linears=fuse_linears, heads=heads)
+    check_prefill_chunk(prefill_chunk, out)            # what the policy and layout allow
+    out.prefill_chunk = prefill_chunk
+    return out

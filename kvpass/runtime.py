@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -60,6 +61,9 @@ from kvpass.validation import (
     refuse,
 )
 
+if TYPE_CHECKING:
+    from kvpass.chunked_prefill import PromptCaches
+
 
 @dataclass
 class GenerationReport:
@@ -90,6 +94,10 @@ class GenerationReport:
     # per batch row: layer -> that row's budget (``layer_budgets`` holds the max over rows, the buffers' size);
     # each row's are what it gets alone (its own prompt length and, for D2O, its own attention variance)
     row_layer_budgets: list[dict[int, int]] = field(default_factory=list)
+    # layer -> the most live entries one KV head of it held at any time, prefill included (tracked on the host,
+    # max over rows): the whole prompt for a plain prefill, about budget + chunk with ``prefill_chunk``
+    peak_entries: dict[int, int] = field(default_factory=dict)
+    prefill_chunk: int | None = None    # the chunk length the prompt was prefilled in (None: in one piece)
 
     @property
     def tokens_per_second(self) -> float:
@@ -160,6 +168,7 @@ class _Layer:
     row_len: list[int] = field(default_factory=list)
     row_extra: list[int] = field(default_factory=list)    # head_capacity(budget) - budget per row (adakv)
     _keep_rows: tuple[tuple[int, ...], Tensor] | None = field(default=None, repr=False)
+    peak: int = 0                # the most live entries (host_len) the layer held at any time, prefill included
 
     def caches(self) -> list[LayerCache]:
         return [self.cache] if self.full is None else [self.cache, self.full]
@@ -231,7 +240,7 @@ def stacked_groups(layers: Sequence[_Layer], stack: bool, spare_bytes: int | Non
 _UNSET = object()          # an argument left out, as opposed to an explicit None
 _GENERATE_ARGS = ("input_ids", "attention_mask", "max_new_tokens", "do_sample", "temperature", "top_k",
                   "top_p", "eos_token_id", "pad_token_id", "streamer", "generator", "return_dict_in_generate",
-                  "output_logits")
+                  "output_logits", "prefill_chunk")
 
 
 class KVPassModel(nn.Module):
@@ -277,6 +286,10 @@ class KVPassModel(nn.Module):
         # CUDA-graphed step; False compresses the due rows one budget at a time in copies (eager, a host sync
         # a layer): the old path, kept for benchmarks/ragged_decode_gpu.py's before/after. Same tokens.
         self.rows_in_one_call = True
+        # Prompt tokens prefilled at a time (None: the whole prompt), each layer compressed back to its budget
+        # between chunks, so prefill holds about budget + chunk entries per layer (kvpass/chunked_prefill.py).
+        self.prefill_chunk: int | None = None
+        self._chunk_step = None                    # the chunk-step graph, built on first use (chunked_prefill)
         self._lock = threading.Lock()              # held by generate(): a second thread gets ModelInUse
         # bytes free on the device for the pre-prefill memory check (None: validation.free_device_bytes, which
         # asks CUDA and skips other devices); tests set a function to exercise the check on the CPU
@@ -354,14 +367,17 @@ class KVPassModel(nn.Module):
         return [self.policy.layer_budgets(budget, [take_rows(c, [b]) for c in caches])
                 for b, budget in enumerate(row_budget)]
 
-    def _build_layers(self, kv: Sequence[Tensor], stats: dict[int, dict[str, Tensor]], pad: Tensor,
+    def _build_layers(self, kv: Sequence[Tensor] | None, stats: dict[int, dict[str, Tensor]], pad: Tensor,
                       total: int, budget: int, recall_budget: int,
-                      layer_budgets: list[int] | None = None) -> tuple[list[_Layer], int]:
+                      layer_budgets: list[int] | list[list[int]] | None = None,
+                      prompt: PromptCaches | None = None) -> tuple[list[_Layer], int]:
         """The layers' caches after prefill. Every row is budgeted as if alone: its budget from its own prompt
         + new tokens, its own per-layer budgets (D2O, PyramidKV), its own capacity; the buffers hold the
-        largest. ``layer_budgets`` (groups of rows prefilled apart, ``prefill_rows``) gives every row those."""
+        largest. ``layer_budgets`` (groups of rows prefilled apart, ``prefill_rows``) gives every row those, or
+        (a list per row) each row its own. ``prompt`` (chunked prefill, kvpass/chunked_prefill.py): each
+        site's cache of the prompt so far, used instead of building them from ``kv`` (None then)."""
         layers: list[_Layer] = []
-        t = kv[0].shape[2]
+        t = kv[0].shape[2] if prompt is None else prompt.tokens
         new = total - t
         row_tokens = [t - p for p in pad.tolist()]                          # each row's prompt
         row_total = [n + new for n in row_tokens]
@@ -381,15 +397,22 @@ class KVPassModel(nn.Module):
         full_attention = [s.layer for s in self.graphs.sites if s.window is None]
         kept_whole = {full_attention[i] for i in self.policy.uncompressed_layers(len(full_attention))}
         deferred = self.policy.prompt_compression_deferred()
-        for site in self.graphs.sites:
-            k, v = kv[2 * site.layer], kv[2 * site.layer + 1]
+        for i, site in enumerate(self.graphs.sites):
+            if prompt is None:
+                k, v = kv[2 * site.layer], kv[2 * site.layer + 1]
             if site.window is not None and site.window < total:
-                ring = ring_from_prompt(k, v, pad, site.window)
+                ring = ring_from_prompt(k, v, pad, site.window) if prompt is None else prompt.caches[i]
+                if prompt is not None:
+                    prompt.caches[i] = None
                 layers.append(_Layer(ring, site.window, False, site.window, int(ring.length.max()), True))
+                layers[-1].peak = prompt_len if prompt is None else prompt.peaks[i]   # the prefill held the prompt
                 continue
-            layer_stats = stats.get(site.layer, {})
-            cache = entries_from_prompt(k, v, pad, {n: x for n, x in layer_stats.items() if Stat(n).per_slot})
-            cache.state.update({n: x for n, x in layer_stats.items() if not Stat(n).per_slot})
+            if prompt is None:
+                layer_stats = stats.get(site.layer, {})
+                cache = entries_from_prompt(k, v, pad, {n: x for n, x in layer_stats.items() if Stat(n).per_slot})
+                cache.state.update({n: x for n, x in layer_stats.items() if not Stat(n).per_slot})
+            else:
+                cache, prompt.caches[i] = prompt.caches[i], None     # the layer owns it: freed when replaced
             kept_full = full_heads.get(site.layer, ())
             compressible = (self.policy.compresses and site.window is None and len(kept_full) < site.n_kv_heads
                             and site.layer not in kept_whole)
@@ -397,13 +420,17 @@ class KVPassModel(nn.Module):
             if compressible and kept_full:
                 compressed_heads = [h for h in range(site.n_kv_heads) if h not in kept_full]
                 cache, full = select_heads(cache, compressed_heads), select_heads(cache, kept_full)
-            lay = _Layer(cache, None, compressible, total, prompt_len, site.window is not None, full)
+            entries = row_tokens if prompt is None else prompt.entries[i]     # each row's live entries
+            lay = _Layer(cache, None, compressible, total, max(entries), site.window is not None, full)
+            lay.peak = lay.host_len if prompt is None else prompt.peaks[i]
             if compressible:
-                lay.row_len = list(row_tokens)
+                lay.row_len = list(entries)
             layers.append(lay)
         compressed = [lay for lay in layers if lay.compressible]
         if compressed:
-            if layer_budgets:
+            if layer_budgets and isinstance(layer_budgets[0], (list, tuple)):
+                per_row = [list(r) for r in layer_budgets]
+            elif layer_budgets:
                 per_row = [list(layer_budgets)] * len(row_tokens)
             else:
                 per_row = self._row_layer_budgets(row_budget, [lay.cache for lay in compressed])
@@ -424,7 +451,7 @@ class KVPassModel(nn.Module):
             if lay.window is None:
                 capacity = total if not lay.compressible else max(lay.row_caps)
                 if deferred and lay.compressible and lay.host_len > lay.budget:   # the prompt and the first step
-                    capacity = min(kv[0].shape[2] + 1, total)
+                    capacity = min((kv[0].shape[2] if prompt is None else lay.host_len) + 1, total)
                 lay.cache = with_capacity(lay.cache, max(capacity, lay.host_len))
             if lay.full is not None:
                 lay.full = with_capacity(lay.full, total)
@@ -583,17 +610,30 @@ class KVPassModel(nn.Module):
         return session
 
     @torch.no_grad()
-    def start(self, input_ids: Tensor, attention_mask: Tensor | None = None, max_new_tokens: int = 0) -> DecodeSession:
+    def start(self, input_ids: Tensor, attention_mask: Tensor | None = None, max_new_tokens: int = 0,
+              prefill_chunk: int | None = _UNSET) -> DecodeSession:
         """Prefill ``input_ids`` [B, T] (left-padded with ``attention_mask``) and build the caches,
         compressed to the budget for ``T + max_new_tokens`` tokens. Returns the session to step.
 
-        ``max_new_tokens`` counts every token that will go through ``step``/``feed`` afterwards."""
+        ``max_new_tokens`` counts every token that will go through ``step``/``feed`` afterwards.
+        ``prefill_chunk``: prefill the prompt this many tokens at a time, compressing between chunks
+        (kvpass/chunked_prefill.py); left out: ``self.prefill_chunk``; None: in one piece."""
+        chunk = self.prefill_chunk if prefill_chunk is _UNSET else prefill_chunk
+        if chunk is not None:
+            from kvpass.chunked_prefill import check_prefill_chunk, start_chunked
+
+            check_prefill_chunk(chunk, self)
         ids = as_input_ids(input_ids, self.device, self.vocab_size)
         mask, _ = left_pads(attention_mask, ids)
         self._check_min_budget(ids.shape[-1] + max_new_tokens)
         batch = ids.shape[0]
         rows = self.prefill_rows or batch
-        self._check_memory(min(rows, batch), ids.shape[1], ids.shape[1] + max_new_tokens)
+        if chunk is not None and ids.shape[1] > chunk:     # the memory check is the chunks' (start_chunked)
+            if rows >= batch:
+                return start_chunked(self, ids, mask, max_new_tokens, chunk)
+        else:
+            chunk = None
+            self._check_memory(min(rows, batch), ids.shape[1], ids.shape[1] + max_new_tokens)
         if rows >= batch:
             return self.start_from(self.prefill(ids, mask, max_new_tokens))
 
@@ -601,7 +641,10 @@ class KVPassModel(nn.Module):
             budgets = None
             for r in range(0, batch, rows):
                 part = slice(r, r + rows)
-                session = self.start_from(self.prefill(ids[part], mask[part], max_new_tokens), budgets)
+                if chunk is not None:
+                    session = start_chunked(self, ids[part], mask[part], max_new_tokens, chunk, budgets)
+                else:
+                    session = self.start_from(self.prefill(ids[part], mask[part], max_new_tokens), budgets)
                 budgets = budgets or [lay.budget for lay in session.layers if lay.compressible] or None
                 yield session
                 del session                         # not alive while the next group prefills
@@ -625,14 +668,17 @@ class KVPassModel(nn.Module):
                  max_new_tokens: int | None = None, do_sample: bool | None = None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = _UNSET,
                  pad_token_id: int | None = _UNSET, streamer=None, generator: torch.Generator | None = None,
-                 return_dict_in_generate: bool = False, output_logits: bool = False, **unsupported):
+                 return_dict_in_generate: bool = False, output_logits: bool = False,
+                 prefill_chunk: int | None = _UNSET, **unsupported):
         """Generate like transformers' ``generate`` (greedy or sampling), with the compressed cache.
 
         input_ids: [B, T]; attention_mask: [B, T], left padding for B > 1. Returns the sequences
         [B, T + new] (rows that finished early are filled with ``pad_token_id``), or a
         ``GenerateOutput`` with ``return_dict_in_generate``. ``self.last_report`` holds cache bytes
         and timings. As in transformers, ``eos_token_id`` / ``pad_token_id`` left out come from the
-        model's generation config, and an explicit None means none."""
+        model's generation config, and an explicit None means none. ``prefill_chunk`` (kvpass): prefill the
+        prompt this many tokens at a time, each layer compressed back to its budget between chunks
+        (kvpass/chunked_prefill.py; left out: ``self.prefill_chunk``, set by ``kvpass.apply``)."""
         check_generate_kwargs(unsupported, _GENERATE_ARGS)
         if input_ids is None:
             raise refuse("input_ids.missing")
@@ -653,7 +699,7 @@ class KVPassModel(nn.Module):
             if pad_id is None:
                 pad_id = int(eos_ids[0]) if len(eos_ids) else 0
             ids = as_input_ids(input_ids, self.device, self.vocab_size)
-            session = self.start(ids, attention_mask, max_new_tokens)
+            session = self.start(ids, attention_mask, max_new_tokens, prefill_chunk)
             if streamer is not None:
                 streamer.put(ids.cpu())
             new, step_logits = session.sample(max_new_tokens, eos_ids, pad_id, streamer, output_logits, **sampling)
@@ -700,6 +746,7 @@ def _stack_sessions(groups: Iterable[DecodeSession], batch: int) -> DecodeSessio
             for d, c in zip(dst.caches(), src.caches(), strict=True):
                 put_rows(d, c, start)
             dst.host_len = max(dst.host_len, src.host_len)
+            dst.peak = max(dst.peak, src.peak)
             dst.row_budgets += src.row_budgets
             dst.row_caps += src.row_caps
             dst.row_len += src.row_len
@@ -710,6 +757,7 @@ def _stack_sessions(groups: Iterable[DecodeSession], batch: int) -> DecodeSessio
         out.prompt_tokens = max(out.prompt_tokens, session.prompt_tokens)
         out.compressions += session.compressions
         out.prefill_seconds += session.prefill_seconds
+        out.prefill_chunk = session.prefill_chunk
         del session                               # its caches go before the next group is prefilled
     if out is None or start != batch:
         raise ValueError(f"the groups of rows held {start} rows, not the batch's {batch}")
@@ -731,6 +779,7 @@ class DecodeSession:
         self.prompt_tokens, self.compressions = prompt_tokens, compressions
         self.steps = 0
         self.prefill_seconds = self.decode_seconds = 0.0
+        self.prefill_chunk: int | None = None         # set by a chunked prefill (kvpass/chunked_prefill.py)
 
     @property
     def batch(self) -> int:
@@ -948,6 +997,7 @@ class DecodeSession:
         """The host copy of the step's length change (no device sync)."""
         lay.host_len = min(lay.host_len + 1, lay.window) if lay.window is not None else lay.host_len + 1
         lay.row_len = [n + 1 for n in lay.row_len]
+        lay.peak = max(lay.peak, lay.host_len)
 
     def report(self) -> GenerationReport:
         """Cache bytes and timings now; ``new_tokens`` counts the positions after the prompt (steps + 1)."""
@@ -967,5 +1017,6 @@ class DecodeSession:
             compressions=self.compressions, prefill_seconds=self.prefill_seconds,
             decode_seconds=self.decode_seconds, entries={i: lay.host_len for i, lay in enumerate(layers)},
             full_heads=dict(self.owner.graphs.full_heads),
+            peak_entries={i: lay.peak for i, lay in enumerate(layers)}, prefill_chunk=self.prefill_chunk,
             row_layer_budgets=[{i: lay.row_budgets[r] for i, lay in enumerate(layers) if lay.compressible}
                                for r in range(b)])

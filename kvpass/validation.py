@@ -101,6 +101,15 @@ RULES: tuple[Rule, ...] = (
          "budget of {got} tokens{source} is smaller than {policy}'s minimum of {minimum} (sinks + window)"),
     Rule("fuse_linears.type", APPLY, "fuse_linears", "not True, False or None",
          "fuse_linears must be True, False or None (on CUDA only), got {got!r}", InvalidType),
+    Rule("prefill_chunk.type", APPLY + "; " + GENERATE, "prefill_chunk", "not an int or None",
+         "prefill_chunk must be an int number of prompt tokens per chunk, or None (prefill in one piece), got {got!r}",
+         InvalidType),
+    Rule("prefill_chunk.range", APPLY + "; " + GENERATE, "prefill_chunk", "an int < 1",
+         "prefill_chunk must be >= 1 token, got {got}"),
+    Rule("prefill_chunk.policy", APPLY + "; " + GENERATE, "prefill_chunk",
+         "a policy that cannot compress between chunks (EMS), full-cache KV heads (a calibration's outlier heads), "
+         "tensor parallelism", "prefill_chunk={got} cannot be used with {reason}; prefill in one piece "
+         "(prefill_chunk=None)"),
     Rule("options.type", "torch.compile(backend='kvpass', options=...)", "options", "not a dict",
          "options must be a dict like {{'policy': 'd2o', 'budget': 0.2}}, got {got!r}", InvalidType),
     Rule("options.key", "torch.compile(backend='kvpass', options=...)", "options", "an unknown key",

@@ -270,6 +270,10 @@ def _suite_run_options(p: argparse.ArgumentParser, calibrate: bool) -> None:
                        help="run only every N-th case from the I-th (processes sharing a GPU; each its own store)")
         p.add_argument("--peers", action="append", default=[], metavar="PATH",
                        help="another store to read records from for the report (kvpress peers); repeatable")
+        p.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
+                       help="prefill every kvpass cell's prompt this many tokens at a time, compressed between "
+                            "chunks (kvpass/chunked_prefill.py); its own store and report, "
+                            "quality-suite-<model>-chunk<TOKENS>.*")
     p.add_argument("--modes", nargs="+", default=["query_aware", "query_agnostic"],
                    choices=["query_aware", "query_agnostic"])
     p.add_argument("--batch", type=int, default=16, help="rows per session (results do not depend on it)")
@@ -322,14 +326,20 @@ def _suite_cases(args: argparse.Namespace, tokenizer) -> list:
 def _suite_stores(args: argparse.Namespace):
     from kvpass.eval.store import Store
 
-    model = Path(args.model).stem
+    model = Path(args.model).stem + _chunk_suffix(args)
     paths = args.store or [str(Path(args.out_dir) / f"quality-suite-{model}-cases.json")]
     return Store(paths[0], meta={"model": args.model}), [Store(p) for p in paths[1:] + list(getattr(args, "peers", []))]
 
 
+def _chunk_suffix(args: argparse.Namespace) -> str:
+    """'-chunk<N>' for a run with --prefill-chunk N (its store and report files), else ''."""
+    chunk = getattr(args, "prefill_chunk", None)
+    return f"-chunk{chunk}" if chunk is not None else ""
+
+
 def _suite_records(args: argparse.Namespace, stores, policies: list[str] | None, budgets: list | None) -> list[dict]:
     """The stored suite records of this model and grid (peers' ``kvpress:*`` records whatever their
-    policy list), one per key."""
+    policy list), one per key; kvpass cells prefilled in chunks only in a --prefill-chunk run of that chunk."""
     from kvpass.eval.common import uses_budget
 
     grid = set(_suite_grid(args))
@@ -348,6 +358,8 @@ def _suite_records(args: argparse.Namespace, stores, policies: list[str] | None,
                 continue
             if not peer and c["policy"] not in ("transformers",) and c["budget"] is None and uses_budget(c["policy"]):
                 continue
+            if c["mode"] != "reference" and c.get("prefill_chunk") != getattr(args, "prefill_chunk", None):
+                continue                          # chunked and unchunked records never share a report
             seen.setdefault(c["key"], c)
     return list(seen.values())
 
@@ -387,7 +399,7 @@ def cmd_suite(args: argparse.Namespace) -> int:
             items = [c for k, c in enumerate(items) if k % args.shard[1] == args.shard[0]]
         deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
         finished = suite.run(loaded, items, suite.cells(policies, budgets, args.modes, reference=reference), store,
-                             batch=args.batch, deadline=deadline)
+                             batch=args.batch, deadline=deadline, prefill_chunk=getattr(args, "prefill_chunk", None))
         if not finished:
             print(f"time limit reached: {len(store)} cases stored in {store.path}")
     model = Path(args.model).stem
@@ -416,7 +428,7 @@ def cmd_suite(args: argparse.Namespace) -> int:
                  "cells_text": ", ".join(f"{f}@{n}" for f, n in grid)}
     expected = len(grid) * args.cases
     wanted = [(c.policy, c.budget, c.mode) for c in suite.cells(policies, budgets, args.modes, reference=reference)]
-    md = suite_report.write(records, args.out_dir, model, cmd, grid_text, expected,
+    md = suite_report.write(records, args.out_dir, model + _chunk_suffix(args), cmd, grid_text, expected,
                             [str(s.path) for s in [store, *others]], wanted)
     print(md.read_text(encoding="utf-8"))
     return 0

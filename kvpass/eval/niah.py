@@ -133,10 +133,11 @@ def answer_kvpass(kv_model, case: NeedleCase | Sequence[NeedleCase], mode: str, 
     cases = [case] if single else list(case)
     eos_ids, pad = eos_pad(kv_model.model)
     eos_ids = eos_ids.to(kv_model.device)
-    if prefill is None:
-        prefill = kv_model.prefill(prompt_ids(cases, mode).to(kv_model.device), max_new_tokens=prefill_new_tokens(cases[0], mode,
-                                                                                              max_new_tokens))
-    session = kv_model.start_from(prefill)
+    if prefill is None:                   # the model's own start: prefill_chunk (chunked prefill) applies
+        session = kv_model.start(prompt_ids(cases, mode).to(kv_model.device),
+                                 max_new_tokens=prefill_new_tokens(cases[0], mode, max_new_tokens))
+    else:
+        session = kv_model.start_from(prefill)
     fed = 0
     if mode == "query_agnostic":
         q = torch.tensor([c.question_ids for c in cases], device=kv_model.device)

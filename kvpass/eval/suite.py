@@ -70,9 +70,12 @@ def batches(items: Sequence[SuiteCase], size: int) -> list[list[SuiteCase]]:
     return sorted(out, key=len, reverse=True)
 
 
-def key_of(model: str, cell: Cell, case: SuiteCase) -> str:
+def key_of(model: str, cell: Cell, case: SuiteCase, prefill_chunk: int | None = None) -> str:
+    """The case's key; a kvpass cell prefilled in chunks (``prefill_chunk``) has its own."""
+    chunked = {"prefill_chunk": prefill_chunk} if prefill_chunk is not None and cell.mode != REFERENCE else {}
     return case_key(kind=KIND, model=model, policy=cell.policy, budget=cell.budget, mode=cell.mode,
-                    family=case.family, length=case.length, seed=case.seed, max_new_tokens=case.max_new_tokens)
+                    family=case.family, length=case.length, seed=case.seed, max_new_tokens=case.max_new_tokens,
+                    **chunked)
 
 
 def case_fields(model: str, case: SuiteCase) -> dict:
@@ -92,9 +95,12 @@ def export(model: str, items: Sequence[SuiteCase], path: str | Path) -> Path:
     return path
 
 
-def _record(loaded: Loaded, cell: Cell, case: SuiteCase, tokens: list[int], size, seconds: float) -> dict:
+def _record(loaded: Loaded, cell: Cell, case: SuiteCase, tokens: list[int], size, seconds: float,
+            prefill_chunk: int | None = None) -> dict:
     output = loaded.tokenizer.decode(tokens, skip_special_tokens=True).strip()
-    return {"key": key_of(loaded.name, cell, case), "kind": KIND, **case_fields(loaded.name, case),
+    chunked = {"prefill_chunk": prefill_chunk} if prefill_chunk is not None and cell.mode != REFERENCE else {}
+    return {"key": key_of(loaded.name, cell, case, prefill_chunk), "kind": KIND, **case_fields(loaded.name, case),
+            **chunked,
             "policy": cell.policy, "budget": cell.budget, "mode": cell.mode,
             "context_tokens": len(case.context_ids), "question_tokens": len(case.question_ids),
             "output": output, "output_ids": tokens, "correct": score(output, case.answers, case.scoring),
@@ -104,7 +110,7 @@ def _record(loaded: Loaded, cell: Cell, case: SuiteCase, tokens: list[int], size
 
 
 def run(loaded: Loaded, items: Sequence[SuiteCase], cell_list: Sequence[Cell], store: Store, batch: int = 16,
-        deadline: float | None = None, desc: str = "suite") -> bool:
+        deadline: float | None = None, desc: str = "suite", prefill_chunk: int | None = None) -> bool:
     """Score every (case, cell) not yet in ``store``; True when all are stored, False when
     ``deadline`` (a ``time.monotonic()`` value) passed first (the store holds every finished batch).
 
@@ -112,10 +118,13 @@ def run(loaded: Loaded, items: Sequence[SuiteCase], cell_list: Sequence[Cell], s
     policies' statistics, one prefill per group whose statistic options conflict); each cell starts
     from it restricted to the rows it lacks and decodes them in one session (a batch's rows have equal token counts and every policy then
     treats them as if alone). The reference is one batched ``generate``, after every kvpass
-    cell. A case's ``seconds``: its share of its session plus its share of the prefill."""
+    cell. A case's ``seconds``: its share of its session plus its share of the prefill. ``prefill_chunk``:
+    every kvpass cell prefills its own prompt in chunks of that many tokens, compressed between chunks
+    (kvpass/chunked_prefill.py), instead of sharing one prefill; its records carry it (and their keys)."""
     from kvpass.eval.shared import Models, stat_groups
 
-    todo = {(c.ident, cell) for c in items for cell in cell_list if key_of(loaded.name, cell, c) not in store}
+    todo = {(c.ident, cell) for c in items for cell in cell_list
+            if key_of(loaded.name, cell, c, prefill_chunk) not in store}
     bar = tqdm(total=len(todo), desc=desc, unit="case", dynamic_ncols=True)
     models: Models | None = None
     groups = batches([c for c in items if any((c.ident, cell) in todo for cell in cell_list)], batch)
@@ -142,6 +151,24 @@ def run(loaded: Loaded, items: Sequence[SuiteCase], cell_list: Sequence[Cell], s
                 continue
             models = models or Models(loaded.model)
             chosen = {c: models.get(c.policy, c.budget).policy for c in mode_cells}   # a cell's policy: a name or a spec
+            if prefill_chunk is not None:                 # each cell prefills (in chunks) on its own
+                for cell in mode_cells:
+                    part = [g for g in group if (g.ident, cell) in todo]
+                    if not part:
+                        continue
+                    if late():
+                        return False
+                    kv = models.get(cell.policy, cell.budget)
+                    kv.prefill_chunk = prefill_chunk
+                    bar.set_postfix_str(f"{cell.policy}@{cell.budget} {mode} chunk {prefill_chunk} x{len(part)}")
+                    with Timer() as t:
+                        got = answer_kvpass(kv, part, mode, new)
+                    store.add_many([_record(loaded, cell, case, tokens, size, t.seconds / len(part), prefill_chunk)
+                                    for case, (tokens, size) in zip(part, got, strict=True)])
+                    for case in part:
+                        todo.discard((case.ident, cell))
+                    bar.update(len(part))
+                continue
             for union, members in stat_groups(list(dict.fromkeys(chosen.values()))):
                 here = [c for c in mode_cells if chosen[c] in members]
                 rows = [g for g in group if any((g.ident, c) in todo for c in here)]

@@ -19,6 +19,9 @@ from kvpass.kernels.attention_column_sums_and_head_variance import (
 from kvpass.kernels.attention_head_variance import attention_head_variance, attention_head_variance_reference
 from kvpass.kernels.attention_window_scores import attention_window_scores, attention_window_scores_reference
 from kvpass.kernels.await_compression import await_compression, await_compression_reference
+from kvpass.kernels.chunk_attention import chunk_attention, chunk_attention_reference
+from kvpass.kernels.chunk_column_sums import chunk_column_sums, chunk_column_sums_reference
+from kvpass.kernels.chunk_window_scores import chunk_window_scores, chunk_window_scores_reference
 from kvpass.kernels.cluster_gather import cluster_gather, cluster_gather_reference
 from kvpass.kernels.cluster_recall_attention import (
     cluster_recall_attention,
@@ -46,6 +49,9 @@ REFERENCES: dict[str, Callable] = {
     "attention_head_variance": attention_head_variance_reference,
     "attention_window_scores": attention_window_scores_reference,
     "await_compression": await_compression_reference,
+    "chunk_attention": chunk_attention_reference,
+    "chunk_column_sums": chunk_column_sums_reference,
+    "chunk_window_scores": chunk_window_scores_reference,
     "cluster_gather": cluster_gather_reference,
     "cluster_recall_attention": cluster_recall_attention_reference,
     "cosine_kmeans_assign": cosine_kmeans_assign_reference,
@@ -80,6 +86,9 @@ def reference_of(op: str | object) -> Callable:
 __all__ = [
     "REFERENCES", "reference_of",
     "await_compression", "await_compression_reference",
+    "chunk_attention", "chunk_attention_reference",
+    "chunk_column_sums", "chunk_column_sums_reference",
+    "chunk_window_scores", "chunk_window_scores_reference",
     "attention_column_sums", "attention_column_sums_reference",
     "attention_column_sums_and_head_variance", "attention_column_sums_and_head_variance_reference",
     "attention_head_variance", "attention_head_variance_reference",

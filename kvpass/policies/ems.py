@@ -129,6 +129,7 @@ class EMS(Policy):
     windows of L_win queries), without the global part, so the question's attention alone ranks [OURS].
     """
 
+    prefill_chunks: ClassVar[bool] = False  # after its first compression the cache is read through the slot table
     name: ClassVar[str] = "ems"
     section: ClassVar[str] = "§4"
     summary: ClassVar[str] = "global-local score; evict, then merge into class centres expanded by a slot table"
