@@ -6,7 +6,7 @@
 #   git archive REV kvpass kernels rewrites benchmarks/speed.py | tar -x -C before/      # here
 #   bash benchmarks/before_after_gpu.sh before OUT [METHODS]                             # on the GPU
 #
-# Runs after / before / after (the two afters bracket the before, so drift shows) with
+# Runs after / before / after (ORDER overrides; the two afters bracket the before, so drift shows) with
 # benchmarks/speed.py --sections e2e --prompts 32768, each writing OUT/<which>/, then prints the rows.
 set -u
 before=$1; out=$2; methods=${3:-full,streamingllm,d2o,snapkv}
@@ -15,14 +15,16 @@ run() {   # which tree out
      --methods "$methods" --total-s 150 --out "$3") >"$3.log" 2>&1 || echo "$1: exit $?"
 }
 mkdir -p "$out"
-run after . "$out/after1"
-run before "$before" "$out/before"
-run after . "$out/after2"
+n=0
+for which in ${ORDER:-after before after}; do
+  n=$((n + 1))
+  if [ "$which" = before ]; then run before "$before" "$out/$n-before"; else run after . "$out/$n-after"; fi
+done
 python3 - "$out" <<'PY'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-for which in ("after1", "before", "after2"):
+for which in sorted(p.name for p in out.iterdir() if p.is_dir()):
     for f in sorted((out / which).glob("*.json")):
         for r in json.loads(f.read_text()).get("e2e", {}).get("rows", []):
             print(which, r.get("method"), r.get("prompt"), "tpot_ms", r.get("tpot_ms"), "ttft_s", r.get("ttft_s"),
