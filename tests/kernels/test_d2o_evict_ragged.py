@@ -166,11 +166,13 @@ def test_compress_rows_into_equals_the_per_row_path(options: dict, with_tau: boo
     assert evicted >= 4 * 2, evicted          # every step: at least one head of each evicting row (full ones)
 
 
-def test_ragged_inputs_are_checked() -> None:
-    """Per-row tensors of another dtype, shape or device: a ValueError naming the argument."""
+def test_ragged_inputs_are_checked(triton_device: str) -> None:
+    """Per-row tensors of another dtype or shape: a ValueError naming the argument (on the device the
+    kernels run on: CUDA, else the CPU under the interpreter)."""
     pytest.importorskip("triton")
-    layer = ragged_layer([4, 6], 2, 8, seed=1, dtype=torch.float32)
-    split = list(row_split([4, 6], 1))
+    dev = torch.device(triton_device)
+    layer = {n: t.to(dev) for n, t in ragged_layer([4, 6], 2, 8, seed=1, dtype=torch.float32).items()}
+    split = [t.to(dev) for t in row_split([4, 6], 1)]
     for i, name in enumerate(("keep", "sinks", "recent", "target_from")):
         bad = list(split)
         bad[i] = bad[i].int()
