@@ -644,14 +644,12 @@ def section_throughput(device: torch.device, smoke: bool, deadline: Deadline, pr
     token, and the best of its batches is compared with transformers' best (``over_transformers``; the issue's
     target is kvpass ``d2o``'s, ``kvpass_over_transformers``)."""
     import kvpass
-    from kvpass.rewrites import capture_causal_lm, insert_compressed_cache, match_attention
-    from kvpass.runtime import KVPassModel
+    from kvpass.rewrites import capture_model
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_model(TINY_LLAMA if smoke else LLAMA_8B, device, dtype)
     cfg = model.config
-    captured = capture_causal_lm(model)
-    sites = match_attention(captured, cfg)
+    captured = capture_model(model)
     n1, n2 = (2, 6) if smoke else (2, 34)
     rows = []
     for name in methods:
@@ -659,8 +657,7 @@ def section_throughput(device: torch.device, smoke: bool, deadline: Deadline, pr
         kv = None
         if name != "transformers":
             policy = kvpass.get_policy(name)
-            kv = KVPassModel(model, policy, budget if policy.compresses else 1.0, captured,
-                             insert_compressed_cache(captured.gm, sites, policy))
+            kv = kvpass.apply(model, policy, budget if policy.compresses else 1.0, captured=captured)
             kv.prefill_rows = 1        # one row's full K, V at a time: the batch is bounded by compressed caches
         batch = 1
         while True:                    # doubling the batch; out of memory ends it, any other error ends the method
@@ -711,8 +708,7 @@ def section_e2e(device: torch.device, smoke: bool, deadline: Deadline, copy_bw: 
                 prompts: list[int], budget: float, methods_wanted: set[str] | None = None) -> dict:
     import kvpass
     from kvpass.compile_backend import compile_graphs
-    from kvpass.rewrites import capture_causal_lm, insert_compressed_cache, match_attention
-    from kvpass.runtime import KVPassModel
+    from kvpass.rewrites import capture_model
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     t0 = time.monotonic()
@@ -722,10 +718,9 @@ def section_e2e(device: torch.device, smoke: bool, deadline: Deadline, copy_bw: 
     weight_bytes = _weight_bytes_per_step(model)
     build_s = time.monotonic() - t0
     t0 = time.monotonic()
-    captured, sites, capture_error = None, None, None
+    captured, capture_error = None, None
     try:                                          # a capture failure still leaves the transformers rows
-        captured = capture_causal_lm(model)
-        sites = match_attention(captured, cfg)
+        captured = capture_model(model)
     except Exception as exc:  # noqa: BLE001
         capture_error = "".join(traceback.format_exception(exc))[-3000:]
     capture_s = time.monotonic() - t0
@@ -771,8 +766,7 @@ def section_e2e(device: torch.device, smoke: bool, deadline: Deadline, copy_bw: 
                     row["kv_bytes_per_step"] = full_kv
                 else:
                     policy = kvpass.get_policy(pname, **VARIANTS.get(label.removeprefix("kvpass-"), (None, {}))[1])
-                    graphs = insert_compressed_cache(captured.gm, sites, policy)
-                    kv = KVPassModel(model, policy, 1.0 if not policy.compresses else budget, captured, graphs)
+                    kv = kvpass.apply(model, policy, 1.0 if not policy.compresses else budget, captured=captured)
                     if label.endswith("-eager"):
                         kv.decode_step.enabled = False
 
@@ -798,7 +792,7 @@ def section_e2e(device: torch.device, smoke: bool, deadline: Deadline, copy_bw: 
             except Exception as exc:  # noqa: BLE001  (e.g. out of memory at 64k: record, go on)
                 row["error"] = "".join(traceback.format_exception(exc))[-1500:]
             finally:
-                kv = graphs = gen = None          # free this method's caches and graphs before the next
+                kv = gen = None                   # free this method's caches and graphs before the next
             row["wall_s"] = time.monotonic() - started
             est = max(est, row["wall_s"])
             rows.append(row)

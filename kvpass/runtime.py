@@ -43,10 +43,8 @@ from kvpass.cache import (
 from kvpass.decode_step import StaticDecodeStep, fork_side_by_side, join_pending
 from kvpass.head_group import SINGLE_PROCESS, HeadGroup
 from kvpass.policies.base import Policy, Stat
-from kvpass.rewrites import CapturedModel, RewrittenGraphs
-from kvpass.rewrites.fuse_sibling_linears import fuse_sibling_linears
+from kvpass.rewrites import CapturedModel, RewrittenGraphs, compile_model
 from kvpass.rewrites.insert_compressed_cache import DECODE_STATS
-from kvpass.rewrites.linears_to_gemv import linears_to_gemv
 from kvpass.sampling import next_token
 from kvpass.validation import (
     MEMORY_ADVICE,
@@ -244,26 +242,16 @@ _GENERATE_ARGS = ("input_ids", "attention_mask", "max_new_tokens", "do_sample", 
 
 
 class KVPassModel(nn.Module):
-    """A causal LM whose attention runs over a compressed KV cache. Built by ``kvpass.apply``; shares
-    the original model's weights and leaves its modules and values unchanged. With ``fuse_linears``
-    (default: on CUDA) sibling projections run as one GEMM (kvpass/rewrites/fuse_sibling_linears.py): their
-    parameters then share the storage of one concatenated tensor. On CUDA the decode graph's linears call
-    the one-row GEMV op (kvpass/rewrites/linears_to_gemv.py)."""
+    """A causal LM whose attention runs over a compressed KV cache. Built by ``kvpass.apply`` (from the
+    graphs of ``kvpass.rewrites.compile_model``); shares the original model's weights and leaves its modules
+    and values unchanged. Where the pipeline fused sibling projections (``fuse_linears``, default on CUDA)
+    their parameters share the storage of one concatenated tensor."""
 
     def __init__(self, model: nn.Module, policy: Policy, budget: float | int,
-                 captured: CapturedModel, graphs: RewrittenGraphs, fuse_linears: bool | None = None,
-                 heads: HeadGroup = SINGLE_PROCESS) -> None:
+                 captured: CapturedModel, graphs: RewrittenGraphs, heads: HeadGroup = SINGLE_PROCESS) -> None:
         super().__init__()
         check_budget(budget)
-        on_cuda = next(model.parameters()).device.type == "cuda"
-        if fuse_linears is None:                   # on CUDA only: CPU keeps transformers' exact GEMMs
-            fuse_linears = on_cuda
-        if fuse_linears:
-            for gm in (graphs.prefill, graphs.decode):
-                fuse_sibling_linears(gm)
-        if on_cuda:
-            linears_to_gemv(graphs.decode)
-        self.fused_linears = bool(fuse_linears)
+        self.fused_linears = graphs.fused_linears
         # heads: this rank's share of every layer's KV heads under tensor parallelism (kvpass.head_group);
         # host-side lengths and sampled tokens are agreed over it, and the policy reduces over it
         self.heads = heads
@@ -311,12 +299,11 @@ class KVPassModel(nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """Logits [B, T, V] of a plain forward over the prompt (the prefill graph, full attention)."""
-        from kvpass.rewrites.insert_compressed_cache import build_prefill
-
         if self._all_logits_prefill is None:
             from kvpass.policies.full import Full
-            self._all_logits_prefill = build_prefill(self.captured.gm, list(self.graphs.sites), Full(),
-                                                     last_logits_only=False)[0]
+            self._all_logits_prefill = compile_model(self.captured, Full(), sites=self.graphs.sites,
+                                                     fuse_linears=self.fused_linears, prefill_only=True,
+                                                     last_logits_only=False).prefill
         ids, pad, pos = self._prepare(input_ids, attention_mask, 0)
         return self._all_logits_prefill(ids, pos, pad)[0]
 

@@ -110,6 +110,13 @@ RULES: tuple[Rule, ...] = (
          "a policy that cannot compress between chunks (EMS), full-cache KV heads (a calibration's outlier heads), "
          "tensor parallelism", "prefill_chunk={got} cannot be used with {reason}; prefill in one piece "
          "(prefill_chunk=None)"),
+    Rule("captured.type", "kvpass.apply", "captured", "not a matched capture (kvpass.rewrites.capture_model)",
+         "captured must be kvpass.rewrites.capture_model(model), a capture with its attention sites, got {got}",
+         InvalidType),
+    Rule("captured.model", "kvpass.apply", "captured",
+         "a capture of another model type, or sharded for another tensor-parallel world",
+         "captured ({got}) is not a capture of this model ({model}) for tp={tp}; capture it with "
+         "kvpass.rewrites.capture_model(model[, shard])"),
     Rule("options.type", "torch.compile(backend='kvpass', options=...)", "options", "not a dict",
          "options must be a dict like {{'policy': 'd2o', 'budget': 0.2}}, got {got!r}", InvalidType),
     Rule("options.key", "torch.compile(backend='kvpass', options=...)", "options", "an unknown key",

@@ -75,12 +75,17 @@ _ELEMENTWISE = (aten.div.Tensor, aten.mul.Tensor, aten.tanh.default, aten.to.dty
 
 @dataclass(frozen=True)
 class RewrittenGraphs:
+    """What ``kvpass.rewrites.compile_model`` builds: the prefill graph and (unless prefill only, None) the
+    decode graph, the sites they rewrote, which statistics the prefill returns and which layers' step
+    scores the decode graph returns, the KV heads kept full, and whether sibling linears were fused."""
+
     prefill: GraphModule
-    decode: GraphModule
+    decode: GraphModule | None
     sites: tuple[AttentionSite, ...]
     prefill_stats: tuple[tuple[int, Stat], ...]    # (layer, stat) of each stats output, in order
     decode_scores: tuple[int, ...]                 # layers whose step scores the decode graph returns
     full_heads: dict[int, tuple[int, ...]] = field(default_factory=dict)   # layer -> KV heads kept full
+    fused_linears: bool = False                    # fuse_sibling_linears ran on both graphs
 
 
 def copy_graph(gm: GraphModule) -> tuple[Graph, dict[Node, Node], object]:
