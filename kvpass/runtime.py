@@ -30,7 +30,6 @@ from kvpass.cache import (
     LayerCache,
     concat_rows,
     empty_rows,
-    entries_from_prompt,
     load_into,
     put_rows,
     put_rows_at,
@@ -42,9 +41,9 @@ from kvpass.cache import (
 )
 from kvpass.decode_step import StaticDecodeStep, fork_side_by_side, join_pending
 from kvpass.head_group import SINGLE_PROCESS, HeadGroup
-from kvpass.policies.base import Policy, Stat
+from kvpass.policies.base import Policy
 from kvpass.rewrites import CapturedModel, RewrittenGraphs, compile_model
-from kvpass.rewrites.insert_compressed_cache import DECODE_STATS
+from kvpass.rewrites.insert_compressed_cache import DECODE_STATS, prompt_cache
 from kvpass.sampling import next_token
 from kvpass.validation import (
     MEMORY_ADVICE,
@@ -395,9 +394,7 @@ class KVPassModel(nn.Module):
                 layers[-1].peak = prompt_len if prompt is None else prompt.peaks[i]   # the prefill held the prompt
                 continue
             if prompt is None:
-                layer_stats = stats.get(site.layer, {})
-                cache = entries_from_prompt(k, v, pad, {n: x for n, x in layer_stats.items() if Stat(n).per_slot})
-                cache.state.update({n: x for n, x in layer_stats.items() if not Stat(n).per_slot})
+                cache = prompt_cache(k, v, pad, stats.get(site.layer, {}))
             else:
                 cache, prompt.caches[i] = prompt.caches[i], None     # the layer owns it: freed when replaced
             kept_full = full_heads.get(site.layer, ())
@@ -570,12 +567,8 @@ class KVPassModel(nn.Module):
                              f"layer, {self.policy.name}'s cache {[s.n_kv_heads for s in self.graphs.sites]} "
                              "(expand_kv_heads differs); prefill with graphs of the same layout")
         start = time.perf_counter()
-        outs = graphs.prefill(ids, pos, pad)
-        n_sites = len(graphs.sites)
-        stats: dict[int, dict[str, Tensor]] = {}
-        for (layer, stat), value in zip(graphs.prefill_stats, outs[1 + 2 * n_sites:], strict=True):
-            stats.setdefault(layer, {})[stat.value] = value
-        return Prefill(logits=outs[0][:, -1].float(), kv=list(outs[1:1 + 2 * n_sites]), stats=stats, pad=pad, pos=pos,
+        logits, kv, stats = graphs.split_prefill(graphs.prefill(ids, pos, pad))
+        return Prefill(logits=logits[:, -1].float(), kv=kv, stats=stats, pad=pad, pos=pos,
                        max_new_tokens=max_new_tokens, seconds=time.perf_counter() - start)
 
     @torch.no_grad()
