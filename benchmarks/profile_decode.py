@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 import kvpass
-from kvpass.bench import LLAMA_8B, build_model, sync
+from benchmarks.bench.models import LLAMA_8B, build_model
+from benchmarks.bench.timing import sync
 from kvpass.compile_backend import compile_graphs
 from kvpass.rewrites import capture_model
 

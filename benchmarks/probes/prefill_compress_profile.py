@@ -24,7 +24,8 @@ import torch
 
 import kvpass
 import kvpass.runtime as runtime
-from kvpass.bench import llama_8b_with_prompt, sync
+from benchmarks.bench.models import llama_8b_with_prompt
+from benchmarks.bench.timing import sync
 
 
 def phase_seconds(kv, pre, dev) -> dict[str, float]:
