@@ -3,7 +3,7 @@ against the per-row path it replaces, beside StreamingLLM (issue 29, "D2O's cost
 
 D2O gives every batch row its own per-layer budgets (its own attention variance, its own prompt length),
 so a layer's rows differ in budget. Before, every decode step compressed such a layer one budget at a time
-in copies of each row's capacity (``KVPassModel._compress_rows_into``: per layer and row group a take, the
+in copies of each row's capacity (``kvpass.runtime.layers.compress_rows_into``: per layer and row group a take, the
 op, a put back and a host sync, eager, outside the CUDA-graphed step); now the whole layer is one call of
 ``D2O.compress_rows_into`` (the Triton op ``kvpass::d2o_evict_one_ragged``) inside the graphed step.
 ``KVPassModel.rows_in_one_call = False`` restores the old path: that is the "per-row" row here.

@@ -196,7 +196,7 @@ class D2O(Policy):
     # ------------------------------------------------------------------ layer level (§5.4)
     def layer_density(self, caches: list[LayerCache]) -> list[float]:
         """sig_l per compressed layer from state['attn_var'] [B, Hq] (the runtime passes one row at a time
-        when a batch has several, ``KVPassModel._row_layer_budgets``; rows given together are averaged)."""
+        when a batch has several, ``kvpass.runtime.layers.row_layer_budgets``; rows given together are averaged)."""
         out = []
         for cache in caches:
             var = self.heads.gather(cache.state[Stat.HEAD_VARIANCE.value]).double()   # [B, Hq], every rank's heads

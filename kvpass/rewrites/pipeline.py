@@ -2,6 +2,7 @@
 
     captured = capture_model(model)          # capture -> match (-> shard_captured, tensor parallel)
     graphs = compile_model(captured, policy) # insert_compressed_cache -> fuse_sibling_linears -> linears_to_gemv
+    compile_chunk_step(captured, policy, graphs.sites, graphs.fused_linears)   # chunked prefill's chunk graph
 
 ``kvpass.apply`` calls both (or reuses a ``captured`` it is given) and wraps the graphs in a KVPassModel;
 evaluation, benchmarks and tests reach the graphs through ``kvpass.apply`` too, or, for a prefill graph of
@@ -28,6 +29,7 @@ from kvpass.rewrites.attention_sites import (
     resolve_windows,
 )
 from kvpass.rewrites.capture import CapturedModel, capture_causal_lm
+from kvpass.rewrites.chunk_step import build_chunk_step
 from kvpass.rewrites.fuse_sibling_linears import fuse_sibling_linears
 from kvpass.rewrites.insert_compressed_cache import RewrittenGraphs, build_prefill, insert_compressed_cache
 from kvpass.rewrites.linears_to_gemv import linears_to_gemv
@@ -123,3 +125,13 @@ def compile_model(captured: CapturedModel, policy: Policy, *, fuse_linears: bool
         check_sharded_prefill(graphs.prefill, list(graphs.sites), captured.vocab)
     fused = _fuse([graphs.prefill, graphs.decode], graphs.decode, fuse_linears, on_cuda)
     return replace(graphs, fused_linears=fused)
+
+
+def compile_chunk_step(captured: CapturedModel, policy: Policy, sites: Sequence[AttentionSite],
+                       fuse_linears: bool) -> tuple[GraphModule, tuple]:
+    """The chunk-step graph of chunked prefill (``build_chunk_step``: a prefill chunk attending over the layers'
+    caches, kvpass/chunked_prefill.py) over the sites of the model's graphs, with the fusion pass its prefill
+    graph had (``fuse_linears``: ``RewrittenGraphs.fused_linears``). Returns (graph, its statistics' keys)."""
+    gm, keys = build_chunk_step(captured.gm, list(sites), policy)
+    _fuse([gm], None, fuse_linears, _device(captured.gm).type == "cuda")
+    return gm, keys

@@ -17,8 +17,8 @@ from tests.policies.policy_helpers import captured_model
 ROOT = Path(__file__).resolve().parents[2]
 # The passes compile_model runs, and the model it feeds: called from nowhere but their own package (the
 # pipeline) and kvpass/api.py; their unit tests (tests/rewrites/test_<pass>.py) call them on purpose.
-PASSES = {"insert_compressed_cache", "build_prefill", "build_decode", "fuse_sibling_linears", "linears_to_gemv",
-          "shard_tensor_parallel"}
+PASSES = {"insert_compressed_cache", "build_prefill", "build_decode", "build_chunk_step", "fuse_sibling_linears",
+          "linears_to_gemv", "shard_tensor_parallel"}
 ALLOWED = {"KVPassModel": {"kvpass/api.py"}}
 
 
