@@ -43,6 +43,8 @@ def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float
     Bad arguments are refused before any work (``kvpass.validation.RULES``, docs/errors.md): a KVPassError
     that is a TypeError or ValueError naming the argument, the value and what is allowed.
     """
+    if isinstance(model, KVPassModel):
+        raise refuse("model.rewritten", got=repr(model))
     check_model(model)                                 # every refusal before any tracing (kvpass.validation)
     chosen = get_policy(policy, **policy_kwargs)
     check_budget(budget)

@@ -245,11 +245,8 @@ _ALIBI_TYPES = ("bloom", "mpt")
 
 
 def check_model(model: object) -> None:
-    """Refuse what is not a single-device, loaded, decoder-only transformers causal LM kvpass has not rewritten."""
-    from kvpass.runtime import KVPassModel
-
-    if isinstance(model, KVPassModel):
-        raise refuse("model.rewritten", got=repr(model))
+    """Refuse what is not a single-device, loaded, decoder-only transformers causal LM (a model kvpass already
+    rewrote, rule "model.rewritten", is refused by ``kvpass.apply`` itself: the runtime sits above this module)."""
     if not isinstance(model, nn.Module):
         raise refuse("model.type", got=type(model).__name__)
     name = type(model).__name__

@@ -21,7 +21,7 @@ from kvpass.cache import LayerCache, load_into
 from kvpass.head_group import SINGLE_PROCESS, HeadGroup
 
 if TYPE_CHECKING:
-    from kvpass.rewrites import AttentionSite
+    from kvpass.rewrites.attention_sites import AttentionSite
 
 
 class Stat(Enum):
