@@ -98,7 +98,6 @@ def section_throughput(device: torch.device, smoke: bool, deadline: Deadline, pr
             "best": best, "over_transformers": over, "kvpass_over_transformers": over.get("kvpass-d2o")}
 
 
-
 def section_e2e(device: torch.device, smoke: bool, deadline: Deadline, copy_bw: float,
                 prompts: list[int], budget: float, methods_wanted: set[str] | None = None) -> dict:
     import kvpass

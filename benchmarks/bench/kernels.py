@@ -24,7 +24,6 @@ def decode_case(b, hq, hkv, c, d, dtype, device, seed):
     return q, k, v, lw
 
 
-
 def section_correctness(device: torch.device, smoke: bool, deadline: Deadline) -> dict:
     from kvpass.kernels.cosine_match import cosine_match_reference, cosine_match_triton
     from kvpass.kernels.decode_attention import decode_attention_reference, decode_attention_triton
@@ -106,7 +105,6 @@ def section_correctness(device: torch.device, smoke: bool, deadline: Deadline) -
     return {"rows": rows, "tolerance": tol, "all_ok": all(r.get("ok", True) for r in rows)}
 
 
-
 def _kmeans_case(b, hkv, n, k, d, dtype, device, seed):
     """Keys past 16 sinks, ragged lengths, centroids drawn from the keys (fp32, as ClusterKV)."""
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -118,7 +116,6 @@ def _kmeans_case(b, hkv, n, k, d, dtype, device, seed):
     return x, mu, valid
 
 
-
 def _gather_case(b, hkv, group, c, width, d, dtype, device, seed):
     """K, V and a selection of about ``width`` slots per query head (16 sinks always)."""
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -128,7 +125,6 @@ def _gather_case(b, hkv, group, c, width, d, dtype, device, seed):
     keep = torch.rand(b, hkv, group, c, device=device, generator=gen) < width / c
     keep[..., :min(16, c)] = True
     return k, v, lw, keep
-
 
 
 def _clusterkv_correctness(device: torch.device, smoke: bool, deadline: Deadline, record) -> None:
@@ -178,7 +174,6 @@ def _clusterkv_correctness(device: torch.device, smoke: bool, deadline: Deadline
         record("cluster_gather", [b, hkv, group, c, n, d],
                {"rel_err_k": rel_err(got[0], want[0]), "rel_err_v": rel_err(got[1], want[1]),
                 "abs_err_log_weight": float((got[2] != want[2]).float().max())})
-
 
 
 def section_kernels(device: torch.device, smoke: bool, deadline: Deadline, copy_bw: float) -> dict:
@@ -256,7 +251,6 @@ def section_kernels(device: torch.device, smoke: bool, deadline: Deadline, copy_
     compression = clusterkv_kernel_rows(device, smoke, deadline) if triton_op is decode_attention_triton else []
     return {"shape": {"Hq": hq, "Hkv": hkv, "D": d, "dtype": str(dtype)}, "op": triton_op.__name__,
             "rows": rows, "sweep": sweep, "sweep_best": best, "compression": compression}
-
 
 
 def clusterkv_kernel_rows(device: torch.device, smoke: bool, deadline: Deadline) -> list[dict]:

@@ -60,7 +60,6 @@ def section_env(device: torch.device, smoke: bool) -> dict:
     return out
 
 
-
 def run(out: Path, smoke: bool = False, total_s: float = 450.0,
         sections: tuple[str, ...] = ("correctness", "kernels", "e2e", "throughput"),
         prompts: list[int] | None = None, budget: float = 0.2, methods: set[str] | None = None,
@@ -104,7 +103,6 @@ def run(out: Path, smoke: bool = False, total_s: float = 450.0,
     return results
 
 
-
 def _split_tp(argv: list[str]) -> tuple[int | None, list[str]]:
     """(the value of ``--tp N`` / ``--tp=N`` or None, the other arguments)."""
     tp, rest, i = None, [], 0
@@ -118,7 +116,6 @@ def _split_tp(argv: list[str]) -> tuple[int | None, list[str]]:
             rest.append(argv[i])
         i += 1
     return tp, rest
-
 
 
 SECTIONS = ("correctness", "kernels", "e2e", "throughput")
@@ -180,7 +177,6 @@ def main(argv: list[str] | None = None) -> int:
     run(Path(args.out), args.smoke, args.total_s, tuple(s for s in args.sections.split(",") if s), prompts, args.budget,
         methods, args.max_batch)
     return 0
-
 
 
 if __name__ == "__main__":

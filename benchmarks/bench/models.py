@@ -35,13 +35,11 @@ def build_model(config_kwargs: dict, device: torch.device, dtype: torch.dtype):
     return model
 
 
-
 def llama_8b_with_prompt(prompt: int, device: torch.device, seed: int = 0) -> tuple[torch.nn.Module, torch.Tensor]:
     """The GPU probes' setting: the Llama-3.1-8B-shaped model with random bf16 weights on ``device`` and
     random token ids [1, prompt] (CPU generator ``seed``)."""
     ids = torch.randint(1, LLAMA_8B["vocab_size"], (1, prompt), generator=torch.Generator().manual_seed(seed))
     return build_model(LLAMA_8B, device, torch.bfloat16), ids.to(device)
-
 
 
 def weight_bytes_per_step(model) -> int:

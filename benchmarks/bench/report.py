@@ -13,7 +13,6 @@ def _fmt(x, spec=".3g"):
     return str(x)
 
 
-
 def targets(results: dict) -> list[str]:
     """Issue 6's targets that this run measured, with the measured ratios."""
     out = []
@@ -52,7 +51,6 @@ def targets(results: dict) -> list[str]:
     return out
 
 
-
 def prefill_cost(row: dict, rows: list[dict]) -> tuple[float | None, str]:
     """A compressing row's prefill statistics + compression as a fraction of its TTFT: (its TTFT - the
     full-cache kvpass row's TTFT at the same prompt, measured in the same run) / its TTFT. A compiled row
@@ -63,7 +61,6 @@ def prefill_cost(row: dict, rows: list[dict]) -> tuple[float | None, str]:
     if full is None or "ttft_s" not in row:
         return None, f"not measured (no {ref} row)"
     return max(row["ttft_s"] - full["ttft_s"], 0.0) / row["ttft_s"], f"TTFT minus {ref}'s"
-
 
 
 def markdown(results: dict) -> str:
@@ -166,7 +163,6 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-
 def plot(results: dict, path: Path) -> None:
     """One panel per section that has rows: decode-attention bandwidth, end-to-end ms/token against the
     floor, largest-batch tokens/s against the batch."""
@@ -189,7 +185,6 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-
 def _plot_kernels(ax, rows: list[dict], results: dict) -> None:
     for b in sorted({r["B"] for r in rows}):
         sel = [r for r in rows if r["B"] == b]
@@ -201,7 +196,6 @@ def _plot_kernels(ax, rows: list[dict], results: dict) -> None:
     ax.legend(fontsize=6, ncol=2)
 
 
-
 def _plot_e2e(ax, rows: list[dict], results: dict) -> None:
     labels = [f"{r['method']}\n{r['prompt'] // 1024}k" for r in rows]
     ax.bar(range(len(rows)), [r["tpot_ms"] for r in rows], color="tab:blue", label="ms/token")
@@ -209,7 +203,6 @@ def _plot_e2e(ax, rows: list[dict], results: dict) -> None:
     ax.set_xticks(range(len(rows)), labels, rotation=60, fontsize=6)
     ax.set(ylabel="ms per output token", title="end-to-end decode, batch 1")
     ax.legend(fontsize=7)
-
 
 
 def _plot_throughput(ax, rows: list[dict], results: dict) -> None:

@@ -26,11 +26,9 @@ class Deadline:
         return self.left() > estimate
 
 
-
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
 
 
 def time_fn(fn: Callable[[], object], device: torch.device, graph: bool = True) -> float:
@@ -63,7 +61,6 @@ def time_fn(fn: Callable[[], object], device: torch.device, graph: bool = True) 
     return float(ms) * 1e-3
 
 
-
 def time_graphed_or_eager(fn: Callable[[], object], device: torch.device) -> tuple[float, bool]:
     """``time_fn(fn)`` from a CUDA graph, or, where ``fn`` cannot be captured (it synchronises with the
     host, as Chelsea's compression does), timed eagerly with its launches. Returns (seconds, graphed)."""
@@ -74,13 +71,11 @@ def time_graphed_or_eager(fn: Callable[[], object], device: torch.device) -> tup
         return time_fn(fn, device, graph=False), False
 
 
-
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     got, want = got.double(), want.double()
     if not bool(torch.isfinite(got).all()):
         return float("nan")
     return float((got - want).norm() / want.norm().clamp(min=1e-30))
-
 
 
 def gpu_name(device: torch.device) -> str:
@@ -89,10 +84,8 @@ def gpu_name(device: torch.device) -> str:
     return f"cpu-{platform.machine()}"
 
 
-
 def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
 
 
 def guarded(results: dict, name: str, fn: Callable[[], object]) -> None:
@@ -109,7 +102,6 @@ def guarded(results: dict, name: str, fn: Callable[[], object]) -> None:
         torch.cuda.empty_cache()
 
 
-
 def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     """Bytes/s of a device-to-device copy (counting bytes read + bytes written)."""
     n = nbytes // 2
@@ -119,14 +111,12 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     return 2 * src.numel() * src.element_size() / t
 
 
-
 def timed(device: torch.device, fn: Callable[[], object]) -> float:
     sync(device)
     t0 = time.perf_counter()
     fn()
     sync(device)
     return time.perf_counter() - t0
-
 
 
 def measure_generate(device, gen: Callable[[int], object], n1: int, n2: int, warm: Callable[[], object]) -> dict:
@@ -147,7 +137,6 @@ def measure_generate(device, gen: Callable[[int], object], n1: int, n2: int, war
     return out
 
 
-
 def greedy_step_seconds(step: Callable[[torch.Tensor], torch.Tensor], tok: torch.Tensor, device: torch.device,
                          warm: int, steps: int) -> float:
     """Mean seconds of ``tok = step(tok)`` over ``steps`` synchronised steps, after ``warm`` untimed ones."""
@@ -159,7 +148,6 @@ def greedy_step_seconds(step: Callable[[torch.Tensor], torch.Tensor], tok: torch
         tok = step(tok)
     sync(device)
     return (time.perf_counter() - t0) / steps
-
 
 
 def stepped_tpot(kv, ids: torch.Tensor, device: torch.device, warm: int = 8, steps: int = 48) -> dict:
@@ -198,7 +186,6 @@ def stepped_tpot(kv, ids: torch.Tensor, device: torch.device, warm: int = 8, ste
         out.update(decode_compress_ms=ms, decode_compress_frac_of_tpot=ms / interval / out["tpot_ms"],
                    decode_compress_timed=how)
     return out
-
 
 
 def transformers_stepped_tpot(model, ids: torch.Tensor, device: torch.device, warm: int = 8, steps: int = 48) -> float:
