@@ -42,7 +42,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 import kvpass  # noqa: E402
-from kvpass.bench import LLAMA_8B, TINY_LLAMA  # noqa: E402
+from benchmarks.bench.models import LLAMA_8B, TINY_LLAMA  # noqa: E402
 
 
 def plan(prompts: list[int], chunk: int, big_batch: int) -> list[tuple[int, int, str, int | None]]:

@@ -19,13 +19,12 @@ import time
 
 import torch
 
+import kvpass
 from kvpass.eval.shared import stat_groups
 from kvpass.models import load_model
 from kvpass.policies import get_policy
 from kvpass.prompts import chat_ids, haystack
-from kvpass.rewrites import RewrittenGraphs, capture_causal_lm, insert_compressed_cache, match_attention
-from kvpass.rewrites.insert_compressed_cache import build_prefill
-from kvpass.runtime import KVPassModel
+from kvpass.rewrites import capture_model, compile_model
 
 QUESTION = "What is the passphrase? Answer briefly."
 WORDS = ("amber", "cobalt", "falcon", "granite", "harbor", "indigo", "juniper", "kestrel", "lantern", "meadow",
@@ -82,18 +81,14 @@ def main() -> None:
     if args.answerable and args.policies[0] != "full":
         p.error("--answerable needs 'full' as the first of --policies")
     model, tok = load_model("smollm2")
-    captured = capture_causal_lm(model)
-    sites = list(match_attention(captured, model.config))
+    captured = capture_model(model)
     policies = {label: get_policy(VARIANTS[label][0], **VARIANTS[label][1]) for label in args.policies}
-    graphs = {label: insert_compressed_cache(captured.gm, sites, pol) for label, pol in policies.items()}
-    models = {(label, b): KVPassModel(model, pol, b, captured, graphs[label])
+    models = {(label, b): kvpass.apply(model, pol, b, captured=captured)
               for label, pol in policies.items() for b in args.budgets}
     groups = []
     for union, members in stat_groups(list(policies.values())):
-        prefill, keys = build_prefill(captured.gm, sites, union)
         labels = [lab for lab, pol in policies.items() if any(pol is m for m in members)]
-        groups.append((RewrittenGraphs(prefill=prefill, decode=None, sites=tuple(sites), prefill_stats=keys,
-                                       decode_scores=()), labels))
+        groups.append((compile_model(captured, union, prefill_only=True), labels))
     eos = tok.eos_token_id
     eos_ids = torch.tensor([eos] if isinstance(eos, int) else list(eos or []))
     rows = []

@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 import kvpass
-from kvpass.bench import LLAMA_8B, build_model, sync
+from benchmarks.bench.models import LLAMA_8B, build_model
+from benchmarks.bench.timing import sync
 from kvpass.compile_backend import compile_graphs
-from kvpass.rewrites import capture_causal_lm, insert_compressed_cache, match_attention
-from kvpass.runtime import KVPassModel
+from kvpass.rewrites import capture_model
 
 
 def _bucket(name: str) -> str:
@@ -38,11 +38,10 @@ def _bucket(name: str) -> str:
     return "other"
 
 
-def profile_policy(model, captured, sites, name: str, budget: float, prompt: int, steps: int,
+def profile_policy(model, captured, name: str, budget: float, prompt: int, steps: int,
                    compiled: bool = False) -> dict:
     policy = kvpass.get_policy(name)
-    kv = KVPassModel(model, policy, budget if policy.compresses else 1.0, captured,
-                     insert_compressed_cache(captured.gm, sites, policy))
+    kv = kvpass.apply(model, policy, budget if policy.compresses else 1.0, captured=captured)
     if compiled:                                  # the "kvpass" torch.compile backend's graphs (Inductor)
         compile_graphs(kv)
     ids = torch.randint(1, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0)).cuda()
@@ -94,11 +93,10 @@ def main() -> int:
     args = ap.parse_args()
     device = torch.device("cuda")
     model = build_model(LLAMA_8B, device, torch.bfloat16)
-    captured = capture_causal_lm(model)
-    sites = match_attention(captured, model.config)
+    captured = capture_model(model)
     results = {"device": torch.cuda.get_device_name(), "prompt": args.prompt, "budget": args.budget, "policies": []}
     for name in args.policies.split(","):
-        res = profile_policy(model, captured, sites, name, args.budget, args.prompt, args.steps, args.compiled)
+        res = profile_policy(model, captured, name, args.budget, args.prompt, args.steps, args.compiled)
         results["policies"].append(res)
         print(json.dumps({k: v for k, v in res.items() if k != "kernels"}), flush=True)
         torch.cuda.empty_cache()

@@ -3,7 +3,7 @@ against the per-row path it replaces, beside StreamingLLM (issue 29, "D2O's cost
 
 D2O gives every batch row its own per-layer budgets (its own attention variance, its own prompt length),
 so a layer's rows differ in budget. Before, every decode step compressed such a layer one budget at a time
-in copies of each row's capacity (``KVPassModel._compress_rows_into``: per layer and row group a take, the
+in copies of each row's capacity (``kvpass.runtime.layers.compress_rows_into``: per layer and row group a take, the
 op, a put back and a host sync, eager, outside the CUDA-graphed step); now the whole layer is one call of
 ``D2O.compress_rows_into`` (the Triton op ``kvpass::d2o_evict_one_ragged``) inside the graphed step.
 ``KVPassModel.rows_in_one_call = False`` restores the old path: that is the "per-row" row here.
@@ -39,7 +39,8 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from kvpass.bench import TINY_LLAMA, build_model, gpu_name  # noqa: E402
+from benchmarks.bench.models import TINY_LLAMA, build_model  # noqa: E402
+from benchmarks.bench.timing import gpu_name  # noqa: E402
 
 SMALL_LLAMA = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
                    num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=8192,
@@ -87,22 +88,17 @@ def timed_steps(session, warm: int, steps: int, device: torch.device) -> tuple[l
 
 
 def run(args: argparse.Namespace) -> dict:
-    from kvpass.policies import get_policy
-    from kvpass.rewrites import capture_causal_lm, insert_compressed_cache, match_attention
-    from kvpass.runtime import KVPassModel
+    import kvpass
+    from kvpass.rewrites import capture_model
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = TINY_LLAMA if args.smoke else SMALL_LLAMA
     t_start = time.monotonic()
     model = build_model(config, device, dtype)
-    captured = capture_causal_lm(model)
-    sites = match_attention(captured, model.config)
-    models = {}
-    for name in {policy for _, policy, _ in CONFIGS}:
-        policy = get_policy(name)
-        graphs = insert_compressed_cache(captured.gm, sites, policy)
-        models[name] = KVPassModel(model, policy, args.budget, captured, graphs)
+    captured = capture_model(model)
+    models = {name: kvpass.apply(model, name, args.budget, captured=captured)
+              for name in {policy for _, policy, _ in CONFIGS}}
     rows: list[dict] = []
     for batch in args.batches:
         ids, mask = unequal_prompts(batch, args.prompt, args.spread, config["vocab_size"], seed=batch)

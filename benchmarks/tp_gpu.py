@@ -13,7 +13,7 @@ time fits).
     70b          Llama-3.1-70B's layer shape at tp=N, d2o at 0.2 (as many of the 80 layers as the unsharded
                  model fits in 80% of one GPU: every rank builds it whole before sharding; count in the JSON)
 
-The work is ``kvpass.bench_tp`` (also ``kvpass bench --tp N``); this file only runs it from a checkout.
+The work is ``benchmarks/bench/tp.py`` (also ``kvpass bench --tp N``); this file only runs it from a checkout.
 Options: ``python benchmarks/tp_gpu.py --help``; ``--smoke`` with ``KVPASS_TP_CPU=1`` runs tiny shapes on
 CPU with gloo (what tests/test_bench_tp.py does).
 """
@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # the checkout's kvpass, run from anywhere
 
-from kvpass.bench_tp import main  # noqa: E402
+from benchmarks.bench.tp import main  # noqa: E402
 
 if __name__ == "__main__":
     raise SystemExit(main())

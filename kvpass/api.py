@@ -7,7 +7,7 @@ from torch import nn
 from kvpass.budget import check_budget
 from kvpass.chunked_prefill import check_prefill_chunk, check_prefill_chunk_value
 from kvpass.policies import DEFAULT_POLICY, Policy, get_policy
-from kvpass.rewrites import rewrite_model
+from kvpass.rewrites import CapturedModel, capture_model, compile_model
 from kvpass.runtime import KVPassModel
 from kvpass.tensor_parallel import resolve_shard
 from kvpass.validation import check_budget_for_model, check_fuse_linears, check_model, refuse
@@ -15,7 +15,7 @@ from kvpass.validation import check_budget_for_model, check_fuse_linears, check_
 
 def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float | int = 0.2, *,
           fuse_linears: bool | None = None, tp: int | None = None, device_mesh=None, prefill_chunk: int | None = None,
-          **policy_kwargs) -> KVPassModel:
+          captured: CapturedModel | None = None, **policy_kwargs) -> KVPassModel:
     """Rewrite a transformers causal LM to decode over a compressed KV cache.
 
     model: any ``*ForCausalLM`` whose attention kvpass can find (SDPA or eager). It is traced, not
@@ -35,11 +35,16 @@ def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float
         between chunks, so prefill holds about budget + prefill_chunk entries per layer instead of the whole
         prompt (kvpass/chunked_prefill.py says what each policy's statistics become; EMS is refused). None
         (default): in one piece. ``generate(prefill_chunk=...)`` overrides it per call.
+    captured: ``kvpass.rewrites.capture_model(model)`` (or ``capture_model(model, shard)``), to share one trace
+        between several calls (tracing is most of a rewrite's time: evaluation grids, benchmarks, tests);
+        default: traced here. With tp > 1 the capture must be sharded for this rank already.
     policy_kwargs: the policy's hyperparameters (e.g. ``sinks=4`` for streamingllm).
 
     Bad arguments are refused before any work (``kvpass.validation.RULES``, docs/errors.md): a KVPassError
     that is a TypeError or ValueError naming the argument, the value and what is allowed.
     """
+    if isinstance(model, KVPassModel):
+        raise refuse("model.rewritten", got=repr(model))
     check_model(model)                                 # every refusal before any tracing (kvpass.validation)
     chosen = get_policy(policy, **policy_kwargs)
     check_budget(budget)
@@ -51,8 +56,16 @@ def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float
         check_budget_for_model(budget, context)
     shard, heads = resolve_shard(tp, device_mesh, next(model.parameters()).device)
     check_prefill_chunk_value(prefill_chunk)
-    captured, graphs = rewrite_model(model, chosen, shard)
-    out = KVPassModel(model, chosen, budget, captured, graphs, fuse_linears=fuse_linears, heads=heads)
+    if captured is None:
+        captured = capture_model(model, shard)
+    elif not isinstance(captured, CapturedModel) or not captured.sites:
+        raise refuse("captured.type", got=type(captured).__name__)
+    elif (captured.model_type, getattr(captured.shard, "world", 1)) != (model.config.model_type,
+                                                                       getattr(shard, "world", 1)):
+        raise refuse("captured.model", got=f"{captured.model_type}, tp={getattr(captured.shard, 'world', 1)}",
+                     model=model.config.model_type, tp=getattr(shard, "world", 1))
+    graphs = compile_model(captured, chosen, fuse_linears=fuse_linears)
+    out = KVPassModel(model, chosen, budget, captured, graphs, heads=heads)
     check_prefill_chunk(prefill_chunk, out)            # what the policy and layout allow
     out.prefill_chunk = prefill_chunk
     return out

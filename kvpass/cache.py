@@ -17,6 +17,8 @@ from torch import Tensor
 EMPTY = float("-inf")
 # the per-slot and per-row tensors every LayerCache has (slot_meta and state come on top)
 ENTRY_FIELDS = ("k", "v", "log_weight", "length", "position")
+# what an empty slot holds in each per-slot field (slot metadata: 0)
+EMPTY_SLOT = {"k": 0.0, "v": 0.0, "log_weight": EMPTY, "position": -1}
 
 
 @dataclass
@@ -125,9 +127,9 @@ def with_capacity(cache: LayerCache, capacity: int, check: bool = True) -> Layer
         shape[2] = pad
         return torch.cat([t, t.new_full(shape, value)], dim=2)
 
-    return LayerCache(k=grow(cache.k, 0), v=grow(cache.v, 0), log_weight=grow(cache.log_weight, EMPTY),
-                      length=cache.length.clone(), position=grow(cache.position, -1),
-                      slot_meta={n: grow(t, 0) for n, t in cache.slot_meta.items()}, state=dict(cache.state))
+    return LayerCache(**{f: grow(getattr(cache, f), fill) for f, fill in EMPTY_SLOT.items()},
+                      length=cache.length.clone(), slot_meta={n: grow(t, 0) for n, t in cache.slot_meta.items()},
+                      state=dict(cache.state))
 
 
 def load_into(dst: LayerCache, src: LayerCache) -> None:

@@ -10,7 +10,7 @@ at most about budget + chunk entries during prefill instead of the whole prompt.
     between chunks: each compressible layer whose rows hold more than their budget is compressed
                    (``Policy.compress_into``, rows of one budget together), lengths read back once a chunk
     after the last chunk: the caches go through the runtime's usual prompt compression, budgets, capacities
-                   and ``prepare`` (``KVPassModel._build_layers``), then decode as usual.
+                   and ``prepare`` (``kvpass.runtime.layers.build_layers``), then decode as usual.
 
 Chunks are balanced: ceil(T / chunk) chunks whose sizes differ by at most one token (all <= chunk), so the
 last one is never a sliver and holds SnapKV's observation window whenever the window is <= chunk / 2. A prompt
@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -51,7 +50,6 @@ from kvpass.budget import budget_tokens
 from kvpass.cache import (
     EMPTY,
     LayerCache,
-    entries_from_prompt,
     gather_slots,
     keep_slots,
     put_rows_at,
@@ -60,26 +58,16 @@ from kvpass.cache import (
     with_capacity,
 )
 from kvpass.policies.base import Stat
+from kvpass.rewrites.insert_compressed_cache import prompt_cache
+from kvpass.runtime.layers import PromptCaches, build_layers, check_min_budget, row_budgets, row_layer_budgets
+from kvpass.runtime.session import DecodeSession
 from kvpass.validation import check_memory, estimate_prefill_bytes, refuse
 
 if TYPE_CHECKING:
-    from kvpass.runtime import DecodeSession, KVPassModel
+    from kvpass.runtime import KVPassModel
 
 # statistics a chunk adds to what the cache holds; every other one replaces it (a window of the newest queries)
 ACCUMULATED = frozenset({Stat.COLUMN_SUM})
-
-
-@dataclass
-class PromptCaches:
-    """The prompt's caches after the last chunk, before the runtime's final compression
-    (``KVPassModel._build_layers``): per attention site, its cache (a ring for a sliding-window layer shorter
-    than prompt + new tokens), each batch row's live entries (max over KV heads) and the most live entries the
-    layer held during the prefill; ``tokens`` is the padded prompt's length T."""
-
-    caches: list[LayerCache]
-    entries: list[list[int]]
-    peaks: list[int]
-    tokens: int
 
 
 def check_prefill_chunk_value(chunk: object) -> None:
@@ -160,13 +148,9 @@ def ring_of(cache: LayerCache, window: int) -> LayerCache:
 def chunk_step_graph(model: KVPassModel):
     """(the chunk-step GraphModule, its statistics' (layer, Stat) keys) of ``model``, built on first use."""
     if model._chunk_step is None:
-        from kvpass.rewrites.chunk_step import build_chunk_step
-        from kvpass.rewrites.fuse_sibling_linears import fuse_sibling_linears
+        from kvpass.rewrites.pipeline import compile_chunk_step
 
-        gm, keys = build_chunk_step(model.captured.gm, list(model.graphs.sites), model.policy)
-        if model.fused_linears:
-            fuse_sibling_linears(gm)
-        model._chunk_step = (gm, keys)
+        model._chunk_step = compile_chunk_step(model.captured, model.policy, model.graphs.sites, model.fused_linears)
     return model._chunk_step
 
 
@@ -197,19 +181,11 @@ class _ChunkedPrefill:
         the budgets; returns the logits [B, V] fp32 of the chunk's last position."""
         graphs, t0 = self.model.graphs, ids.shape[1]
         pad = self.pad.clamp(max=t0)
-        outs = graphs.prefill(ids, pos, pad)
-        n = len(graphs.sites)
+        logits, kv, stats = graphs.split_prefill(graphs.prefill(ids, pos, pad))
         wanted = {s.value for s in self.policy.stats} if self.policy.compresses else set()
-        stats: dict[int, dict[str, Tensor]] = {}
-        for (layer, stat), value in zip(graphs.prefill_stats, outs[1 + 2 * n:], strict=True):
-            if stat.value in wanted:
-                stats.setdefault(layer, {})[stat.value] = value
         for site in self.sites:
-            got = stats.get(site.layer, {})
-            cache = entries_from_prompt(outs[1 + 2 * site.layer], outs[2 + 2 * site.layer], pad,
-                                        {name: x for name, x in got.items() if Stat(name).per_slot})
-            cache.state.update({name: x for name, x in got.items() if not Stat(name).per_slot})
-            self.caches.append(cache)
+            got = {name: x for name, x in stats.get(site.layer, {}).items() if name in wanted}
+            self.caches.append(prompt_cache(kv[2 * site.layer], kv[2 * site.layer + 1], pad, got))
             self.entries.append([t0 - p for p in pad.tolist()])
         self.longest = [list(e) for e in self.entries]
         self.peaks = [max(e) for e in self.entries]
@@ -225,7 +201,7 @@ class _ChunkedPrefill:
             else:
                 capacity = (max(self.caps[i]) if self.compressible[i] else longest) + largest
                 self.caches[i] = with_capacity(cache, max(capacity, max(self.entries[i])))
-        return outs[0][:, -1].float()
+        return logits[:, -1].float()
 
     def _decide_budgets(self, t0: int, layer_budgets: list[int] | None) -> None:
         """Each row's budget per compressed layer, from its whole prompt + new tokens and (D2O, PyramidKV) the
@@ -237,7 +213,7 @@ class _ChunkedPrefill:
             return
         row_tokens = [self.tokens - p for p in pad.tolist()]
         row_total = [n + self.total - self.tokens for n in row_tokens]
-        row_budget = model._row_budgets(self.total, row_total)
+        row_budget = row_budgets(model, self.total, row_total)
         if layer_budgets:
             per_row = [list(layer_budgets)] * len(row_tokens)
         else:
@@ -250,7 +226,7 @@ class _ChunkedPrefill:
                 length = torch.tensor(row_tokens, device=cache.length.device)[:, None].expand_as(cache.length)
                 stand_in.append(LayerCache(cache.k, cache.v, cache.log_weight, length.contiguous(), cache.position,
                                            dict(cache.slot_meta), state))
-            per_row = model._row_layer_budgets(row_budget, stand_in)
+            per_row = row_layer_budgets(model, row_budget, stand_in)
         self.row_layer_budgets = [list(r) for r in per_row]
         for j, i in enumerate(compressed):
             heads = self.caches[i].length.shape[1]
@@ -327,13 +303,13 @@ class _ChunkedPrefill:
                 if n > cap:
                     raise RuntimeError(f"policy {self.policy.name} left {n} entries in a KV head of batch row {b} "
                                        f"for a budget of {self.budgets[i][b]} (at most {cap} in one head)")
-            # the runtime's count (``_Layer.row_len``): a head may hold up to the head capacity, the row is counted
-            # at its budget after a compression (``KVPassModel._check_within_budget``); ``longest`` the real most
+            # the runtime's count (``Layer.row_len``): a head may hold up to the head capacity, the row is counted
+            # at its budget after a compression (``kvpass.runtime.layers.check_within_budget``); ``longest`` the real most
             self.longest[i] = [int(n) for n in lengths]
             self.entries[i] = [min(int(n), keep) for n, keep in zip(lengths, self.budgets[i], strict=True)]
 
     def prompt_caches(self) -> PromptCaches:
-        """The caches for ``KVPassModel._build_layers``, handed over: this state keeps no reference to them (each
+        """The caches for ``kvpass.runtime.layers.build_layers``, handed over: this state keeps no reference to them (each
         working buffer is freed when its layer's decode buffers replace it, not all at the end)."""
         caches = [ring_of(c, s.window) if ring else c for c, s, ring in zip(self.caches, self.sites, self.ring,
                                                                               strict=True)]
@@ -367,14 +343,12 @@ def start_chunked(model: KVPassModel, input_ids: Tensor, attention_mask: Tensor 
     """``KVPassModel.start`` with the prompt prefilled ``chunk`` tokens at a time (module docstring); a prompt of
     at most ``chunk`` tokens is prefilled in one piece. ``layer_budgets``: the compressed layers' budgets to use
     instead of the policy's choice (groups of rows prefilled apart, ``prefill_rows``)."""
-    from kvpass.runtime import DecodeSession
-
     check_prefill_chunk(chunk, model)
     ids, pad, pos = model._prepare(input_ids, attention_mask, max_new_tokens)
     t = ids.shape[1]
     bounds = chunk_bounds(t, chunk)
     total = t + max_new_tokens
-    budget = model._check_min_budget(total)
+    budget = check_min_budget(model, total)
     if len(bounds) == 1:
         model._check_memory(ids.shape[0], t, total)
         session = model.start_from(model.prefill(input_ids, attention_mask, max_new_tokens), layer_budgets)
@@ -394,8 +368,8 @@ def start_chunked(model: KVPassModel, input_ids: Tensor, attention_mask: Tensor 
             logits = state.step(ids[:, a:b], pos[:, a:b], a)
         if n < len(bounds) - 1 or not deferred:     # the last one too, in place: no second copy of every layer
             state.compress()
-    layers, compressions = model._build_layers(None, {}, pad, total, budget, budget_tokens(model.budget, total),
-                                               state.row_layer_budgets, state.prompt_caches())
+    layers, compressions = build_layers(model, None, {}, pad, total, budget, budget_tokens(model.budget, total),
+                                        state.row_layer_budgets, state.prompt_caches())
     session = DecodeSession(model, layers, pos[:, -1:] + 1, logits, budget, int(t - pad.min()),
                             state.compressions + compressions)
     session.prefill_seconds = time.perf_counter() - started

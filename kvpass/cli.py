@@ -61,7 +61,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if "RANK" not in os.environ:
             raise ValueError(f"--tp {args.tp} runs one process per shard: start it with "
                              f"`torchrun --nproc-per-node {args.tp} -m kvpass.cli generate --tp {args.tp} ...`")
-        from kvpass.bench_tp import init_distributed
+        from kvpass.tensor_parallel import init_distributed
         rank, world, device = init_distributed()
         if world != args.tp:
             raise ValueError(f"--tp {args.tp} but torchrun started {world} processes")
@@ -145,7 +145,7 @@ def _policies_parser(sub) -> None:
 
 
 def _bench_parser(sub) -> None:
-    # listed for --help only: main() hands `kvpass bench ...` to kvpass.bench.main with its own options
+    # listed for --help only: main() runs the checkout's benchmarks/speed.py with the options that follow
     sub.add_parser("bench", help="GPU speed benchmark (kernels + end-to-end decode); `kvpass bench --help`")
 
 
@@ -165,6 +165,27 @@ def _calibrate_parser(sub) -> None:
 COMMANDS: list[Callable] = [_generate_parser, _policies_parser, _eval_parser, _calibrate_parser, _bench_parser]
 
 
+def run_benchmark(argv: list[str]) -> int:
+    """``kvpass bench ARGS``: ``python benchmarks/speed.py ARGS`` of the checkout kvpass runs from. The
+    benchmark harnesses are not part of the installed library (a wheel has no ``benchmarks/``)."""
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "speed.py"
+    if not script.is_file():
+        print("kvpass: error: `kvpass bench` runs benchmarks/speed.py of a source checkout, and this kvpass "
+              f"is installed without one ({script} is missing); clone the repository and run it there",
+              file=sys.stderr)
+        return 2
+    saved = sys.argv
+    sys.argv = [str(script), *argv]
+    try:                                        # the script ends in SystemExit(its status), as when run itself
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv = saved
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpass", description="compressed KV caches for any decoder LLM")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -177,9 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:                   # its own options, passed through untouched
-        from kvpass.bench import main as bench_main
-
-        return _reported(lambda: bench_main(argv[1:]))
+        return _reported(lambda: run_benchmark(argv[1:]))
     args = build_parser().parse_args(argv)
     args.argv = list(argv)                      # for commands that record how they were run
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)

@@ -5,6 +5,7 @@ its ``torch.cuda.set_device(LOCAL_RANK)`` and the whole model loaded); see
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch
@@ -41,3 +42,17 @@ def resolve_shard(tp: int | None, device_mesh, device: torch.device) -> tuple[Sh
     group = device_mesh.get_group()
     rank = device_mesh.get_local_rank()
     return Shard(rank, world, group.group_name), ShardedHeadGroup(group.group_name, rank, world)
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """(rank, world, device) under torchrun: NCCL on CUDA (NVLink multicast off), gloo on CPU."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    cuda = torch.cuda.is_available() and os.environ.get("KVPASS_TP_CPU") != "1"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=30))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device

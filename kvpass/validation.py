@@ -110,6 +110,13 @@ RULES: tuple[Rule, ...] = (
          "a policy that cannot compress between chunks (EMS), full-cache KV heads (a calibration's outlier heads), "
          "tensor parallelism", "prefill_chunk={got} cannot be used with {reason}; prefill in one piece "
          "(prefill_chunk=None)"),
+    Rule("captured.type", "kvpass.apply", "captured", "not a matched capture (kvpass.rewrites.capture_model)",
+         "captured must be kvpass.rewrites.capture_model(model), a capture with its attention sites, got {got}",
+         InvalidType),
+    Rule("captured.model", "kvpass.apply", "captured",
+         "a capture of another model type, or sharded for another tensor-parallel world",
+         "captured ({got}) is not a capture of this model ({model}) for tp={tp}; capture it with "
+         "kvpass.rewrites.capture_model(model[, shard])"),
     Rule("options.type", "torch.compile(backend='kvpass', options=...)", "options", "not a dict",
          "options must be a dict like {{'policy': 'd2o', 'budget': 0.2}}, got {got!r}", InvalidType),
     Rule("options.key", "torch.compile(backend='kvpass', options=...)", "options", "an unknown key",
@@ -238,11 +245,8 @@ _ALIBI_TYPES = ("bloom", "mpt")
 
 
 def check_model(model: object) -> None:
-    """Refuse what is not a single-device, loaded, decoder-only transformers causal LM kvpass has not rewritten."""
-    from kvpass.runtime import KVPassModel
-
-    if isinstance(model, KVPassModel):
-        raise refuse("model.rewritten", got=repr(model))
+    """Refuse what is not a single-device, loaded, decoder-only transformers causal LM (a model kvpass already
+    rewrote, rule "model.rewritten", is refused by ``kvpass.apply`` itself: the runtime sits above this module)."""
     if not isinstance(model, nn.Module):
         raise refuse("model.type", got=type(model).__name__)
     name = type(model).__name__

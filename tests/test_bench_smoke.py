@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpass.bench import Deadline, markdown, slug
+from benchmarks.bench.report import markdown
+from benchmarks.bench.timing import Deadline, slug
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,7 +59,7 @@ def test_speed_script_loads_kvpass_from_a_plain_checkout():
             "sys.argv = ['speed.py', '--help']\n"
             f"try: runpy.run_path({str(ROOT / 'benchmarks' / 'speed.py')!r}, run_name='__main__')\n"
             "except SystemExit: pass\n"
-            "import kvpass.kernels, kvpass.rewrites, kvpass.bench\n"
+            "import kvpass.kernels, kvpass.rewrites, benchmarks.bench.main\n"
             "print(kvpass.kernels.__file__)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           cwd=ROOT / "docs")
@@ -67,12 +68,12 @@ def test_speed_script_loads_kvpass_from_a_plain_checkout():
 
 
 def test_prefill_cost_compares_compiled_rows_with_the_compiled_full_row():
-    from kvpass.bench import _prefill_cost
+    from benchmarks.bench.report import prefill_cost
 
     rows = [{"method": "kvpass-full", "prompt": 8, "ttft_s": 1.5}, {"method": "kvpass-full-compiled", "prompt": 8,
                                                                    "ttft_s": 1.25},
             {"method": "kvpass-d2o", "prompt": 8, "ttft_s": 2.0}, {"method": "kvpass-d2o-compiled", "prompt": 8,
                                                                   "ttft_s": 1.75}]
-    assert _prefill_cost(rows[2], rows) == (0.25, "TTFT minus kvpass-full's")
-    assert _prefill_cost(rows[3], rows) == (0.5 / 1.75, "TTFT minus kvpass-full-compiled's")
-    assert _prefill_cost(rows[3], rows[2:])[0] is None                      # no compiled full row: not measured
+    assert prefill_cost(rows[2], rows) == (0.25, "TTFT minus kvpass-full's")
+    assert prefill_cost(rows[3], rows) == (0.5 / 1.75, "TTFT minus kvpass-full-compiled's")
+    assert prefill_cost(rows[3], rows[2:])[0] is None                      # no compiled full row: not measured

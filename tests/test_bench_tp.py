@@ -1,4 +1,4 @@
-"""The tensor-parallel benchmark's CPU path (kvpass/bench_tp.py, benchmarks/tp_gpu.py) at tiny shapes:
+"""The tensor-parallel benchmark's CPU path (benchmarks/bench/tp.py, benchmarks/tp_gpu.py) at tiny shapes:
 ``torchrun --nproc-per-node 2`` with gloo; and the CLI's --tp refusal outside torchrun."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ import torch
 
 import kvpass
 import kvpass.decode_step as ds
-from kvpass.bench import TINY_LLAMA, build_model
+from benchmarks.bench.models import TINY_LLAMA, build_model
 from kvpass.cache import LayerCache, load_into, with_capacity
 from kvpass.decode_step import StaticDecodeStep, capture_key
 

@@ -458,7 +458,7 @@ CLI_CASES = {
 
 @pytest.mark.parametrize("case", list(CLI_CASES))
 def test_cli_refuses_before_loading(case, monkeypatch, capsys, tmp_path):
-    import kvpass.bench
+    import benchmarks.bench.main
     import kvpass.eval.common
     import kvpass.models
     from kvpass.cli import main
@@ -468,7 +468,7 @@ def test_cli_refuses_before_loading(case, monkeypatch, capsys, tmp_path):
 
     monkeypatch.setattr(kvpass.models, "load_model", loads)
     monkeypatch.setattr(kvpass.eval.common, "load", loads)
-    monkeypatch.setattr(kvpass.bench, "run", loads)
+    monkeypatch.setattr(benchmarks.bench.main, "run", loads)       # what `kvpass bench` runs (benchmarks/speed.py)
     monkeypatch.chdir(tmp_path)
     argv, names = CLI_CASES[case]
     assert main([*argv, "--out-dir", str(tmp_path / "out")] if argv[0] == "eval" and argv[1] != "suite" else argv) == 2

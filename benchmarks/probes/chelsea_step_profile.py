@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvpass.bench import gpu_name, time_fn
+from benchmarks.bench.timing import gpu_name, time_fn
 from kvpass.cache import LayerCache
 from kvpass.policies.chelsea import STEP, Chelsea
 

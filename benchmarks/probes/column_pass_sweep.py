@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kvpass.bench import time_fn
+from benchmarks.bench.timing import time_fn
 from kvpass.kernels._triton import tl, triton
 from kvpass.kernels.attention_column_sums import (
     _column_tile,

@@ -10,7 +10,7 @@ import os
 import torch
 
 import kvpass
-from kvpass.bench import llama_8b_with_prompt
+from benchmarks.bench.models import llama_8b_with_prompt
 from kvpass.compile_backend import compile_graphs
 
 out = {}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from kvpass.bench import time_fn
+from benchmarks.bench.timing import time_fn
 from kvpass.kernels.cosine_match import cosine_match_triton
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from kvpass.bench import time_fn
+from benchmarks.bench.timing import time_fn
 from kvpass.kernels.d2o_evict_one import d2o_evict_one_triton
 
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvpass.bench import _decode_case, time_fn
+from benchmarks.bench.kernels import decode_case
+from benchmarks.bench.timing import time_fn
 from kvpass.kernels.decode_attention import decode_attention_triton, decode_splits
 
 
@@ -33,7 +34,7 @@ def main() -> None:
     out = {"gpu": torch.cuda.get_device_name(), "points": []}
     for point in a.points.split(","):
         c, b = (int(x) for x in point.split("x"))
-        q, k, v, lw = _decode_case(b, hq, hkv, c, d, torch.bfloat16, dev, seed=c + b)
+        q, k, v, lw = decode_case(b, hq, hkv, c, d, torch.bfloat16, dev, seed=c + b)
         qg = q.reshape(b, hkv, hq // hkv, d)
         sdpa = time_fn(functools.partial(F.scaled_dot_product_attention, qg, k, v, scale=d ** -0.5), dev) * 1e6
         default = time_fn(functools.partial(decode_attention_triton, q, k, v, lw, d ** -0.5), dev) * 1e6

@@ -22,7 +22,8 @@ import torch
 from triton.testing import do_bench
 
 import kvpass
-from kvpass.bench import llama_8b_with_prompt, sync
+from benchmarks.bench.models import llama_8b_with_prompt
+from benchmarks.bench.timing import sync
 from kvpass.kernels._triton import triton
 from kvpass.rewrites.sym_ops_to_builtins import replace_sym_ops_with_builtins
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvpass.bench import copy_bandwidth, time_fn
+from benchmarks.bench.timing import copy_bandwidth, time_fn
 from kvpass.kernels.gemv import gemv_triton
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),

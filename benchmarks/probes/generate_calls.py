@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 import kvpass
-from kvpass.bench import llama_8b_with_prompt, sync
+from benchmarks.bench.models import llama_8b_with_prompt
+from benchmarks.bench.timing import sync
 
 
 def triton_cache_entries() -> int:

@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 
 import kvpass
-import kvpass.runtime as runtime
-from kvpass.bench import llama_8b_with_prompt, sync
+import kvpass.runtime.layers as layers
+from benchmarks.bench.models import llama_8b_with_prompt
+from benchmarks.bench.timing import sync
 
 
 def phase_seconds(kv, pre, dev) -> dict[str, float]:
@@ -42,7 +43,7 @@ def phase_seconds(kv, pre, dev) -> dict[str, float]:
             return out
         return wrapper
 
-    patches = [(runtime, "entries_from_prompt"), (runtime, "with_capacity"), (runtime.KVPassModel, "_compress_prompt"),
+    patches = [(layers, "prompt_cache"), (layers, "with_capacity"), (layers, "compress_prompt"),
                (type(kv.policy), "layer_budgets"), (type(kv.policy), "prepare")]
     saved = [(obj, name, getattr(obj, name)) for obj, name in patches]
     for obj, name, fn in saved:

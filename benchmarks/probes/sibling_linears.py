@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvpass.bench import copy_bandwidth, time_fn
+from benchmarks.bench.timing import copy_bandwidth, time_fn
 
 
 def main() -> None:

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 import kvpass
-from kvpass.bench import llama_8b_with_prompt, time_fn
+from benchmarks.bench.models import llama_8b_with_prompt
+from benchmarks.bench.timing import time_fn
 
 
 def main() -> None:

@@ -15,7 +15,8 @@ to ``max_new_tokens`` tokens, scored by exact match (the passphrase string occur
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -228,68 +229,114 @@ def run(loaded: Loaded, specs: Sequence[NeedleSpec], cell_list: Sequence[Cell], 
     """Score every (spec, cell) not yet in ``store``. ``shard`` (i, n): only specs with index % n == i.
 
     Specs (in ``spread`` order) are batched by equal token counts (``batches``, at most ``batch`` rows),
-    largest batches first; the transformers reference runs after every kvpass cell.
-    Per batch and mode, one prefill serves every (policy, budget) cell (``shared``: the union of the
-    policies' statistics; one prefill per group of policies whose statistic options conflict); each
-    cell starts from it, restricted to the rows it still lacks, and decodes them in one session (every
-    row as if alone: tests/runtime/test_rows_independent.py). The
-    reference is one batched ``generate``. A case's ``seconds`` is its share of the batch's wall time:
-    the cell's time over its rows plus the prefill's time over the (row, cell) pairs it served."""
-    from kvpass.eval.shared import Models, stat_groups
-
+    largest batches first, and scored by ``run_batches``. A case's ``seconds`` is its share of the batch's
+    wall time: the cell's time over its rows plus the prefill's time over the (row, cell) pairs it served."""
     mine = [s for k, s in enumerate(specs) if k % shard[1] == shard[0]]
     keyed = {(s, c): key_of(loaded.name, c, s, max_new_tokens) for s in spread(mine) for c in cell_list}
     todo = {sc for sc, key in keyed.items() if key not in store}
     bar = tqdm(total=len(todo), desc=desc, unit="case", position=shard[0], dynamic_ncols=True)
-    if not todo:
+    try:
+        if not todo:
+            return store
+        needed = [s for s in spread(mine) if any((s, c) in todo for c in cell_list)]
+        built = [build_case(loaded.tokenizer, s) for s in needed]
+        # the largest batches first (decode steps cost about the same for 1 or 8 rows on a CPU: the weights
+        # are read once per step), the transformers reference last (only the agreement check needs it)
+        groups = sorted(batches(built, batch), key=len, reverse=True)
+        run_batches(loaded, groups, cell_list, todo, store, bar, ident=lambda case: case.spec,
+                    new_tokens=lambda group: max_new_tokens,
+                    record=lambda cell, case, tokens, size, seconds: _record(loaded, cell, case, tokens, size,
+                                                                             max_new_tokens, seconds))
+    finally:
         bar.close()
-        return store
-    needed = [s for s in spread(mine) if any((s, c) in todo for c in cell_list)]
+    return store
+
+
+def run_batches(loaded: Loaded, groups: Sequence[Sequence], cell_list: Sequence[Cell], todo: set, store: Store,
+                bar, ident: Callable, new_tokens: Callable, record: Callable,
+                deadline: float | None = None, prefill_chunk: int | None = None) -> bool:
+    """The evaluation loop of ``niah.run`` and ``suite.run``: score every (``ident(case)``, cell) pair of
+    ``todo`` (removed as it is stored: ``store.add_many`` of ``record(cell, case, tokens, size, seconds)``),
+    batch by batch (``groups``: cases of equal token counts) and mode, the transformers reference of every
+    batch last. ``new_tokens(group)``: the tokens each case of a batch generates. Returns False where
+    ``deadline`` (a ``time.monotonic()`` value) passed first (the store then holds every finished cell).
+
+    Per batch and mode, one prefill serves every (policy, budget) cell (``kvpass.eval.shared``: the union of
+    the policies' statistics; one prefill per group of policies whose statistic options conflict); each
+    cell starts from it, restricted to the rows it still lacks, and decodes them in one session (every
+    row as if alone: tests/runtime/test_rows_independent.py). The reference is one batched ``generate``.
+    A case's ``seconds``: its cell's time over its rows plus the prefill's time over the (row, cell)
+    pairs it served. ``prefill_chunk``: each kvpass cell instead prefills its own rows, in chunks of that
+    many tokens (kvpass/chunked_prefill.py)."""
+    from kvpass.eval.shared import Models, stat_groups
+
+    def late() -> bool:
+        return deadline is not None and time.monotonic() > deadline
+
     models: Models | None = None
-    built = [build_case(loaded.tokenizer, s) for s in needed]
-    # the largest batches first (decode steps cost about the same for 1 or 8 rows on a CPU: the weights
-    # are read once per step), the transformers reference last (only the agreement check needs it)
-    groups = sorted(batches(built, batch), key=len, reverse=True)
     for group, mode in [(g, m) for g in groups for m in MODES] + [(g, "reference") for g in groups]:
-        mode_cells = [c for c in cell_list if c.mode == mode and any((g.spec, c) in todo for g in group)]
+        mode_cells = [c for c in cell_list if c.mode == mode and any((ident(g), c) in todo for g in group)]
         if not mode_cells:
             continue
+        if late():
+            return False
+        new = new_tokens(group)
         if mode == "reference":
-            rows = [g for g in group if (g.spec, mode_cells[0]) in todo]
+            rows = [g for g in group if (ident(g), mode_cells[0]) in todo]
             bar.set_postfix_str(f"transformers x{len(rows)} L={rows[0].prompt_tokens}")
             with Timer() as t:
-                answers = answer_transformers(loaded.model, rows, max_new_tokens)
-            store.add_many([_record(loaded, mode_cells[0], case, tokens, None, max_new_tokens, t.seconds / len(rows))
+                answers = answer_transformers(loaded.model, rows, new)
+            store.add_many([record(mode_cells[0], case, tokens, None, t.seconds / len(rows))
                             for case, tokens in zip(rows, answers, strict=True)])
+            todo.difference_update((ident(case), mode_cells[0]) for case in rows)
             bar.update(len(rows))
             continue
         models = models or Models(loaded.model)
         chosen = {c: models.get(c.policy, c.budget).policy for c in mode_cells}   # a cell's policy: a name or a spec
-        for union, members in stat_groups(list(dict.fromkeys(chosen.values()))):
-            cells_here = [c for c in mode_cells if chosen[c] in members]
-            need_rows = [i for i, g in enumerate(group) if any((g.spec, c) in todo for c in cells_here)]
-            served = sum((group[i].spec, c) in todo for i in need_rows for c in cells_here)
-            rows_cases = [group[i] for i in need_rows]
-            bar.set_postfix_str(f"prefill {mode} x{len(rows_cases)} L={rows_cases[0].prompt_tokens}")
-            shared = models.shared_prefill(union, prompt_ids(rows_cases, mode),
-                                           max_new_tokens=prefill_new_tokens(rows_cases[0], mode, max_new_tokens))
-            prefill_share = shared.seconds / max(served, 1)
-            for cell in cells_here:
-                mine_rows = [j for j, case in enumerate(rows_cases) if (case.spec, cell) in todo]
-                if not mine_rows:
+        if prefill_chunk is not None:                 # each cell prefills (in chunks) on its own
+            for cell in mode_cells:
+                part = [g for g in group if (ident(g), cell) in todo]
+                if not part:
                     continue
-                cases = [rows_cases[j] for j in mine_rows]
-                bar.set_postfix_str(f"{cell.policy}@{cell.budget} {mode} x{len(cases)} L={cases[0].prompt_tokens}")
+                if late():
+                    return False
+                kv = models.get(cell.policy, cell.budget)
+                kv.prefill_chunk = prefill_chunk
+                bar.set_postfix_str(f"{cell.policy}@{cell.budget} {mode} chunk {prefill_chunk} x{len(part)}")
                 with Timer() as t:
-                    got = answer_kvpass(models.get(cell.policy, cell.budget), cases, mode, max_new_tokens,
-                                        prefill=shared.rows(mine_rows))
-                store.add_many([_record(loaded, cell, case, tokens, size, max_new_tokens,
-                                        t.seconds / len(cases) + prefill_share)
-                                for case, (tokens, size) in zip(cases, got, strict=True)])
-                bar.update(len(cases))
+                    got = answer_kvpass(kv, part, mode, new)
+                store.add_many([record(cell, case, tokens, size, t.seconds / len(part))
+                                for case, (tokens, size) in zip(part, got, strict=True)])
+                todo.difference_update((ident(case), cell) for case in part)
+                bar.update(len(part))
+            continue
+        for union, members in stat_groups(list(dict.fromkeys(chosen.values()))):
+            here = [c for c in mode_cells if chosen[c] in members]
+            rows = [g for g in group if any((ident(g), c) in todo for c in here)]
+            if not rows:
+                continue
+            served = sum((ident(g), c) in todo for g in rows for c in here)
+            bar.set_postfix_str(f"prefill {mode} x{len(rows)} L={rows[0].prompt_tokens}")
+            shared = models.shared_prefill(union, prompt_ids(rows, mode),
+                                           max_new_tokens=prefill_new_tokens(rows[0], mode, new))
+            share = shared.seconds / max(served, 1)
+            for cell in here:
+                mine = [j for j, g in enumerate(rows) if (ident(g), cell) in todo]
+                if not mine:
+                    continue
+                if late():
+                    return False
+                part = [rows[j] for j in mine]
+                bar.set_postfix_str(f"{cell.policy}@{cell.budget} {mode} x{len(part)} L={part[0].prompt_tokens}")
+                with Timer() as t:
+                    got = answer_kvpass(models.get(cell.policy, cell.budget), part, mode, new,
+                                        prefill=shared.rows(mine))
+                store.add_many([record(cell, case, tokens, size, t.seconds / len(part) + share)
+                                for case, (tokens, size) in zip(part, got, strict=True)])
+                todo.difference_update((ident(case), cell) for case in part)
+                bar.update(len(part))
             del shared
-    bar.close()
-    return store
+    return True
 
 
 def _record(loaded: Loaded, cell: Cell, case: NeedleCase, tokens: list[int], size: CaseBytes | None,

@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 
+from kvpass.api import apply
 from kvpass.eval.common import uses_budget
 from kvpass.policies import Policy, Stat, policy_from_spec
-from kvpass.rewrites import RewrittenGraphs, capture_causal_lm, insert_compressed_cache, match_attention
+from kvpass.rewrites import RewrittenGraphs, capture_model, compile_model
 from kvpass.runtime import KVPassModel, Prefill
 
 
@@ -32,7 +33,7 @@ def _options_key(options: dict[str, object]) -> tuple:
 @dataclass
 class StatUnion:
     """The prefill-graph view of a group of policies: every statistic any of them asks for, with its
-    options (one option set per statistic). Quacks like a Policy for ``build_prefill``."""
+    options (one option set per statistic). Quacks like a Policy for ``compile_model(..., prefill_only=True)``."""
 
     options: dict[Stat, dict[str, object]] = field(default_factory=dict)
     compresses = True
@@ -74,15 +75,12 @@ def stat_groups(policies: Sequence[Policy]) -> list[tuple[StatUnion, list[Policy
 
 
 class Models:
-    """One capture of ``model`` for every policy: per policy one rewrite (prefill and decode graphs),
-    per (policy, budget) a ``KVPassModel`` sharing it (``full``: one for every budget), and per group
-    of policies a shared prefill graph (``prefill_graphs``)."""
+    """One capture of ``model`` for every policy: per (policy, budget) a ``kvpass.apply`` of it (``full``: one
+    for every budget), and per group of policies a shared prefill graph (``prefill_graphs``)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.captured = capture_causal_lm(model)
-        self.sites = match_attention(self.captured, model.config)
-        self._graphs: dict[str, RewrittenGraphs] = {}
+        self.captured = capture_model(model)
         self._built: dict[tuple[str, object], KVPassModel] = {}
         self._prefills: dict[tuple, RewrittenGraphs] = {}
 
@@ -90,21 +88,15 @@ class Models:
         key = (policy, budget if uses_budget(policy) else None)
         if key not in self._built:
             chosen = policy_from_spec(policy)     # a name or a spec: name[key=value,...]
-            if policy not in self._graphs:
-                self._graphs[policy] = insert_compressed_cache(self.captured.gm, list(self.sites), chosen)
-            self._built[key] = KVPassModel(self.model, chosen, key[1] if key[1] is not None else 1.0, self.captured,
-                                           self._graphs[policy])
+            self._built[key] = apply(self.model, chosen, key[1] if key[1] is not None else 1.0,
+                                     captured=self.captured)
         return self._built[key]
 
     def prefill_graphs(self, union: StatUnion) -> RewrittenGraphs:
         """The prefill graph emitting ``union``'s statistics (its decode graph is not built: None)."""
-        from kvpass.rewrites.insert_compressed_cache import build_prefill
-
         key = tuple(sorted((s.value, _options_key(o)) for s, o in union.options.items()))
         if key not in self._prefills:
-            prefill, stat_keys = build_prefill(self.captured.gm, list(self.sites), union)
-            self._prefills[key] = RewrittenGraphs(prefill=prefill, decode=None, sites=tuple(self.sites),
-                                                  prefill_stats=stat_keys, decode_scores=())
+            self._prefills[key] = compile_model(self.captured, union, prefill_only=True)
         return self._prefills[key]
 
     def shared_prefill(self, union: StatUnion, input_ids: Tensor, attention_mask: Tensor | None = None,

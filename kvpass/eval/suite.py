@@ -18,23 +18,19 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from tqdm import tqdm
 
-from kvpass.eval.common import Loaded, Timer
+from kvpass.eval.common import Loaded
 from kvpass.eval.niah import (
     MODES,
     REFERENCE,
     Cell,
     _device_name,
-    answer_kvpass,
-    answer_transformers,
     cells,
-    prefill_new_tokens,
-    prompt_ids,
+    run_batches,
 )
 from kvpass.eval.scoring import score
 from kvpass.eval.store import Store, case_key
@@ -114,91 +110,23 @@ def run(loaded: Loaded, items: Sequence[SuiteCase], cell_list: Sequence[Cell], s
     """Score every (case, cell) not yet in ``store``; True when all are stored, False when
     ``deadline`` (a ``time.monotonic()`` value) passed first (the store holds every finished batch).
 
-    Per batch and mode, one prefill serves every (policy, budget) cell (``shared``: the union of the
-    policies' statistics, one prefill per group whose statistic options conflict); each cell starts
-    from it restricted to the rows it lacks and decodes them in one session (a batch's rows have equal token counts and every policy then
-    treats them as if alone). The reference is one batched ``generate``, after every kvpass
-    cell. A case's ``seconds``: its share of its session plus its share of the prefill. ``prefill_chunk``:
+    Cases are batched by equal token counts (``batches``: every policy then treats a batch's rows as if
+    alone) and scored by ``niah.run_batches``, the loop the needle evaluation runs too: per batch and mode
+    one prefill serves every (policy, budget) cell, the transformers reference runs last. ``prefill_chunk``:
     every kvpass cell prefills its own prompt in chunks of that many tokens, compressed between chunks
     (kvpass/chunked_prefill.py), instead of sharing one prefill; its records carry it (and their keys)."""
-    from kvpass.eval.shared import Models, stat_groups
-
     todo = {(c.ident, cell) for c in items for cell in cell_list
             if key_of(loaded.name, cell, c, prefill_chunk) not in store}
     bar = tqdm(total=len(todo), desc=desc, unit="case", dynamic_ncols=True)
-    models: Models | None = None
     groups = batches([c for c in items if any((c.ident, cell) in todo for cell in cell_list)], batch)
-
-    def late() -> bool:
-        return deadline is not None and time.monotonic() > deadline
-
     try:
-        for group, mode in [(g, m) for g in groups for m in MODES] + [(g, "reference") for g in groups]:
-            mode_cells = [c for c in cell_list if c.mode == mode and any((g.ident, c) in todo for g in group)]
-            if not mode_cells:
-                continue
-            if late():
-                return False
-            new = group[0].max_new_tokens
-            if mode == "reference":
-                rows = [g for g in group if (g.ident, mode_cells[0]) in todo]
-                bar.set_postfix_str(f"transformers x{len(rows)} L={rows[0].prompt_tokens}")
-                with Timer() as t:
-                    answers = answer_transformers(loaded.model, rows, new)
-                store.add_many([_record(loaded, mode_cells[0], case, tokens, None, t.seconds / len(rows))
-                                for case, tokens in zip(rows, answers, strict=True)])
-                bar.update(len(rows))
-                continue
-            models = models or Models(loaded.model)
-            chosen = {c: models.get(c.policy, c.budget).policy for c in mode_cells}   # a cell's policy: a name or a spec
-            if prefill_chunk is not None:                 # each cell prefills (in chunks) on its own
-                for cell in mode_cells:
-                    part = [g for g in group if (g.ident, cell) in todo]
-                    if not part:
-                        continue
-                    if late():
-                        return False
-                    kv = models.get(cell.policy, cell.budget)
-                    kv.prefill_chunk = prefill_chunk
-                    bar.set_postfix_str(f"{cell.policy}@{cell.budget} {mode} chunk {prefill_chunk} x{len(part)}")
-                    with Timer() as t:
-                        got = answer_kvpass(kv, part, mode, new)
-                    store.add_many([_record(loaded, cell, case, tokens, size, t.seconds / len(part), prefill_chunk)
-                                    for case, (tokens, size) in zip(part, got, strict=True)])
-                    for case in part:
-                        todo.discard((case.ident, cell))
-                    bar.update(len(part))
-                continue
-            for union, members in stat_groups(list(dict.fromkeys(chosen.values()))):
-                here = [c for c in mode_cells if chosen[c] in members]
-                rows = [g for g in group if any((g.ident, c) in todo for c in here)]
-                if not rows:
-                    continue
-                served = sum((g.ident, c) in todo for g in rows for c in here)
-                bar.set_postfix_str(f"prefill {mode} x{len(rows)} L={rows[0].prompt_tokens}")
-                shared = models.shared_prefill(union, prompt_ids(rows, mode),
-                                               max_new_tokens=prefill_new_tokens(rows[0], mode, new))
-                share = shared.seconds / max(served, 1)
-                for cell in here:
-                    mine = [j for j, g in enumerate(rows) if (g.ident, cell) in todo]
-                    if not mine:
-                        continue
-                    if late():
-                        return False
-                    part = [rows[j] for j in mine]
-                    bar.set_postfix_str(f"{cell.policy}@{cell.budget} {mode} x{len(part)} L={part[0].prompt_tokens}")
-                    with Timer() as t:
-                        got = answer_kvpass(models.get(cell.policy, cell.budget), part, mode, new,
-                                            prefill=shared.rows(mine))
-                    store.add_many([_record(loaded, cell, case, tokens, size, t.seconds / len(part) + share)
-                                    for case, (tokens, size) in zip(part, got, strict=True)])
-                    for case in part:
-                        todo.discard((case.ident, cell))
-                    bar.update(len(part))
-                del shared
+        return run_batches(loaded, groups, cell_list, todo, store, bar, ident=lambda case: case.ident,
+                           new_tokens=lambda group: group[0].max_new_tokens,
+                           record=lambda cell, case, tokens, size, seconds: _record(loaded, cell, case, tokens,
+                                                                                    size, seconds, prefill_chunk),
+                           deadline=deadline, prefill_chunk=prefill_chunk)
     finally:
         bar.close()
-    return True
 
 
 def calibration(records: Sequence[dict], keep: float = KEEP) -> dict:

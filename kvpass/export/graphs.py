@@ -16,88 +16,62 @@ compress (one layer): (past.* with any capacity N) -> (present.* with capacity C
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 from torch.fx import GraphModule
 
-from kvpass.cache import LayerCache, entries_from_prompt, keep_slots
-from kvpass.policies.base import Policy, Stat
+from kvpass.cache import ENTRY_FIELDS, LayerCache, with_capacity
+from kvpass.policies.base import Policy
+from kvpass.rewrites.insert_compressed_cache import RewrittenGraphs, prompt_cache
 
-BASE = ("key", "value", "log_weight", "length", "position")
+# The I/O name of each field of a cache entry (``kvpass.cache.ENTRY_FIELDS``): optimum's key / value for K, V.
+IO_NAMES = {"k": "key", "v": "value"}
 
 
 def state_names(layer: int, meta: tuple[str, ...], prefix: str, state: tuple[str, ...] = ()) -> list[str]:
-    """I/O names of one layer's cache tensors, slot metadata, then per-layer policy state;
+    """I/O names of one layer's cache tensors (``ENTRY_FIELDS``), slot metadata, then per-layer policy state;
     prefix is "past" or "present"."""
     kv = "past_key_values" if prefix == "past" else "present"
-    names = [f"{kv}.{layer}.key", f"{kv}.{layer}.value"]
-    return names + [f"{prefix}_{what}.{layer}" for what in (*BASE[2:], *meta, *state)]
+    names = [f"{kv}.{layer}.{IO_NAMES[f]}" if f in IO_NAMES else f"{prefix}_{f}.{layer}" for f in ENTRY_FIELDS]
+    return names + [f"{prefix}_{what}.{layer}" for what in (*meta, *state)]
 
 
 def to_flat(cache: LayerCache, meta: tuple[str, ...], state: tuple[str, ...] = ()) -> list[Tensor]:
-    return [cache.k, cache.v, cache.log_weight, cache.length, cache.position,
-            *(cache.slot_meta[m] for m in meta), *(cache.state[s] for s in state)]
+    return [getattr(cache, f) for f in ENTRY_FIELDS] + [cache.slot_meta[m] for m in meta] + \
+        [cache.state[s] for s in state]
 
 
 def from_flat(flat: list[Tensor] | tuple[Tensor, ...], meta: tuple[str, ...], state: tuple[str, ...] = ()) -> LayerCache:
-    k, v, lw, length, position, *rest = flat
-    n = len(meta)
-    return LayerCache(k=k, v=v, log_weight=lw, length=length, position=position,
-                      slot_meta=dict(zip(meta, rest[:n], strict=True)), state=dict(zip(state, rest[n:], strict=True)))
-
-
-def per_slot(stat_name: str) -> bool:
-    """Whether a prefill statistic is per cache slot ([B, Hkv, T], kept in slot_meta) or per layer / head
-    (kept in LayerCache.state). Policies' Stat members may say so with a ``per_slot`` attribute."""
-    try:
-        return bool(getattr(Stat(stat_name), "per_slot", True))
-    except ValueError:
-        return True
+    n, m = len(ENTRY_FIELDS), len(meta)
+    rest = flat[n:]
+    return LayerCache(**dict(zip(ENTRY_FIELDS, flat[:n], strict=True)),
+                      slot_meta=dict(zip(meta, rest[:m], strict=True)), state=dict(zip(state, rest[m:], strict=True)))
 
 
 def to_capacity(cache: LayerCache, capacity: int) -> LayerCache:
-    """Same entries in ``capacity`` slots: pads with empty slots, or keeps the first ``capacity``
-    slots (the caller guarantees the cut ones are empty). Static shapes only: no data-dependent check."""
-    c = cache.capacity
-    if c == capacity:
-        return cache
-    if c > capacity:
-        idx = torch.arange(capacity, device=cache.k.device).expand(*cache.length.shape, capacity)
-        return keep_slots(cache, idx)
-
-    def grow(t: Tensor, value) -> Tensor:
-        shape = list(t.shape)
-        shape[2] = capacity - c
-        return torch.cat([t, t.new_full(shape, value)], dim=2)
-
-    return LayerCache(k=grow(cache.k, 0), v=grow(cache.v, 0), log_weight=grow(cache.log_weight, float("-inf")),
-                      length=cache.length, position=grow(cache.position, -1),
-                      slot_meta={n: grow(t, 0) for n, t in cache.slot_meta.items()}, state=dict(cache.state))
+    """Same entries in ``capacity`` slots (``with_capacity`` without its check: the caller guarantees the cut
+    slots are empty; static shapes only, no data-dependent branch); the cache itself where it fits."""
+    return cache if cache.capacity == capacity else with_capacity(cache, capacity, check=False)
 
 
 class PrefillGraph(nn.Module):
     """input_ids, position_ids: [B, T] int64; pad: [B] int64 -> logits [B, 1, V], then per layer the
-    prompt's cache entries (capacity T), its per-slot statistics, then its per-layer statistics (state).
-    ``prefill`` is the functional prefill graph."""
+    prompt's cache entries (capacity T, as ``prompt_cache`` lays them out for the runtime), its per-slot
+    statistics, then its per-layer statistics (state). ``prefill`` is the functional form of
+    ``graphs.prefill``."""
 
-    def __init__(self, prefill: GraphModule, n_layers: int, stats: tuple[tuple[int, str], ...],
-                 meta: dict[int, tuple[str, ...]], state: dict[int, tuple[str, ...]]) -> None:
+    def __init__(self, prefill: GraphModule, graphs: RewrittenGraphs, meta: dict[int, tuple[str, ...]],
+                 state: dict[int, tuple[str, ...]]) -> None:
         super().__init__()
-        self.prefill, self.n_layers, self.stats, self.meta, self.state = prefill, n_layers, stats, meta, state
+        self.prefill, self.meta, self.state = prefill, meta, state
+        self._graphs = [graphs]                  # not a submodule: only its output layout is read
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, pad: Tensor) -> tuple[Tensor, ...]:
-        outs = self.prefill(input_ids, position_ids, pad)
-        n = self.n_layers
-        stat_values: dict[int, dict[str, Tensor]] = {}
-        for (layer, name), value in zip(self.stats, outs[1 + 2 * n:], strict=True):
-            stat_values.setdefault(layer, {})[name] = value
-        flat = [outs[0]]
-        for layer in range(n):
-            values = stat_values.get(layer, {})
-            cache = entries_from_prompt(outs[1 + 2 * layer], outs[2 + 2 * layer], pad,
-                                        {n: values[n] for n in self.meta.get(layer, ())})
-            cache.state = {n: values[n] for n in self.state.get(layer, ())}
-            flat += to_flat(cache, self.meta.get(layer, ()), self.state.get(layer, ()))
+        graphs = self._graphs[0]
+        logits, kv, stats = graphs.split_prefill(self.prefill(input_ids, position_ids, pad))
+        flat = [logits]
+        for i, site in enumerate(graphs.sites):
+            cache = prompt_cache(kv[2 * i], kv[2 * i + 1], pad, stats.get(site.layer, {}))
+            flat += to_flat(cache, self.meta.get(site.layer, ()), self.state.get(site.layer, ()))
         return tuple(flat)
 
 

@@ -21,13 +21,13 @@ from torch import Tensor
 from torch.export import Dim
 
 from kvpass.budget import budget_tokens, check_budget
+from kvpass.cache import ENTRY_FIELDS
 from kvpass.errors import InvalidValue
 from kvpass.export.graphs import (
     CompressGraph,
     DecodeGraph,
     PrefillGraph,
     from_flat,
-    per_slot,
     state_names,
     to_capacity,
     to_flat,
@@ -46,7 +46,7 @@ def _layer_meta(model: KVPassModel) -> tuple[dict[int, tuple[str, ...]], dict[in
     meta: dict[int, list[str]] = {}
     state: dict[int, list[str]] = {}
     for layer, stat in model.graphs.prefill_stats:
-        (meta if per_slot(stat.value) else state).setdefault(layer, []).append(stat.value)
+        (meta if stat.per_slot else state).setdefault(layer, []).append(stat.value)
     return ({layer: tuple(v) for layer, v in meta.items()}, {layer: tuple(v) for layer, v in state.items()})
 
 
@@ -144,8 +144,7 @@ def graph_specs(model: KVPassModel, max_length: int, budget: int | None = None,
     meta, pstate = _layer_meta(model)
     device = model.device
 
-    prefill = PrefillGraph(functional_prefill(model.graphs.prefill), n,
-                           tuple((layer, stat.value) for layer, stat in model.graphs.prefill_stats), meta, pstate)
+    prefill = PrefillGraph(functional_prefill(model.graphs.prefill), model.graphs, meta, pstate)
     t = example_length
     ids = torch.randint(0, int(model.config.vocab_size), (2, t), device=device)
     pad = torch.tensor([0, 1], device=device)
@@ -163,7 +162,7 @@ def graph_specs(model: KVPassModel, max_length: int, budget: int | None = None,
         flat = prefill(ids, pos, pad)
     caches, start = [], 1
     for layer in range(n):
-        width = 5 + len(m[layer]) + len(s0[layer])
+        width = len(ENTRY_FIELDS) + len(m[layer]) + len(s0[layer])
         caches.append(from_flat(flat[start: start + width], m[layer], s0[layer]))
         start += width
     interval = int(getattr(policy, "interval", 1)) if policy.compresses else 0
@@ -173,7 +172,7 @@ def graph_specs(model: KVPassModel, max_length: int, budget: int | None = None,
     else:
         budgets, capacities = [max_length] * n, [max_length] * n
 
-    decode = DecodeGraph(functional_decode(model.captured.gm, sites, policy, meta))
+    decode = DecodeGraph(functional_decode(model.graphs, policy, meta))
     state = [x for layer in range(n) for x in to_flat(to_capacity(caches[layer], capacities[layer]), m[layer])]
     specs.append(GraphSpec("decode", "decode.onnx", decode, (ids[:, :1], pos[:, -1:] + 1, *state),
                            ["input_ids", "position_ids", *past], ["logits", *present],
@@ -194,7 +193,7 @@ def graph_specs(model: KVPassModel, max_length: int, budget: int | None = None,
                                 for k, v in seeds.items()}
             example = to_flat(example_cache, m[layer], keys)
             slots = Dim("slots", min=keep + 1, max=max(keep + 2, max_length))   # compress runs on > keep slots
-            dims = tuple({0: batch, 2: slots} if i < 5 + len(m[layer]) and x.dim() >= 3 else
+            dims = tuple({0: batch, 2: slots} if i < len(ENTRY_FIELDS) + len(m[layer]) and x.dim() >= 3 else
                          ({0: batch} if x.dim() >= 1 else {}) for i, x in enumerate(example))
             fname = "compress.onnx" if len(set(budgets)) == 1 else f"compress_{keep}.onnx"
             specs.append(GraphSpec(f"compress_{keep}", fname, CompressGraph(policy, keep, keep + interval, m[layer], keys),

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
+from kvpass.cache import EMPTY_SLOT, ENTRY_FIELDS
 from kvpass.export.onnx_export import METADATA
 
-_FILL = {"key": 0.0, "value": 0.0, "log_weight": float("-inf"), "position": -1}
+_LENGTH = ENTRY_FIELDS.index("length")
 
 
 class OnnxRunner:
@@ -43,16 +44,11 @@ class OnnxRunner:
         self.layers = self.meta["layers"]
 
     # ------------------------------------------------------------------ state helpers
-    def _names(self, layer: dict, prefix: str) -> list[str]:
-        i = layer["layer"]
-        kv = "past_key_values" if prefix == "past" else "present"
-        return [f"{kv}.{i}.key", f"{kv}.{i}.value"] + \
-            [f"{prefix}_{w}.{i}" for w in ("log_weight", "length", "position", *layer["meta"])]
-
     @staticmethod
     def _pad_to(state: list[np.ndarray], capacity: int, meta: list[str]) -> list[np.ndarray]:
-        """Append empty slots along axis 2 (k, v, log_weight, position, slot meta; not length)."""
-        fills = [_FILL["key"], _FILL["value"], _FILL["log_weight"], None, _FILL["position"]] + [0.0] * len(meta)
+        """Append empty slots (``kvpass.cache.EMPTY_SLOT``, slot metadata 0) along axis 2 to every per-slot
+        tensor (not the lengths)."""
+        fills = [EMPTY_SLOT.get(f) for f in ENTRY_FIELDS] + [0.0] * len(meta)
         out = []
         for t, fill in zip(state, fills, strict=True):
             if fill is None or t.shape[2] == capacity:
@@ -115,14 +111,14 @@ class OnnxRunner:
         logits, flat = outs[0], outs[1:]
         states, policy_states, host_len, start = [], [], [], 0
         for layer in self.layers:
-            width, extra = 5 + len(layer["meta"]), layer.get("prefill_state", [])
+            width, extra = len(ENTRY_FIELDS) + len(layer["meta"]), layer.get("prefill_state", [])
             state = list(flat[start: start + width])
             policy_state = dict(zip(extra, flat[start + width: start + width + len(extra)], strict=True))
             start += width + len(extra)
             length = longest
             if layer["compressible"] and length > layer["budget"]:
                 state, policy_state = self._compress(layer, state, policy_state)
-                length = int(state[3].max())
+                length = int(state[_LENGTH].max())
             else:
                 state = self._pad_to(state, layer["capacity"], layer["meta"])
             states.append(state)
@@ -147,12 +143,12 @@ class OnnxRunner:
             for i, layer in enumerate(self.layers):
                 if layer["compressible"] and host_len[i] >= layer["capacity"]:
                     states[i], policy_states[i] = self._compress(layer, states[i], policy_states[i])
-                    host_len[i] = int(states[i][3].max())
+                    host_len[i] = int(states[i][_LENGTH].max())
             feed = [tok[:, None], pos] + [x for s in states for x in s]
             outs = decode.run(None, dict(zip(in_names, feed, strict=True)))
             logits, flat, start = outs[0], outs[1:], 0
             for i, layer in enumerate(self.layers):
-                width = 5 + len(layer["meta"])
+                width = len(ENTRY_FIELDS) + len(layer["meta"])
                 states[i] = list(flat[start: start + width])
                 start += width
                 host_len[i] += 1

@@ -21,7 +21,7 @@ from kvpass.cache import LayerCache, load_into
 from kvpass.head_group import SINGLE_PROCESS, HeadGroup
 
 if TYPE_CHECKING:
-    from kvpass.rewrites import AttentionSite
+    from kvpass.rewrites.attention_sites import AttentionSite
 
 
 class Stat(Enum):
@@ -194,7 +194,7 @@ class Policy:
         row has one budget and the layer's capacity), each row that is due compressed exactly as alone and
         every other row left unchanged. Then the runtime's decode step takes the layer in its own buffers
         (CUDA-graphed) instead of compressing the due rows one budget at a time in copies of their own
-        capacity (``KVPassModel._compress_rows_into``: eager, a host sync). Default False."""
+        capacity (``kvpass.runtime.layers.compress_rows_into``: eager, a host sync). Default False."""
         return False
 
     def compress_rows_into(self, cache: LayerCache, keep: Tensor) -> None:

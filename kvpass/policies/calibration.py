@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from kvpass.validation import refuse
 
 if TYPE_CHECKING:
-    from kvpass.rewrites import AttentionSite
+    from kvpass.rewrites.attention_sites import AttentionSite
 
 FORMAT = "kvpass-chelsea-calibration"
 VERSION = 1

@@ -17,7 +17,7 @@ from kvpass.policies.calibration import Calibration, load_calibration
 from kvpass.policies.selection import slot_places
 
 if TYPE_CHECKING:
-    from kvpass.rewrites import AttentionSite
+    from kvpass.rewrites.attention_sites import AttentionSite
 
 STEP = "chelsea_step"   # LayerCache.state: [B, Hkv] int64 clustering steps done (the i of the r schedule)
 

@@ -196,7 +196,7 @@ class D2O(Policy):
     # ------------------------------------------------------------------ layer level (§5.4)
     def layer_density(self, caches: list[LayerCache]) -> list[float]:
         """sig_l per compressed layer from state['attn_var'] [B, Hq] (the runtime passes one row at a time
-        when a batch has several, ``KVPassModel._row_layer_budgets``; rows given together are averaged)."""
+        when a batch has several, ``kvpass.runtime.layers.row_layer_budgets``; rows given together are averaged)."""
         out = []
         for cache in caches:
             var = self.heads.gather(cache.state[Stat.HEAD_VARIANCE.value]).double()   # [B, Hq], every rank's heads
@@ -245,7 +245,14 @@ class D2O(Policy):
 
         C = keep + 1 (the one-in-one-out decode step: every row evicts at most one entry, a static
         fact) takes ``_compress_one``, O(C) work; anything else the general path. Both give the same
-        entries (tested equal); neither synchronises with the device."""
+        entries (tested equal); neither synchronises with the device.
+
+        The eviction's forms, and why more than one: ``_compress_general`` is the reference (any capacity,
+        sequence order kept); the decode step's in-place op ``kvpass::d2o_evict_one`` (``compress_into``) is
+        its fast form, with the plain-torch definition every op has and a Triton kernel; ``_compress_one`` is
+        the op's step as a pure function (shift instead of move), kept for the callers of ``compress`` at
+        capacity keep + 1 (tensor parallel decode, stacked or per-row copies), where the general path would
+        sort every step. All share ``pick_one`` / ``merge_weights`` / ``merged_rows``."""
         sinks, _, recent = self.split(keep)
         if cache.capacity == keep + 1:
             return self._compress_one(cache, keep)

@@ -19,6 +19,9 @@ from torch.export import Dim
 from torch.fx import GraphModule
 from torch.fx.graph import CodeGen
 
+from kvpass.rewrites.attention_sites import AttentionSite
+from kvpass.rewrites.shard_tensor_parallel import Shard
+
 log = logging.getLogger(__name__)
 
 
@@ -27,13 +30,20 @@ class CapturedModel:
     """The traced no-cache forward of a causal LM.
 
     gm: ``forward(input_ids [B, T] int64, position_ids [B, T] int64) -> (logits [B, T, V],)``;
-    its parameters are the model's own tensors.
+    its parameters are the model's own tensors. sites: its attention sites, one per layer, once matched
+    (``kvpass.rewrites.capture_model``; empty straight from ``capture_causal_lm``).
+    shard: set once ``gm`` is sharded for one tensor-parallel rank (``kvpass.rewrites.pipeline.shard_captured``):
+    ``sites`` are then the rank's, ``model_sites`` the model's and ``vocab`` the logits' width before sharding.
     """
 
     gm: GraphModule
     model_type: str
     attn_implementation: str
     context_length: int
+    sites: tuple[AttentionSite, ...] = ()
+    shard: Shard | None = None
+    model_sites: tuple[AttentionSite, ...] = ()
+    vocab: int | None = None
 
 
 class _LogitsOnly(nn.Module):

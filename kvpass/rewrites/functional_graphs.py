@@ -2,21 +2,25 @@
 
 The runtime graphs call ``torch.ops.kvpass`` ops, and the decode graph writes the cache in place
 (``kvpass::write_kv``). Exporters (ONNX, TensorRT) want straight-line graphs of standard ops with
-the cache as explicit inputs *and* outputs. This pass builds them from the same captured graph and
-attention sites:
+the cache as explicit inputs *and* outputs. Both forms here are derived from the runtime's own graphs
+(``kvpass.rewrites.compile_model``), so the decode semantics are written once, in
+``insert_compressed_cache``: each kvpass op is replaced by its export form (below) or its reference
+(``kvpass.kernels.REFERENCES``), and the in-place cache write by its functional twin.
 
 prefill(input_ids [B, T], position_ids [B, T], pad [B])
-    -> (logits [B, 1, V], k_0, v_0, ..., *stats)      same outputs as the runtime's prefill graph
+    -> (logits [B, 1, V], k_0, v_0, ..., *stats)      the runtime's prefill graph, ops replaced
 decode(input_ids [B, 1], position_ids [B, 1], then per layer l:
        k_l, v_l [B, Hkv, C_l, D], log_weight_l [B, Hkv, C_l] fp32, length_l [B, Hkv] int64,
        position_l [B, Hkv, C_l] int64, *slot_meta_l [B, Hkv, C_l] fp32)
     -> (logits [B, 1, V], then per layer the same tensors, updated)
 
-The step's K, V land in slot ``length_l`` through a one-hot ``where`` (no scatter), the layer's
-length grows by one, its position records ``position_ids``, and accumulated attention statistics
-(``col_sum``) add the step's scores: exactly what ``write_kv`` + ``decode_attention`` +
-``KVPassModel._advance`` do in the runtime. Sliding-window rings are not supported here. With an
-expanded cache (``expand_kv_heads``) Hkv = Hq: the step's k, v are repeated as in the runtime graphs.
+The runtime's decode graph takes a slot per layer and leaves the length, the step's scores and the
+await of a compression to the runtime (``DecodeSession._device_step``). Here the slot is the length (the
+entries of a compressed or full layer are slots [0, length)), the length grows by one and the step's
+scores update the statistics the decode step updates (``Stat.accumulates``: added, else replaced), as
+``_device_step`` does; compression is its own graph (``kvpass.export``), so the await goes. Sliding-window
+rings (slot = position % window) and the recall / expansion decode ops (their per-step inputs) are not
+supported here.
 """
 
 from __future__ import annotations
@@ -25,23 +29,23 @@ import operator
 
 import torch
 from torch import Tensor
-from torch.fx import GraphModule
+from torch.fx import Graph, GraphModule, Node
 
 import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
+from kvpass.cache import ENTRY_FIELDS
 from kvpass.kernels.attention_head_variance import head_variance_of_sums
-from kvpass.kernels.decode_attention import LOG2E, decode_attention_reference
+from kvpass.kernels.decode_attention import LOG2E
 from kvpass.kernels.prefill_attention import prefill_mask
-from kvpass.policies.base import Attention, Policy
-from kvpass.rewrites.attention_sites import AttentionSite, repeat_cached_kv
-from kvpass.rewrites.insert_compressed_cache import (
-    DECODE_STATS,
-    _add_inputs,
-    _finish,
-    _logits_node,
-    copy_graph,
-)
+from kvpass.policies.base import Attention, Policy, Stat
+from kvpass.rewrites.insert_compressed_cache import DECODE_STATS, RewrittenGraphs, copy_graph
 
 ops = torch.ops.kvpass
+
+# Export forms of the prefill ops (deliberately a second statement of their references, kept equal by
+# tests/kernels/test_prefill_attention_lse.py and the export tests' token equality): the references call
+# SDPA with a boolean mask and walk the column passes block by block, neither of which becomes standard ONNX
+# ops the TensorRT parser takes; these are one block of matmul / where / softmax. Every other op exports as
+# its reference (``kvpass.kernels.REFERENCES``).
 
 
 def _masked_prefill_logits(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None,
@@ -112,21 +116,16 @@ def column_sums_and_head_variance_explicit(q: Tensor, k: Tensor, pad: Tensor, sc
     return c.mean(dim=2), head_variance_of_sums(c.reshape(b, hq, t), pad)
 
 
-def write_and_attend(q: Tensor, k_new: Tensor, v_new: Tensor, k: Tensor, v: Tensor, log_weight: Tensor,
-                     length: Tensor, position: Tensor, position_ids: Tensor, scale: float,
-                     softcap: float | None, want_scores: bool) -> tuple[Tensor, ...]:
-    """One decode step of one layer, functionally. q: [B, Hq, 1, D]; k_new, v_new: [B, Hkv, 1, D];
-    k, v: [B, Hkv, C, D]; log_weight: [B, Hkv, C] fp32; length: [B, Hkv] int64; position: [B, Hkv, C]
-    int64; position_ids: [B, 1]. Returns (o [B, Hq, 1, D], k', v', log_weight', length', position',
-    scores [B, Hkv, C] fp32 or empty)."""
-    c = k.shape[2]
-    hit = torch.arange(c, device=k.device)[None, None, :] == length[:, :, None]      # [B, Hkv, C] one-hot
-    k2 = torch.where(hit[..., None], k_new.to(k.dtype), k)
-    v2 = torch.where(hit[..., None], v_new.to(v.dtype), v)
-    lw2 = torch.where(hit, torch.zeros_like(log_weight), log_weight)
-    pos2 = torch.where(hit, position_ids[:, :1, None].to(position.dtype), position)
-    o, scores = decode_attention_reference(q, k2, v2, lw2, scale, softcap, want_scores)
-    return o, k2, v2, lw2, length + 1, pos2, scores
+def write_kv_functional(k_cache: Tensor, v_cache: Tensor, log_weight: Tensor, slot: Tensor, position: Tensor,
+                        pos: Tensor, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``kvpass::write_kv`` without mutation: the step's k_new, v_new [B, Hkv, 1, D] and position ``pos`` [B, 1]
+    land in slot ``slot`` [B, Hkv] of k_cache, v_cache [B, Hkv, C, D], log_weight [B, Hkv, C] (0 there) and
+    position [B, Hkv, C] through a one-hot ``where`` (no scatter). Returns the four updated tensors."""
+    hit = torch.arange(k_cache.shape[2], device=k_cache.device)[None, None, :] == slot[:, :, None]   # [B, Hkv, C]
+    return (torch.where(hit[..., None], k_new.to(k_cache.dtype), k_cache),
+            torch.where(hit[..., None], v_new.to(v_cache.dtype), v_cache),
+            torch.where(hit, torch.zeros_like(log_weight), log_weight),
+            torch.where(hit, pos[:, :1, None].to(position.dtype), position))
 
 
 _EXPLICIT = {ops.prefill_attention.default: prefill_attention_explicit,
@@ -143,52 +142,85 @@ def _explicit_form(target):
     return kvpass.kernels.reference_of(target)      # ValueError naming the op if it has no reference
 
 
+def _swap_op(node: Node) -> None:
+    """A kvpass op node -> its export form (in place)."""
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+            and node.target.namespace == "kvpass":
+        node.target = _explicit_form(node.target)
+
+
 def functional_prefill(prefill: GraphModule) -> GraphModule:
     """A copy of the runtime prefill graph whose kvpass ops are replaced by their explicit forms."""
     graph, env, out = copy_graph(prefill)
     for node in graph.nodes:
-        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
-                and node.target.namespace == "kvpass":
-            node.target = _explicit_form(node.target)
+        _swap_op(node)
     graph.output(out)
     gm = GraphModule(prefill, graph, class_name="KVPassFunctionalPrefill")
     gm.graph.lint()
     return gm
 
 
-def functional_decode(gm: GraphModule, sites: list[AttentionSite], policy: Policy,
-                      meta: dict[int, tuple[str, ...]]) -> GraphModule:
-    """The decode step as a functional graph over the captured graph ``gm`` (see the module docstring).
-    meta: layer -> names of its slot_meta tensors (in input order); ``col_sum`` accumulates step scores."""
+def functional_decode(graphs: RewrittenGraphs, policy: Policy, meta: dict[int, tuple[str, ...]]) -> GraphModule:
+    """The runtime decode graph ``graphs.decode`` as a functional graph (see the module docstring).
+    meta: layer -> names of its slot_meta tensors (in input order); the statistics the decode step updates
+    take the step's scores."""
     if policy.attention is not Attention.DENSE:
         raise NotImplementedError(f"functional decode supports dense attention only, not {policy.attention.value}")
-    if any(s.window is not None for s in sites):
+    if any(s.window is not None for s in graphs.sites):
         raise NotImplementedError("functional decode does not support sliding-window layers yet")
-    graph, env, out = copy_graph(gm)
-    position_ids = [n for n in graph.nodes if n.op == "placeholder"][1]
-    base = ("k", "v", "log_weight", "length", "position")
-    names = [f"{what}_{s.layer}" for s in sites for what in (*base, *meta.get(s.layer, ()))]
-    inputs = iter(_add_inputs(graph, names))
-    outputs = [_logits_node(out)]
-    for site in sites:
-        state = [next(inputs) for _ in base]
-        metas = {name: next(inputs) for name in meta.get(site.layer, ())}
-        updated = {s.value: s for s in policy.stats & DECODE_STATS if s.value in metas} if policy.compresses else {}
-        accumulate = bool(updated)                 # the step's scores are wanted
-        target = env[site.output]
-        with graph.inserting_before(target):
-            k, v = repeat_cached_kv(graph, site, env[site.k]), repeat_cached_kv(graph, site, env[site.v])
-            res = graph.call_function(write_and_attend, (env[site.q], k, v, *state, position_ids,
-                                                         site.scale, site.softcap, accumulate))
-            items = [graph.call_function(operator.getitem, (res, i)) for i in range(7)]
-            for name, node in metas.items():
-                if name in updated and updated[name].accumulates:
-                    node = graph.call_function(operator.add, (node, items[6]))
-                elif name in updated:                # replaced by the step's row (last_attn)
-                    node = graph.call_function(torch.clone, (items[6],))
-                else:
-                    node = graph.call_function(torch.clone, (node,))
-                metas[name] = node
-        target.replace_all_uses_with(items[0])
-        outputs += items[1:6] + list(metas.values())
-    return _finish(graph, gm, outputs, "KVPassFunctionalDecode")
+    if graphs.full_heads:
+        raise NotImplementedError("functional decode does not support full-cache KV heads (split groups) yet")
+    decode = graphs.decode
+    old = iter(n for n in decode.graph.nodes if n.op == "placeholder")
+    graph = Graph()
+    env: dict[Node, Node] = {next(old): graph.placeholder("input_ids"), next(old): graph.placeholder("position_ids")}
+    layers: list[dict[str, Node]] = []            # per site: field or meta name -> its current value
+    slots: dict[Node, int] = {}                   # the runtime's slot input -> the layer it belongs to
+    for i, site in enumerate(graphs.sites):
+        inputs = {f: graph.placeholder(f"{f}_{site.layer}") for f in ENTRY_FIELDS}
+        inputs.update({m: graph.placeholder(f"{m}_{site.layer}") for m in meta.get(site.layer, ())})
+        for f in ("k", "v", "log_weight", "slot", "position"):   # the runtime's per-layer inputs, in order
+            node = next(old)
+            env[node] = inputs["length" if f == "slot" else f]
+            if f == "slot":
+                slots[node] = i
+        layers.append(inputs)
+    scores: list[Node] = []
+    for node in decode.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            scores = [env[n] for n in node.args[0][1:]]
+            logits = env[node.args[0][0]]
+            break
+        if node.target is torch.ops.kvpass.await_compression.default:
+            continue                              # compression is a graph of its own here
+        if node.target is torch.ops.kvpass.write_kv.default:
+            cache, (pos, k_new, v_new) = node.args[:5], node.args[5:]
+            layer = layers[slots[cache[3]]]
+            new = graph.call_function(write_kv_functional, tuple(env[a] for a in (*cache, pos, k_new, v_new)))
+            written = (cache[0], cache[1], cache[2], cache[4])         # k, v, log_weight, position
+            for j, (f, a) in enumerate(zip(("k", "v", "log_weight", "position"), written, strict=True)):
+                # later readers of the buffer (the attention) read the written values
+                env[a] = layer[f] = graph.call_function(operator.getitem, (new, j))
+            continue
+        env[node] = graph.node_copy(node, lambda n: env[n])
+        _swap_op(env[node])
+    step = DECODE_STATS & policy.stats if policy.compresses else frozenset()
+    outputs = [logits]
+    by_layer = dict(zip(graphs.decode_scores, scores, strict=True))
+    for site, values in zip(graphs.sites, layers, strict=True):
+        values["length"] = graph.call_function(operator.add, (values["length"], 1))
+        for m in meta.get(site.layer, ()):
+            score = by_layer.get(site.layer) if m in {s.value for s in step} else None
+            if score is None:
+                values[m] = graph.call_function(torch.clone, (values[m],))
+            elif Stat(m).accumulates:
+                values[m] = graph.call_function(operator.add, (values[m], score))
+            else:                                 # replaced by the step's row (last_attn)
+                values[m] = graph.call_function(torch.clone, (score,))
+        outputs += [values[f] for f in ENTRY_FIELDS] + [values[m] for m in meta.get(site.layer, ())]
+    graph.output(tuple(outputs))
+    graph.eliminate_dead_code()
+    graph.lint()
+    return GraphModule(decode, graph, class_name="KVPassFunctionalDecode")

@@ -34,9 +34,11 @@ import operator
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 from torch.fx import Graph, GraphModule, Node
 
 import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
+from kvpass.cache import LayerCache, entries_from_prompt
 from kvpass.policies.base import Attention, Policy, Stat
 from kvpass.rewrites.attention_sites import (
     AttentionSite,
@@ -75,12 +77,35 @@ _ELEMENTWISE = (aten.div.Tensor, aten.mul.Tensor, aten.tanh.default, aten.to.dty
 
 @dataclass(frozen=True)
 class RewrittenGraphs:
+    """What ``kvpass.rewrites.compile_model`` builds: the prefill graph and (unless prefill only, None) the
+    decode graph, the sites they rewrote, which statistics the prefill returns and which layers' step
+    scores the decode graph returns, the KV heads kept full, and whether sibling linears were fused."""
+
     prefill: GraphModule
-    decode: GraphModule
+    decode: GraphModule | None
     sites: tuple[AttentionSite, ...]
     prefill_stats: tuple[tuple[int, Stat], ...]    # (layer, stat) of each stats output, in order
     decode_scores: tuple[int, ...]                 # layers whose step scores the decode graph returns
     full_heads: dict[int, tuple[int, ...]] = field(default_factory=dict)   # layer -> KV heads kept full
+    fused_linears: bool = False                    # fuse_sibling_linears ran on both graphs
+
+    def split_prefill(self, outs) -> tuple[Tensor, list[Tensor], dict[int, dict[str, Tensor]]]:
+        """The prefill graph's outputs -> (logits, [k_0, v_0, ..., k_{L-1}, v_{L-1}] each [B, Hkv, T, D],
+        {layer: {stat name: [B, Hkv, T] or [B, H] fp32}})."""
+        n = len(self.sites)
+        stats: dict[int, dict[str, Tensor]] = {}
+        for (layer, stat), value in zip(self.prefill_stats, outs[1 + 2 * n:], strict=True):
+            stats.setdefault(layer, {})[stat.value] = value
+        return outs[0], list(outs[1:1 + 2 * n]), stats
+
+
+def prompt_cache(k: Tensor, v: Tensor, pad: Tensor, stats: dict[str, Tensor]) -> LayerCache:
+    """One layer's prefill outputs as a cache of capacity T: the prompt's entries with left pads compacted away
+    (``entries_from_prompt``), its per-slot statistics in ``slot_meta`` (moved alike), its per-head ones
+    (``Stat.per_slot`` False) in ``state``. k, v: [B, Hkv, T, D]; pad: [B]."""
+    cache = entries_from_prompt(k, v, pad, {n: x for n, x in stats.items() if Stat(n).per_slot})
+    cache.state.update({n: x for n, x in stats.items() if not Stat(n).per_slot})
+    return cache
 
 
 def copy_graph(gm: GraphModule) -> tuple[Graph, dict[Node, Node], object]:

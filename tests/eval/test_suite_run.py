@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvpass.cli import main
-from kvpass.eval import suite
+from kvpass.eval import niah, suite
 from kvpass.eval.store import Store
 
 FAMILIES = ["variable_tracking", "essay_qa"]     # no preamble: they fit the tiny model's 256 positions
@@ -50,8 +50,9 @@ def test_resume_and_time_limit(loaded, items, finished, tmp_path, monkeypatch):
 
     store = Store(shutil.copy(finished.path, tmp_path / "copy.json"))
     cells = suite.cells(["full", "streamingllm"], [0.5], list(suite.MODES))
-    monkeypatch.setattr(suite, "answer_kvpass", lambda *a, **k: pytest.fail("a stored case re-ran"))
-    monkeypatch.setattr(suite, "answer_transformers", lambda *a, **k: pytest.fail("a stored case re-ran"))
+    # the loop suite.run shares with the needle evaluation (niah.run_batches) answers through these
+    monkeypatch.setattr(niah, "answer_kvpass", lambda *a, **k: pytest.fail("a stored case re-ran"))
+    monkeypatch.setattr(niah, "answer_transformers", lambda *a, **k: pytest.fail("a stored case re-ran"))
     assert suite.run(loaded, items, cells, store) is True
     # a past deadline: nothing new runs, the run reports it stopped early
     more = suite.cells(["h2o"], [0.5], list(suite.MODES), reference=False)

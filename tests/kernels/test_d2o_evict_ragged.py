@@ -3,7 +3,7 @@
 Three things: the Triton kernels equal the ragged reference (as in test_d2o_evict_one.py: scalar outcomes
 exactly, K, V and tau to the last bits); the ragged reference with one keep for every row is the one-budget
 reference, bit for bit; and every row of a ragged layer gets exactly what the per-row path gives it
-(the runtime's ``_compress_rows_into``: the row alone, in a copy of its own capacity keep + 1, through
+(the runtime's ``compress_rows_into``: the row alone, in a copy of its own capacity keep + 1, through
 ``D2O.compress_into``), for D2O's options too."""
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def _cache(layer: dict[str, torch.Tensor], with_tau: bool) -> LayerCache:
 
 
 def per_row_path(policy: D2O, cache: LayerCache, keeps: list[int]) -> None:
-    """The runtime's per-row path (``KVPassModel._compress_rows_into``): rows of one budget together, each
+    """The runtime's per-row path (``kvpass.runtime.layers.compress_rows_into``): rows of one budget together, each
     group in a copy of its own capacity keep + 1 through ``compress_into``, written back."""
     groups: dict[int, list[int]] = {}
     for b, keep in enumerate(keeps):

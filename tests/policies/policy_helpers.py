@@ -9,9 +9,9 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
+import kvpass
 from kvpass.cache import LayerCache
-from kvpass.policies import get_policy
-from kvpass.rewrites import capture_causal_lm, insert_compressed_cache, match_attention
+from kvpass.rewrites import capture_model
 from kvpass.runtime import KVPassModel
 
 _SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -38,15 +38,14 @@ def captured_model(arch: str):
     """(model, captured, sites) of a tiny random ``arch`` model, built and traced once per session."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(CONFIGS[arch]()).eval()
-    captured = capture_causal_lm(model)
-    return model, captured, match_attention(captured, model.config)
+    captured = capture_model(model)
+    return model, captured, list(captured.sites)
 
 
-def apply_cached(arch: str, policy: str, budget: float | int, **kwargs) -> KVPassModel:
-    """What ``kvpass.apply(model, policy, budget, **kwargs)`` returns, reusing the session's trace."""
-    model, captured, sites = captured_model(arch)
-    chosen = get_policy(policy, **kwargs)
-    return KVPassModel(model, chosen, budget, captured, insert_compressed_cache(captured.gm, list(sites), chosen))
+def apply_cached(arch: str, policy, budget: float | int, **kwargs) -> KVPassModel:
+    """``kvpass.apply(model, policy, budget, **kwargs)`` of the tiny ``arch`` model, reusing the session's trace."""
+    model, captured, _ = captured_model(arch)
+    return kvpass.apply(model, policy, budget, captured=captured, **kwargs)
 
 
 def random_cache(lengths: list[list[int]], c: int, d: int = 8, seed: int = 0, dtype=torch.float64,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kvpass
-import kvpass.runtime as runtime
+import kvpass.runtime.layers as runtime  # where the stacked prompt compression splits its rows
 from kvpass.cache import EMPTY, LayerCache, concat_rows, split_rows, with_capacity
 from kvpass.kernels import decode_attention_reference, merge_entries_reference
 from kvpass.policies.chelsea import Chelsea, best_edges

@@ -235,15 +235,12 @@ def test_shipped_smollm2_calibration_on_the_real_model(smollm2):
     """kvpass/calibrations/smollm2.json (written by `kvpass calibrate`) fits SmolLM2; its heads stay
     full and the cache is no larger than the uncalibrated one at the same budget."""
     from kvpass.prompts import chat_ids, needle_prompt
-    from kvpass.rewrites import insert_compressed_cache
-    from kvpass.runtime import KVPassModel
 
     model, tokenizer = smollm2
     ids = torch.tensor([chat_ids(tokenizer, needle_prompt(tokenizer, 1500, 0.5, seed=1).messages())])
     km = kvpass.apply(model, policy="chelsea", budget=0.2, calibration="smollm2")
     km.generate(ids, max_new_tokens=4, do_sample=False)
-    nominal = KVPassModel(model, Chelsea(), 0.2, km.captured, insert_compressed_cache(km.captured.gm,
-                                                                                    list(km.graphs.sites), Chelsea()))
+    nominal = kvpass.apply(model, Chelsea(), 0.2, captured=km.captured)
     nominal.generate(ids, max_new_tokens=4, do_sample=False)
     got, ref = km.last_report, nominal.last_report
     cal = load_calibration("smollm2")

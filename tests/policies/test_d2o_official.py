@@ -30,10 +30,10 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
+import kvpass
 from kvpass.cache import LayerCache, with_capacity
 from kvpass.policies.d2o import D2O, TAU
-from kvpass.rewrites import capture_causal_lm, insert_compressed_cache, match_attention
-from kvpass.runtime import KVPassModel
+from kvpass.rewrites import capture_model
 from tests.policies.policy_helpers import by_position, random_cache
 
 BETA = 0.7          # the current step's weight (the code's belta; alpha = 1 - beta)
@@ -161,8 +161,8 @@ def _tiny_llama():
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                                       initializer_range=0.1, attn_implementation="eager")
     model = AutoModelForCausalLM.from_config(config).eval()
-    captured = capture_causal_lm(model)
-    return model, captured, match_attention(captured, model.config)
+    captured = capture_model(model)
+    return model, captured, list(captured.sites)
 
 
 def test_first_decode_step_compression_equals_the_released_code_on_a_tiny_llama() -> None:
@@ -170,10 +170,10 @@ def test_first_decode_step_compression_equals_the_released_code_on_a_tiny_llama(
     its K, V and scores after the first decode step are transformers' (prompt column sums + that step's
     row, per query head), and the compression that follows gives the released code's tokens, K, V and
     threshold in every layer."""
-    model, captured, sites = _tiny_llama()
+    model, captured, _ = _tiny_llama()
     keep, prompt = 12, 40
     policy = _code_policy(first_compression="decode", allocation="uniform")
-    kv_model = KVPassModel(model, policy, keep, captured, insert_compressed_cache(captured.gm, list(sites), policy))
+    kv_model = kvpass.apply(model, policy, keep, captured=captured)
     ids = torch.randint(0, 128, (1, prompt), generator=torch.Generator().manual_seed(3))
     token = torch.tensor([7])
     session = kv_model.start(ids, max_new_tokens=4)

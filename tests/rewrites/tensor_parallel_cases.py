@@ -83,30 +83,19 @@ def run_cases(cases: list[Case], rank: int, world: int) -> dict[str, dict]:
     then the captured graph sharded (the model's parameters become this rank's) and every case again.
     A case with ``via_apply`` in its key goes through ``kvpass.apply(tp=world)`` itself instead."""
     import kvpass
-    from kvpass.policies import get_policy
-    from kvpass.rewrites import (
-        capture_causal_lm,
-        check_sharded_prefill,
-        insert_compressed_cache,
-        logits_width,
-        match_attention,
-        shard_tensor_parallel,
-    )
-    from kvpass.runtime import KVPassModel
+    from kvpass.rewrites import capture_model
+    from kvpass.rewrites.pipeline import shard_captured
     from kvpass.tensor_parallel import resolve_shard
 
     first = cases[0]
     model = tiny(first.arch, first.heads)
-    captured = capture_causal_lm(model)
-    sites = match_attention(captured, model.config)
+    captured = capture_model(model)
     ids = {c.key: torch.randint(1, model.config.vocab_size, (1, c.prompt), generator=torch.Generator().manual_seed(1))
            for c in cases}
     out: dict[str, dict] = {}
     for c in cases:
-        policy = get_policy(c.policy)
         try:                                  # a policy broken in one process has nothing to compare with
-            km = KVPassModel(model, policy, c.kwargs["budget"], captured,
-                             insert_compressed_cache(captured.gm, sites, policy))
+            km = kvpass.apply(model, c.policy, captured=captured, **c.kwargs)
             out[c.key] = {"reference": _generate(km, ids[c.key], c, rank, world, True)}
         except Exception as err:
             out[c.key] = {"reference_error": f"{type(err).__name__}: {err}"}
@@ -115,18 +104,14 @@ def run_cases(cases: list[Case], rank: int, world: int) -> dict[str, dict]:
     for c in via_apply:                       # before sharding this model's parameters
         km = kvpass.apply(tiny(c.arch, c.heads), policy=c.policy, tp=world, **c.kwargs)
         out[c.key]["tp"] = _generate(km, ids[c.key], c, rank, world, False)
-    shard, heads = resolve_shard(world, None, torch.device("cpu"))
-    vocab = logits_width(captured.gm)
-    local = shard_tensor_parallel(captured.gm, sites, shard)
+    shard, _ = resolve_shard(world, None, torch.device("cpu"))
+    sharded = shard_captured(captured, shard)
     for c in cases:
         if c in via_apply:
             continue
-        policy = get_policy(c.policy)
-        graphs = insert_compressed_cache(captured.gm, local, policy)
-        check_sharded_prefill(graphs.prefill, list(graphs.sites), vocab)
-        km = KVPassModel(model, policy, c.kwargs["budget"], captured, graphs, heads=heads)
+        km = kvpass.apply(model, c.policy, tp=world, captured=sharded, **c.kwargs)
         out[c.key]["tp"] = _generate(km, ids[c.key], c, rank, world, False)
-        out[c.key]["tp"]["lm_head_input"] = lm_head_input(graphs.prefill)
+        out[c.key]["tp"]["lm_head_input"] = lm_head_input(km.graphs.prefill)
     return out
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import kvpass
-from kvpass.bench import TINY_LLAMA, build_model
+from benchmarks.bench.models import TINY_LLAMA, build_model
 
 
 def test_no_original_attention_left_and_full_still_matches_transformers():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvpass
-from kvpass.bench import TINY_LLAMA, build_model
+from benchmarks.bench.models import TINY_LLAMA, build_model
 from kvpass.cache import LayerCache, concat_rows, empty_rows, put_rows
 from tests.policies.policy_helpers import random_cache
 

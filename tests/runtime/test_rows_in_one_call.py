@@ -1,6 +1,6 @@
 """Decode-time compression of a layer whose batch rows have budgets of their own (D2O's per-row layer
 budgets) in one call of the policy (``Policy.rows_in_one_call`` / ``compress_rows_into``), in the
-layer's own buffers, instead of one budget at a time in copies (``KVPassModel._compress_rows_into``: eager,
+layer's own buffers, instead of one budget at a time in copies (``kvpass.runtime.layers.compress_rows_into``: eager,
 a host sync a layer, outside the CUDA-graphed step). Same tokens as the per-row path and as each row alone."""
 
 from __future__ import annotations
@@ -8,15 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kvpass.runtime.session as session_steps  # where a decode step calls the per-row path
 from kvpass.policies.d2o import D2O
-from kvpass.runtime import KVPassModel
 from tests.conftest import padded_batch
 from tests.policies.policy_helpers import apply_cached
 from tests.runtime.test_rows_independent import NEW, _greedy
 
 
 def _count(monkeypatch, cls, name: str) -> list[int]:
-    """Calls of ``cls.name`` from now on (the method still runs)."""
+    """Calls of ``cls.name`` (a method, or a module's function) from now on (it still runs)."""
     calls: list[int] = []
     original = getattr(cls, name)
 
@@ -41,7 +41,7 @@ def test_d2o_rows_of_their_own_budgets_compress_in_one_call(monkeypatch, lengths
     session = kv.start(ids, mask, max_new_tokens=NEW)
     compressed = [lay for lay in session.layers if lay.compressible]
     assert all(not lay.one_budget for lay in compressed)       # the case: the rows' budgets differ in every layer
-    per_row = _count(monkeypatch, KVPassModel, "_compress_rows_into")
+    per_row = _count(monkeypatch, session_steps, "compress_rows_into")
     in_one = _count(monkeypatch, D2O, "compress_rows_into")
     tokens, logits = _greedy(kv, ids, mask)
     assert per_row == [] and len(in_one) >= len(compressed) * (NEW - 2)
@@ -63,7 +63,7 @@ def test_interval_above_one_keeps_the_per_row_path(monkeypatch):
     (``D2O.rows_in_one_call`` False), the per-row path, still equal to each row alone."""
     kv = apply_cached("llama", "d2o", 0.4, interval=3)
     ids, mask = padded_batch([40, 23, 31], seed=2)
-    per_row = _count(monkeypatch, KVPassModel, "_compress_rows_into")
+    per_row = _count(monkeypatch, session_steps, "compress_rows_into")
     in_one = _count(monkeypatch, D2O, "compress_rows_into")
     tokens, _ = _greedy(kv, ids, mask)
     assert in_one == [] and per_row

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import torch
 
-import kvpass.runtime as runtime
+import kvpass.runtime.layers as runtime
 from kvpass.cache import LayerCache
-from kvpass.runtime import _Layer, stacked_groups
+from kvpass.runtime import Layer, stacked_groups
 
 
-def layer(budget: int, capacity: int = 16, state: dict | None = None) -> _Layer:
+def layer(budget: int, capacity: int = 16, state: dict | None = None) -> Layer:
     cache = LayerCache.empty(2, 2, capacity, 4, torch.float32, "cpu")
     cache.state = dict(state or {})
-    return _Layer(cache, None, True, budget, capacity)
+    return Layer(cache, None, True, budget, capacity)
 
 
 def names(groups, layers) -> list[list[int]]:

@@ -1,4 +1,4 @@
-"""Tensor-parallel benchmark (``kvpass bench --tp N``, ``benchmarks/tp_gpu.py``): run under
+"""Tensor-parallel benchmark (``benchmarks/tp_gpu.py``, ``kvpass bench --tp N``): run under
 ``torchrun --nproc-per-node N``, one process per GPU (NCCL, ``NCCL_NVLS_ENABLE=0``), or on CPU with gloo
 (``--smoke``: tiny shapes, for tests).
 
@@ -19,7 +19,6 @@ Every timed number is measured here; the floors are computed from measured copy 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
@@ -30,16 +29,9 @@ from pathlib import Path
 
 import torch
 
-from kvpass.bench import (
-    LLAMA_8B,
-    TINY_LLAMA,
-    _stepped_tpot,
-    _timed,
-    build_model,
-    copy_bandwidth,
-    gpu_name,
-    slug,
-)
+from benchmarks.bench.models import LLAMA_8B, TINY_LLAMA, build_model
+from benchmarks.bench.timing import copy_bandwidth, gpu_name, slug, stepped_tpot, timed
+from kvpass.tensor_parallel import init_distributed
 
 LLAMA_70B_LAYER = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
                        num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0,
@@ -49,20 +41,6 @@ SMALL_FP32 = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hi
                   tie_word_embeddings=False, initializer_range=0.1)
 TINY_TP = {**TINY_LLAMA, "num_attention_heads": 4, "num_key_value_heads": 4}
 METHODS = ("full", "streamingllm", "d2o")
-
-
-def init_distributed() -> tuple[int, int, torch.device]:
-    """(rank, world, device) under torchrun: NCCL on CUDA (NVLink multicast off), gloo on CPU."""
-    import torch.distributed as dist
-
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    cuda = torch.cuda.is_available() and os.environ.get("KVPASS_TP_CPU") != "1"
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=30))
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    return dist.get_rank(), dist.get_world_size(), device
 
 
 def _barrier() -> None:
@@ -112,16 +90,16 @@ def _weight_bytes(model) -> int:
 def measure(model, policy: str, budget: float, ids: torch.Tensor, tp: int | None, device: torch.device,
             copy_bw: float, steps: int) -> dict:
     """One policy at one batch: TTFT (median of 2 ``generate(max_new_tokens=1)``, one above batch 1), ms/token from stepped
-    greedy tokens (``kvpass.bench._stepped_tpot``), peak memory, cache bytes and the copy floor."""
+    greedy tokens (``benchmarks.bench.timing.stepped_tpot``), peak memory, cache bytes and the copy floor."""
     import kvpass
 
     kv = kvpass.apply(model, policy=policy, budget=budget, tp=tp)
     kv.prefill_rows = 1
     _peak_reset(device)
-    first = [_timed(device, lambda: kv.generate(ids, max_new_tokens=1)) for _ in range(2 if ids.shape[0] == 1 else 1)]
+    first = [timed(device, lambda: kv.generate(ids, max_new_tokens=1)) for _ in range(2 if ids.shape[0] == 1 else 1)]
     ttft = statistics.median(first)
     report = kv.last_report
-    stepped = _stepped_tpot(kv, ids, device, warm=4, steps=steps)
+    stepped = stepped_tpot(kv, ids, device, warm=4, steps=steps)
     weights = _weight_bytes(model)
     row = {"policy": policy, "tp": tp or 1, "batch": ids.shape[0], "prompt": ids.shape[1], "ttft_s": ttft,
            "tpot_ms": stepped["tpot_ms"], "tokens_per_s": stepped["decode_tokens_per_s"],

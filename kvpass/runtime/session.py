@@ -1,0 +1,364 @@
+"""The decode session: the caches of one batch after prefill, stepped a token at a time (each step's due
+compressions, the decode graph, replayed from a CUDA graph on CUDA), sampled from, and reported on
+(``GenerationReport``); ``stack_sessions`` joins the sessions of groups of rows prefilled apart."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from kvpass.cache import (
+    empty_rows,
+    load_into,
+    put_rows,
+    put_rows_at,
+    take_rows,
+    with_capacity,
+)
+from kvpass.decode_step import fork_side_by_side, join_pending
+from kvpass.rewrites.insert_compressed_cache import DECODE_STATS
+from kvpass.runtime.layers import Layer, RuntimeModel, check_within_budget, compress_rows_into
+from kvpass.sampling import next_token
+
+
+@dataclass
+class GenerationReport:
+    """What the last ``generate`` did. Bytes are real allocations: ``cache_bytes`` is every cache
+    tensor kvpass holds at the end on the model's device (K, V, log-weights, lengths, positions, policy
+    metadata), ``host_bytes`` those a recall policy keeps in host memory (``Policy.host_resident``;
+    0 when the model runs on the CPU, where every tensor counts as device-resident);
+    ``full_cache_bytes`` is what a full cache of the same tokens holds (K and V of every token in
+    every layer, in the model dtype), the number plain transformers would hold. With
+    ``expand_kv_heads`` the cache holds every KV head G = Hq/Hkv times, and ``cache_bytes`` counts every
+    copy while ``full_cache_bytes`` stays the model's own (so ``full`` then reports G times it)."""
+
+    policy: str
+    batch: int
+    prompt_tokens: int
+    new_tokens: int
+    budget_tokens: int
+    layer_budgets: dict[int, int]
+    cache_bytes: int
+    full_cache_bytes: int
+    compressions: int
+    prefill_seconds: float
+    decode_seconds: float
+    entries: dict[int, int] = field(default_factory=dict)   # layer -> live entries (max over rows/compressed heads)
+    host_bytes: int = 0          # cache tensors kept in host memory while the model runs on an accelerator
+    policy_stats: dict[str, float] = field(default_factory=dict)   # Policy.report (e.g. a recall hit rate)
+    full_heads: dict[int, tuple[int, ...]] = field(default_factory=dict)   # layer -> KV heads that keep every token
+    # per batch row: layer -> that row's budget (``layer_budgets`` holds the max over rows, the buffers' size);
+    # each row's are what it gets alone (its own prompt length and, for D2O, its own attention variance)
+    row_layer_budgets: list[dict[int, int]] = field(default_factory=list)
+    # layer -> the most live entries one KV head of it held at any time, prefill included (tracked on the host,
+    # max over rows): the whole prompt for a plain prefill, about budget + chunk with ``prefill_chunk``
+    peak_entries: dict[int, int] = field(default_factory=dict)
+    prefill_chunk: int | None = None    # the chunk length the prompt was prefilled in (None: in one piece)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.batch * self.new_tokens / max(self.prefill_seconds + self.decode_seconds, 1e-9)
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.cache_bytes / max(self.full_cache_bytes, 1)
+
+
+def stack_sessions(groups: Iterable[DecodeSession], batch: int) -> DecodeSession:
+    """Sessions of groups of rows prefilled one after the other (``prefill_rows``), as one batch of ``batch``
+    rows: the first group's caches give the layout of batch-sized buffers (``empty_rows``), and every group's
+    rows are copied in (``put_rows``) before the next group is prefilled, so at most one group's session is
+    alive beside the batch's caches."""
+    out: DecodeSession | None = None
+    pos, logits = [], []
+    start = 0
+    for session in groups:
+        if out is None:
+            layers = [Layer(empty_rows(lay.cache, batch), lay.window, lay.compressible, lay.budget, 0, lay.sliding,
+                             None if lay.full is None else empty_rows(lay.full, batch)) for lay in session.layers]
+            for lay in layers:
+                lay.row_len = []
+            out = DecodeSession(session.owner, layers, session.pos, session.logits, session.budget, 0, 0)
+        for dst, src in zip(out.layers, session.layers, strict=True):
+            for d, c in zip(dst.caches(), src.caches(), strict=True):
+                put_rows(d, c, start)
+            dst.host_len = max(dst.host_len, src.host_len)
+            dst.peak = max(dst.peak, src.peak)
+            dst.row_budgets += src.row_budgets
+            dst.row_caps += src.row_caps
+            dst.row_len += src.row_len
+            dst.row_extra += src.row_extra
+        start += session.batch
+        pos.append(session.pos)
+        logits.append(session.logits)
+        out.prompt_tokens = max(out.prompt_tokens, session.prompt_tokens)
+        out.compressions += session.compressions
+        out.prefill_seconds += session.prefill_seconds
+        out.prefill_chunk = session.prefill_chunk
+        del session                               # its caches go before the next group is prefilled
+    if out is None or start != batch:
+        raise ValueError(f"the groups of rows held {start} rows, not the batch's {batch}")
+    out.pos, out.logits = torch.cat(pos), torch.cat(logits)
+    return out
+
+
+class DecodeSession:
+    """The caches of one batch after prefill, stepped one token at a time.
+
+    ``logits`` [B, V] (fp32) always holds the prediction for the next position; ``step(tokens)``
+    appends tokens [B] at absolute positions ``pos`` [B, 1] and updates it. A layer is compressed
+    before a step whenever its buffer is full (decided from host-side lengths: no device sync)."""
+
+    def __init__(self, owner: RuntimeModel, layers: list[Layer], pos: Tensor, logits: Tensor, budget: int,
+                 prompt_tokens: int, compressions: int) -> None:
+        self.owner, self.policy, self.layers = owner, owner.policy, layers
+        self.pos, self.logits, self.budget = pos, logits, budget
+        self.prompt_tokens, self.compressions = prompt_tokens, compressions
+        self.steps = 0
+        self.prefill_seconds = self.decode_seconds = 0.0
+        self.prefill_chunk: int | None = None         # set by a chunked prefill (kvpass/chunked_prefill.py)
+
+    @property
+    def batch(self) -> int:
+        return self.logits.shape[0]
+
+    @torch.no_grad()
+    def step(self, tokens: Tensor) -> Tensor:
+        """tokens: [B] int64 -> logits [B, V] for the position after them."""
+        start = time.perf_counter()
+        self._deferred_prompt_compression()
+        whole: list[int] = []
+        for i, lay in enumerate(self.layers):
+            rows = lay.due_rows() if lay.compressible and not self._still_wide(lay) else []
+            if not rows:
+                continue
+            if lay.whole(rows) or self._rows_in_one_call(lay):    # the whole layer in its own buffers
+                whole.append(i)
+            else:                                 # some rows, or rows of their own budgets: each as if alone
+                compress_rows_into(self.owner, lay, rows)
+                self.compressions += 1
+        due = tuple(whole)
+        if due and not self.owner.decode_step.graphed(self.logits.device, due):
+            for i in due:                         # eager: compress, check the budget (a sync), then the step
+                lay = self.layers[i]
+                self._compress_layer(lay)
+                lay.set_row_len(self.owner.heads.max(lay.cache.length.amax(-1)).tolist())
+                check_within_budget(self.owner, lay)
+            due_in_step: tuple[int, ...] = ()
+        else:
+            due_in_step = due                     # graphed: compression is part of the replayed step
+        self.logits = self._device_step(tokens, due_in_step)
+        for i in due:
+            # the policy contract: a compressed row holds at most `budget` entries (checked when eager)
+            lay = self.layers[i]
+            lay.set_row_len([min(n, b) for n, b in zip(lay.row_len, lay.row_budgets, strict=True)])
+            self.compressions += 1
+        for lay in self.layers:
+            self._advance_host(lay)
+        self.pos = self.pos + 1
+        self.steps += 1
+        if self.policy.maintenance_due(self.steps):
+            for site, lay in zip(self.owner.graphs.sites, self.layers, strict=True):
+                if not lay.sliding:
+                    load_into(lay.cache, self.policy.maintain(lay.cache, site.layer))
+        self.decode_seconds += time.perf_counter() - start
+        return self.logits
+
+    def _rows_in_one_call(self, lay: Layer) -> bool:
+        """Whether the layer's rows, of budgets of their own, are compressed by one call of the policy
+        (``Policy.rows_in_one_call``: every due row as alone, the others unchanged) rather than one budget at
+        a time in copies (``kvpass.runtime.layers.compress_rows_into``). Makes the per-row budget tensor now, before
+        a CUDA-graphed step could capture it. ``KVPassModel.rows_in_one_call = False`` turns it off (the
+        benchmark's before/after)."""
+        if not (self.owner.rows_in_one_call and not any(lay.row_extra)
+                and self.policy.rows_in_one_call(lay.row_budgets, lay.row_caps)):
+            return False
+        if not lay.one_budget:
+            lay.keep_rows()
+        return True
+
+    def _compress_layer(self, lay: Layer) -> None:
+        """The whole layer in its own buffers: ``compress_rows_into`` at each row's own budget where the rows'
+        budgets or capacities differ and ``_rows_in_one_call``, else ``compress_into`` at the layer's budget.
+        No host sync."""
+        if not lay.one_budget and self._rows_in_one_call(lay):
+            self.policy.compress_rows_into(lay.cache, lay.keep_rows())
+        else:
+            self.policy.compress_into(lay.cache, lay.budget)
+
+    def _still_wide(self, lay: Layer) -> bool:
+        """A layer whose prompt compression ``Policy.prompt_compression_deferred`` put off: its buffers
+        still hold the whole prompt and the first decode step (wider than any row's budget + interval)."""
+        return bool(lay.row_caps) and lay.cache.capacity > max(lay.row_caps)
+
+    def _deferred_prompt_compression(self) -> None:
+        """``Policy.prompt_compression_deferred``: a layer still holding its whole prompt and full after the
+        first decode step is compressed now, eagerly, each row to its own budget (rows of one budget
+        together), into buffers of the rows' largest budget + interval (new addresses: a CUDA-graphed
+        step re-captures)."""
+        if not self.policy.prompt_compression_deferred():
+            return
+        for lay in self.layers:
+            if not (lay.compressible and self._still_wide(lay) and lay.host_len >= lay.cache.capacity):
+                continue
+            groups: dict[int, list[int]] = {}
+            for b, keep in enumerate(lay.row_budgets):
+                groups.setdefault(keep, []).append(b)
+            out = None
+            for keep, rows in groups.items():
+                part = self.policy.compress(take_rows(lay.cache, rows), keep)
+                part = with_capacity(part, max(lay.row_caps), check=False)   # live <= keep <= the capacity
+                out = out if out is not None else empty_rows(part, self.batch)
+                put_rows_at(out, part, rows)
+            lay.cache = out
+            lay.set_row_len(self.owner.heads.max(lay.cache.length.amax(-1)).tolist())
+            check_within_budget(self.owner, lay)
+            self.compressions += 1
+
+    @torch.no_grad()
+    def feed(self, tokens: Tensor) -> Tensor:
+        """Teacher forcing: tokens [B, n] -> [B, n + 1, V], the logits held before the call followed
+        by the logits after each fed token."""
+        out = [self.logits]
+        for i in range(tokens.shape[1]):
+            out.append(self.step(tokens[:, i]))
+        return torch.stack(out, dim=1)
+
+    @torch.no_grad()
+    def sample(self, max_new_tokens: int, eos_ids: Tensor, pad_id: int, streamer=None, output_logits: bool = False,
+               **sampling) -> tuple[Tensor, tuple[Tensor, ...] | None]:
+        """Sample up to ``max_new_tokens`` tokens -> ([B, n] tokens, per-step logits or None)."""
+        unfinished = torch.ones(self.batch, dtype=torch.bool, device=self.logits.device)
+        tokens, step_logits = [], []
+        for i in range(max_new_tokens):
+            if output_logits:
+                step_logits.append(self.logits)
+            tok = self.owner.heads.broadcast(next_token(self.logits, **sampling))   # rank 0's token (tensor parallel)
+            tok = torch.where(unfinished, tok, torch.full_like(tok, pad_id))
+            tokens.append(tok)
+            if streamer is not None:
+                streamer.put(tok.cpu())
+            if len(eos_ids):
+                unfinished &= ~torch.isin(tok, eos_ids)
+                if not bool(unfinished.any()):
+                    break
+            if i < max_new_tokens - 1:
+                self.step(tok)
+        return torch.stack(tokens, dim=1), (tuple(step_logits) if output_logits else None)
+
+    def _decode_inputs(self, lay: Layer, slot: Tensor) -> list[Tensor]:
+        cache = lay.cache
+        if lay.sliding:                           # sliding-window layers always use the dense op
+            return [cache.k, cache.v, cache.log_weight, slot, cache.position]
+        extra = [cache.slot_meta[n] if n in cache.slot_meta else cache.state[n] for n in self.policy.decode_inputs]
+        full = ([] if lay.full is None else
+                [lay.full.k, lay.full.v, lay.full.log_weight, lay.full.length.clone(), lay.full.position])
+        return [cache.k, cache.v, cache.log_weight, slot, cache.position, *extra, *full]
+
+    def _device_step(self, tokens: Tensor, compress: tuple[int, ...] = ()) -> Tensor:
+        """The device work of one step: compression of the layers ``compress`` names, slots, the decode
+        graph (writes K, V, attends), score accumulation, lengths and positions. tokens: [B] -> logits
+        [B, V] fp32. On CUDA it is replayed from a CUDA graph (decode_step.py), one per set of
+        compressed layers: it reads and writes only the layers' cache tensors."""
+        layers, graphs = self.layers, self.owner.graphs
+
+        def step(tokens: Tensor, pos: Tensor) -> tuple[Tensor]:
+            # a compressed layer's slot is its length after compression: written by compress_layers
+            slots = [torch.empty_like(lay.cache.length) if i in compress else self._slot(lay, pos)
+                     for i, lay in enumerate(layers)]
+            self.compress_layers(compress, join=False, slots={i: slots[i] for i in compress})
+            flat = [x for lay, slot in zip(layers, slots, strict=True) for x in self._decode_inputs(lay, slot)]
+            outs = graphs.decode(tokens[:, None], pos, *flat)
+            join_pending()
+            if graphs.decode_scores:              # one multi-tensor launch per statistic, for every layer
+                for stat in sorted(self.policy.stats & DECODE_STATS, key=lambda s: s.value):
+                    metas = [layers[i].cache.slot_meta[stat.value] for i in graphs.decode_scores]
+                    (torch._foreach_add_ if stat.accumulates else torch._foreach_copy_)(metas, list(outs[1:]))
+            self._advance(layers)
+            return (outs[0][:, -1].float(),)
+
+        persistent = [t for lay in layers for c in lay.caches() for t in c.tensors()]
+        if compress:                              # compression moves entries: everything is restored
+            restore = persistent
+        else:                                     # what a plain step advances (K, V: rewritten alike)
+            big = {id(t) for lay in layers for c in lay.caches() for t in (c.k, c.v)}
+            restore = [t for t in persistent if id(t) not in big]
+        return self.owner.decode_step(step, [tokens, self.pos], persistent, restore, variant=compress)[0]
+
+    def compress_layers(self, indices: Sequence[int], join: bool = True, slots: dict[int, Tensor] | None = None) -> None:
+        """Compress the layers ``indices`` in their own buffers (the policy's ``compress_into``, no host
+        sync), then set ``slots[i]`` [B, Hkv] (where given) to layer i's new length. On CUDA the layers run
+        side by side on the decode step's side streams: joined before returning (``run_side_by_side``), or
+        with ``join=False`` left for the decode graph to await layer by layer (``fork_side_by_side``; the
+        step joins what is left after the graph)."""
+        def compress(i: int) -> None:
+            self._compress_layer(self.layers[i])
+            if slots is not None and i in slots:
+                slots[i].copy_(self.layers[i].cache.length)
+
+        calls = [functools.partial(compress, i) for i in indices]
+        if self.owner.heads.world > 1:            # tensor parallel: a policy's collectives run in one order
+            for call in calls:
+                call()
+        elif calls and self.logits.is_cuda and not join:
+            streams = self.owner.decode_step.side_streams(self.logits.device)
+            fork_side_by_side([(self.layers[i].cache.k, c) for i, c in zip(indices, calls, strict=True)], streams)
+        else:
+            self.owner.decode_step.run_all(calls, self.logits.device)
+
+    @staticmethod
+    def _slot(lay: Layer, pos: Tensor) -> Tensor:
+        """Where this step's K, V go: [B, Hkv] int64."""
+        if lay.window is not None:
+            return (pos % lay.window).expand_as(lay.cache.length)
+        return lay.cache.length.clone()
+
+    @staticmethod
+    def _advance(layers: Sequence[Layer]) -> None:
+        """lengths += 1 (a ring's clamped first) after the decode graph wrote the step's entries (and their
+        positions, ``write_kv``): all layers in one multi-tensor launch (at batch 1 the step is launch-bound)."""
+        grown: list[Tensor] = []
+        rings: dict[int, list[Tensor]] = {}
+        for lay in layers:
+            if lay.window is not None:
+                rings.setdefault(lay.window, []).append(lay.cache.length)
+            grown.append(lay.cache.length)
+            if lay.full is not None:            # every token stays
+                grown.append(lay.full.length)
+        for window, lengths in rings.items():
+            torch._foreach_clamp_max_(lengths, window - 1)
+        torch._foreach_add_(grown, 1)
+
+    @staticmethod
+    def _advance_host(lay: Layer) -> None:
+        """The host copy of the step's length change (no device sync)."""
+        lay.host_len = min(lay.host_len + 1, lay.window) if lay.window is not None else lay.host_len + 1
+        lay.row_len = [n + 1 for n in lay.row_len]
+        lay.peak = max(lay.peak, lay.host_len)
+
+    def report(self) -> GenerationReport:
+        """Cache bytes and timings now; ``new_tokens`` counts the positions after the prompt (steps + 1)."""
+        b, layers, new_tokens = self.batch, self.layers, self.steps + 1
+        full = sum(2 * b * s.model_kv_heads * s.head_dim * (self.prompt_tokens + new_tokens) * lay.cache.k.element_size()
+                   for s, lay in zip(self.owner.graphs.sites, layers, strict=True))
+        tensors = [t for lay in layers for c in lay.caches() for t in c.tensors()]
+        on_host = [self.owner.device.type != "cpu" and t.device.type == "cpu" for t in tensors]
+        host = sum(t.numel() * t.element_size() for t, h in zip(tensors, on_host, strict=True) if h)
+        device = sum(t.numel() * t.element_size() for t, h in zip(tensors, on_host, strict=True) if not h)
+        return GenerationReport(
+            policy=self.policy.name, batch=b, prompt_tokens=self.prompt_tokens, new_tokens=new_tokens,
+            budget_tokens=self.budget,
+            layer_budgets={i: lay.budget for i, lay in enumerate(layers) if lay.compressible},
+            cache_bytes=device, full_cache_bytes=full, host_bytes=host,
+            policy_stats=self.policy.report([lay.cache for lay in layers if not lay.sliding]),
+            compressions=self.compressions, prefill_seconds=self.prefill_seconds,
+            decode_seconds=self.decode_seconds, entries={i: lay.host_len for i, lay in enumerate(layers)},
+            full_heads=dict(self.owner.graphs.full_heads),
+            peak_entries={i: lay.peak for i, lay in enumerate(layers)}, prefill_chunk=self.prefill_chunk,
+            row_layer_budgets=[{i: lay.row_budgets[r] for i, lay in enumerate(layers) if lay.compressible}
+                               for r in range(b)])
