@@ -68,7 +68,7 @@ def batches(items: Sequence[SuiteCase], size: int) -> list[list[SuiteCase]]:
 
 def key_of(model: str, cell: Cell, case: SuiteCase, prefill_chunk: int | None = None) -> str:
     """The case's key; a kvpass cell prefilled in chunks (``prefill_chunk``) has its own."""
-    chunked = {"prefill_chunk": prefill_chunk} if prefill_chunk is not None and cell.mode != REFERENCE else {}
+    chunked = {"prefill_chunk": prefill_chunk} if prefill_chunk is not None and cell.policy != REFERENCE else {}
     return case_key(kind=KIND, model=model, policy=cell.policy, budget=cell.budget, mode=cell.mode,
                     family=case.family, length=case.length, seed=case.seed, max_new_tokens=case.max_new_tokens,
                     **chunked)
@@ -94,7 +94,7 @@ def export(model: str, items: Sequence[SuiteCase], path: str | Path) -> Path:
 def _record(loaded: Loaded, cell: Cell, case: SuiteCase, tokens: list[int], size, seconds: float,
             prefill_chunk: int | None = None) -> dict:
     output = loaded.tokenizer.decode(tokens, skip_special_tokens=True).strip()
-    chunked = {"prefill_chunk": prefill_chunk} if prefill_chunk is not None and cell.mode != REFERENCE else {}
+    chunked = {"prefill_chunk": prefill_chunk} if prefill_chunk is not None and cell.policy != REFERENCE else {}
     return {"key": key_of(loaded.name, cell, case, prefill_chunk), "kind": KIND, **case_fields(loaded.name, case),
             **chunked,
             "policy": cell.policy, "budget": cell.budget, "mode": cell.mode,
