@@ -60,7 +60,7 @@ class D2O(Policy):
     Parameters
     ----------
     sinks: first tokens always kept, counted inside N (code: 4).
-    n_m_ratio: important : recent split N:M (paper App. A.3: 3:1).
+    n_m_ratio: important : recent split N:M (paper App. A.3: 3:1); a spec writes it "n:m" (``d2o[n_m_ratio=7:1]``).
     beta: EMA weight of the current step (paper: 0.7).
     d2o_variant: "paper" or "code" token-level merge (§5.6); default "paper".
     allocation: "code" (normalised variance, default), "paper" (raw variance softmax, §5.4 paper form,
@@ -87,6 +87,13 @@ class D2O(Policy):
     merge_into_sinks: False: the sinks never absorb a token; an evicted entry is matched among the other
         kept entries (the merge guard: a sink holds much of every row's attention, so a token averaged into
         it moves the largest logits) [OURS]. Needs budgets above ``sinks``.
+    merge_protect: a fraction in [0, 1): the floor(merge_protect * keep) kept entries with the highest
+        eviction score (ties: the lower slot) never absorb an evicted token; it merges into its most similar
+        unprotected kept entry, or is evicted without trace when none is left (and then does not enter the
+        threshold). 0 (default): every kept entry may absorb, the paper [OURS, the merge guard: on the quality
+        suite the evicted haystack merged into the needle's own entries, which the scores rank highest, and
+        garbled 7-digit answers; docs/merge-diagnosis.md, "Ablation"]. Decode steps then take the pure path
+        (``compress`` and a copy back), not the in-place op.
     merge_bias: True adds log(n) to the attention logit of an entry standing for n tokens (n = 1 + the
         tokens merged into it, recursively; ``LayerCache.log_weight``, as Chelsea's), so merged mass is
         attended in proportion to the tokens it replaced [OURS; the paper attends plainly].
@@ -114,6 +121,7 @@ class D2O(Policy):
     merge: bool = True
     merge_floor: float | None = None
     merge_into_sinks: bool = True
+    merge_protect: float = 0.0
     merge_bias: bool = False
     first_compression: str = "prefill"
     skip_memory: str = "shared"
@@ -121,6 +129,11 @@ class D2O(Policy):
     def __post_init__(self) -> None:
         super().__post_init__()
         require(isinstance(self.sinks, int) and self.sinks >= 0, f"d2o: sinks must be an int >= 0, got {self.sinks!r}")
+        if isinstance(self.n_m_ratio, str):     # a spec's "n:m" (d2o[n_m_ratio=7:1])
+            parts = self.n_m_ratio.split(":")
+            require(len(parts) == 2 and all(x.strip().isdigit() for x in parts),
+                    f"d2o: n_m_ratio must be two ints 'n:m', got {self.n_m_ratio!r}")
+            object.__setattr__(self, "n_m_ratio", (int(parts[0]), int(parts[1])))
         ratio = tuple(self.n_m_ratio)
         require(len(ratio) == 2 and all(isinstance(x, int) and x >= 0 for x in ratio) and sum(ratio) > 0,
                 f"d2o: n_m_ratio must be two ints >= 0, not both 0, got {self.n_m_ratio!r}")
@@ -137,6 +150,9 @@ class D2O(Policy):
         require(self.window_pool in ("avg", "max"), f"d2o: window_pool must be 'avg' or 'max', got {self.window_pool!r}")
         for name in ("merge", "merge_into_sinks", "merge_bias"):
             require(isinstance(getattr(self, name), bool), f"d2o: {name} must be True or False, got {getattr(self, name)!r}")
+        protect = self.merge_protect
+        require(isinstance(protect, (int, float)) and not isinstance(protect, bool) and 0.0 <= protect < 1.0,
+                f"d2o: merge_protect must be a number in [0, 1), got {protect!r}")
         floor = self.merge_floor
         require(floor is None or (isinstance(floor, (int, float)) and not isinstance(floor, bool) and -1.0 <= floor <= 1.0),
                 f"d2o: merge_floor must be None or a number in [-1, 1], got {floor!r}")
@@ -190,6 +206,18 @@ class D2O(Policy):
 
     def _target_from(self, keep: int) -> int:
         return 0 if self.merge_into_sinks else self.split(keep)[0]
+
+    def _protecting(self) -> bool:
+        return self.merge and self.merge_protect > 0
+
+    def _unprotected(self, score: Tensor, live: Tensor, keep: int) -> Tensor:
+        """[B, Hkv, C] bool: the live slots outside the floor(merge_protect * keep) highest ``score`` [B, Hkv, C]
+        of their row (ties: the lower slot first; a stable sort, the same on every device)."""
+        n_protect = int(self.merge_protect * keep)
+        order = torch.sort(score.float().masked_fill(~live, float("-inf")), dim=-1, descending=True, stable=True).indices
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
+                                                .expand_as(order).contiguous())
+        return live & (rank >= n_protect)
 
     # ------------------------------------------------------------------ layer level (§5.4)
     def layer_density(self, caches: list[LayerCache]) -> list[float]:
@@ -266,7 +294,11 @@ class D2O(Policy):
         # nearest live kept key per evicted entry, never the [E, K] similarity matrix on CUDA
         match = torch.ops.kvpass.cosine_match if k_e.is_cuda else cosine_match_reference   # CPU/export: plain torch
         targets = out.live & (torch.arange(out.capacity, device=out.k.device) >= self._target_from(keep))
+        if self._protecting():
+            targets = targets & self._unprotected(self._score(out), out.live, keep)
         nearest, u_star = match(k_e, out.k, targets)                           # [B, Hkv, E]
+        if self._protecting():                  # no unprotected target left: evicted without trace
+            valid = valid & (nearest >= 0)
         nearest = nearest.clamp(min=0)
         u_star = torch.where(valid, u_star, 0.0)
         merged, w_e, w_self = self._threshold_and_merge(out.state, u_star, valid)
@@ -291,7 +323,8 @@ class D2O(Policy):
         position (``pick_one``). Same entries and values as ``compress`` (tested as sets). On CUDA one
         op of three Triton kernels (``torch.ops.kvpass.d2o_evict_one``), elsewhere and under export its
         plain-torch reference. Any other capacity: ``compress`` and a copy back."""
-        if cache.capacity != keep + 1 or self.heads.world > 1:    # tensor parallel: the threshold spans ranks
+        if cache.capacity != keep + 1 or self.heads.world > 1 or self._protecting():
+            # tensor parallel: the threshold spans ranks; merge_protect: the op has no protected targets
             super().compress_into(cache, keep)
             return
         sinks, _, recent = self.split(keep)
@@ -310,8 +343,17 @@ class D2O(Policy):
     def _pick_one(self, cache: LayerCache, keep: int) -> OneEviction:
         """``pick_one`` (§5.5-5.6 for rows of at most keep + 1 entries) on this layer's cache."""
         sinks, _, recent = self.split(keep)
-        return pick_one(cache.k, cache.v, self._score(cache), cache.position, cache.length, keep, sinks, recent,
+        pick = pick_one(cache.k, cache.v, self._score(cache), cache.position, cache.length, keep, sinks, recent,
                         self._target_from(keep))
+        if not self._protecting():
+            return pick
+        # merge_protect: the nearest unprotected kept entry (the protected ones ranked without the evicted slot)
+        j = torch.arange(cache.capacity, device=cache.k.device)
+        others = cache.live & (j != pick.e)
+        targets = self._unprotected(self._score(cache), others, keep) & (j >= self._target_from(keep))
+        nearest, u_star = cosine_match_reference(pick.k_e, cache.k, targets)                 # [B, Hkv, 1]
+        valid = pick.valid & (nearest >= 0)
+        return pick._replace(valid=valid, nearest=nearest.clamp(min=0), u_star=torch.where(valid, u_star, 0.0))
 
     def _compress_one(self, cache: LayerCache, keep: int) -> LayerCache:
         """One-in-one-out (capacity keep + 1) as a pure function: the entry ``_pick_one`` chooses is
