@@ -20,16 +20,75 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
+from kvpass.cache import LayerCache, gather_slots, keep_slots
 from kvpass.eval import suite
 from kvpass.eval.common import load, set_threads
 from kvpass.eval.store import Store
 from kvpass.eval.tasks import single_needle
+from kvpass.kernels.cosine_match import cosine_match_reference
+from kvpass.policies import POLICIES
+from kvpass.policies.d2o import D2O, _sums_into
+from kvpass.policies.selection import kept_slots, ordered_slots, select_kept
+
+
+@dataclass(frozen=True)
+class D2OAblation(D2O):
+    """Ablation-only D2O (registered by this script alone, as ``d2o_ablation``): which part of a prefill merge
+    garbles the needle. ``merge_kv``: "both" (D2O), "keys" (values stay the kept entry's own) or "values" (keys
+    stay); ``weighting="score"``: the merged entry is the eviction-score-weighted mean of the kept entry and the
+    tokens merged into it, (s_j x_j + sum_e s_e x_e) / (s_j + sum_e s_e) (each s + 1e-6), instead of the
+    paper's exp(cos) weights. Which tokens merge where (nearest kept key, EMA threshold, guards) is D2O's. Only
+    the general (prefill) path changes, so run these with ``interval`` >= the answer length (no decode-time
+    compression). The general path of ``D2O._compress_general`` restated with those two changes."""
+
+    name: ClassVar[str] = "d2o_ablation"
+    merge_kv: str = "both"
+    weighting: str = "paper"
+
+    def _compress_general(self, cache: LayerCache, keep: int, sinks: int, recent: int) -> LayerCache:
+        score = self._score(cache).float()
+        kept = select_kept(self._score(cache), cache.length, keep, sinks, recent)
+        out = keep_slots(cache, kept_slots(kept, keep))
+        n_evicted = cache.capacity - out.capacity
+        if n_evicted <= 0:
+            return out
+        evicted = cache.live & ~kept
+        e_idx = ordered_slots(evicted, n_evicted)                                  # [B, Hkv, E]
+        valid = torch.gather(evicted, 2, e_idx)
+        k_e, v_e = gather_slots(cache.k, e_idx), gather_slots(cache.v, e_idx)
+        targets = out.live & (torch.arange(out.capacity) >= self._target_from(keep))
+        if self._protecting():
+            targets = targets & self._unprotected(self._score(out), out.live, keep)
+        nearest, u_star = cosine_match_reference(k_e, out.k, targets)
+        valid = valid & (nearest >= 0)
+        nearest, u_star = nearest.clamp(min=0), torch.where(valid, u_star, 0.0)
+        merged, w_e, w_self = self._threshold_and_merge(out.state, u_star, valid)
+        if self.weighting == "score":
+            w_e = torch.where(merged, torch.gather(score, 2, e_idx) + 1e-6, 0.0)
+            w_self = self._score(out).float()[..., None] + 1e-6                    # [B, Hkv, K, 1]
+        count, w_sum, (k_acc, v_acc) = _sums_into(nearest, merged.float(), w_e, (k_e, v_e),
+                                                  (w_self * out.k.float(), w_self * out.v.float()))
+        if self.weighting == "score":
+            norm = w_self[..., 0] + w_sum
+        else:
+            norm = w_self + (w_sum if self.d2o_variant == "paper" else count)
+        target = (count > 0)[..., None]
+        for name, acc in (("k", k_acc), ("v", v_acc)):
+            if (name, self.merge_kv) in (("k", "values"), ("v", "keys")):
+                continue
+            base = getattr(out, name)
+            setattr(out, name, torch.where(target, (acc / norm[..., None]).to(base.dtype), base))
+        return out
+
+
+POLICIES.setdefault(D2OAblation.name, D2OAblation)
 
 W31 = "scores=window,window_kernel=31"
 # label -> policy spec. One factor changed at a time from ``d2o-w31`` (the leaderboard's best D2O row).
@@ -45,6 +104,16 @@ VARIANTS: dict[str, str] = {
     "d2o-w31-interval16": f"d2o[{W31},interval=16]",                         # (c) decode eviction
     "d2o-w31-nomerge": f"d2o[{W31},merge=false]",                            # (d) the merge
     "d2o-w31-guard-bias": f"d2o[{W31},merge_floor=0.5,merge_into_sinks=false,merge_bias=true]",
+    "d2o-w31-protect25": f"d2o[{W31},merge_protect=0.25]",                    # the guard this ablation led to
+    "d2o-w31-protect50": f"d2o[{W31},merge_protect=0.5]",
+    "d2o-w31-protect75": f"d2o[{W31},merge_protect=0.75]",
+    "d2o-nomerge": "d2o[merge=false]",
+    "d2o-protect50": "d2o[merge_protect=0.5]",
+    # ablation-only (D2OAblation above; no decode-time compression within the 12 answer tokens)
+    "abl-interval16": f"d2o_ablation[{W31},interval=16]",
+    "abl-keys-only": f"d2o_ablation[{W31},interval=16,merge_kv=keys]",
+    "abl-values-only": f"d2o_ablation[{W31},interval=16,merge_kv=values]",
+    "abl-score-weighted": f"d2o_ablation[{W31},interval=16,weighting=score]",
     "ems": "ems",
     "ems-window": "ems[scores=window]",                                      # (e) EMS
     "ems-window-k31": "ems[scores=window,pool_kernel=31]",
@@ -104,6 +173,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--store", required=True, help="the resumable per-case JSON (kvpass.eval.store)")
     p.add_argument("--json", help="the summary JSON")
+    p.add_argument("--report-only", action="store_true", help="run nothing: summarise what the store holds")
     args = p.parse_args()
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
@@ -114,8 +184,9 @@ def main() -> None:
     specs = [VARIANTS[v] for v in args.variants]
     store = Store(args.store)
     t0 = time.monotonic()
-    suite.run(loaded, items, suite.cells(specs, args.budgets, ["query_aware"], reference=False), store,
-              batch=args.batch, desc="merge-ablation")
+    if not args.report_only:
+        suite.run(loaded, items, suite.cells(specs, args.budgets, ["query_aware"], reference=False), store,
+                  batch=args.batch, desc="merge-ablation")
     seconds = time.monotonic() - t0
     idents = {c.ident for c in items}
     records = [r for r in store.cases.values() if r.get("kind") == suite.KIND and r["mode"] == "query_aware"
@@ -127,7 +198,7 @@ def main() -> None:
     if args.json:
         out = {"command": "python benchmarks/merge_ablation.py " + " ".join(
                    f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                   for k, v in vars(args).items() if k not in ("json", "store")),
+                   for k, v in vars(args).items() if k not in ("json", "store", "report_only")),
                "model": args.model, "device": args.device, "host": platform.machine(), "torch": torch.__version__,
                "date": time.strftime("%Y-%m-%d"), "mode": "query_aware", "family": "single_needle",
                "seeds": {str(n): sorted(c.seed for c in items if c.length == n) for n in args.lengths},
@@ -138,5 +209,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    random.seed(0)
     main()
