@@ -42,18 +42,16 @@ from kvpass.policies.selection import kept_slots, ordered_slots, select_kept
 class D2OAblation(D2O):
     """Ablation-only D2O (registered by this script alone, as ``d2o_ablation``): which part of a prefill merge
     garbles the needle. ``merge_kv``: "both" (D2O), "keys" (values stay the kept entry's own) or "values" (keys
-    stay); ``weighting="score"``: the merged entry is the eviction-score-weighted mean of the kept entry and the
-    tokens merged into it, (s_j x_j + sum_e s_e x_e) / (s_j + sum_e s_e) (each s + 1e-6), instead of the
-    paper's exp(cos) weights. Which tokens merge where (nearest kept key, EMA threshold, guards) is D2O's. Only
+    stay); ``recent_absorbs=False``: the recent window (the newest ``recent`` positions of the
+    row) is no merge target. Which tokens merge where (nearest kept key, EMA threshold, guards) is D2O's. Only
     the general (prefill) path changes, so run these with ``interval`` >= the answer length (no decode-time
     compression). The general path of ``D2O._compress_general`` restated with those two changes."""
 
     name: ClassVar[str] = "d2o_ablation"
     merge_kv: str = "both"
-    weighting: str = "paper"
+    recent_absorbs: bool = True
 
     def _compress_general(self, cache: LayerCache, keep: int, sinks: int, recent: int) -> LayerCache:
-        score = self._score(cache).float()
         kept = select_kept(self._score(cache), cache.length, keep, sinks, recent)
         out = keep_slots(cache, kept_slots(kept, keep))
         n_evicted = cache.capacity - out.capacity
@@ -66,19 +64,16 @@ class D2OAblation(D2O):
         targets = out.live & (torch.arange(out.capacity) >= self._target_from(keep))
         if self._protecting():
             targets = targets & self._unprotected(self._score(out), out.live, keep)
+        if not self.recent_absorbs:
+            newest = out.position.max(-1, keepdim=True).values
+            targets = targets & (out.position <= newest - recent)
         nearest, u_star = cosine_match_reference(k_e, out.k, targets)
         valid = valid & (nearest >= 0)
         nearest, u_star = nearest.clamp(min=0), torch.where(valid, u_star, 0.0)
         merged, w_e, w_self = self._threshold_and_merge(out.state, u_star, valid)
-        if self.weighting == "score":
-            w_e = torch.where(merged, torch.gather(score, 2, e_idx) + 1e-6, 0.0)
-            w_self = self._score(out).float()[..., None] + 1e-6                    # [B, Hkv, K, 1]
         count, w_sum, (k_acc, v_acc) = _sums_into(nearest, merged.float(), w_e, (k_e, v_e),
                                                   (w_self * out.k.float(), w_self * out.v.float()))
-        if self.weighting == "score":
-            norm = w_self[..., 0] + w_sum
-        else:
-            norm = w_self + (w_sum if self.d2o_variant == "paper" else count)
+        norm = w_self + (w_sum if self.d2o_variant == "paper" else count)
         target = (count > 0)[..., None]
         for name, acc in (("k", k_acc), ("v", v_acc)):
             if (name, self.merge_kv) in (("k", "values"), ("v", "keys")):
@@ -107,13 +102,21 @@ VARIANTS: dict[str, str] = {
     "d2o-w31-protect25": f"d2o[{W31},merge_protect=0.25]",                    # the guard this ablation led to
     "d2o-w31-protect50": f"d2o[{W31},merge_protect=0.5]",
     "d2o-w31-protect75": f"d2o[{W31},merge_protect=0.75]",
+    "d2o-w31-protect90": f"d2o[{W31},merge_protect=0.9]",
+    "d2o-w31-protect50-floor80": f"d2o[{W31},merge_protect=0.5,merge_floor=0.8]",
+    "d2o-w31-protect50-floor90": f"d2o[{W31},merge_protect=0.5,merge_floor=0.9]",
+    "d2o-w31-protect50-uniform": f"d2o[{W31},merge_protect=0.5,allocation=uniform]",
+    "d2o-w31-score": f"d2o[{W31},merge_weighting=score]",
+    "d2o-w31-score-protect50": f"d2o[{W31},merge_weighting=score,merge_protect=0.5]",
     "d2o-nomerge": "d2o[merge=false]",
+    "d2o-score": "d2o[merge_weighting=score]",
     "d2o-protect50": "d2o[merge_protect=0.5]",
     # ablation-only (D2OAblation above; no decode-time compression within the 12 answer tokens)
     "abl-interval16": f"d2o_ablation[{W31},interval=16]",
     "abl-keys-only": f"d2o_ablation[{W31},interval=16,merge_kv=keys]",
     "abl-values-only": f"d2o_ablation[{W31},interval=16,merge_kv=values]",
-    "abl-score-weighted": f"d2o_ablation[{W31},interval=16,weighting=score]",
+    "abl-norecent": f"d2o_ablation[{W31},interval=16,recent_absorbs=false]",
+    "abl-norecent-protect50": f"d2o_ablation[{W31},interval=16,recent_absorbs=false,merge_protect=0.5]",
     "ems": "ems",
     "ems-window": "ems[scores=window]",                                      # (e) EMS
     "ems-window-k31": "ems[scores=window,pool_kernel=31]",

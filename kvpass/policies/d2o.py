@@ -27,6 +27,7 @@ from kvpass.policies.base import Policy, Stat, require
 from kvpass.policies.selection import kept_slots, ordered_slots, select_kept
 
 TAU, TAU_SET = "d2o_tau", "d2o_tau_set"     # LayerCache.state: EMA threshold [B] fp32, initialised [B] bool
+SCORE_EPS = 1e-6                             # merge_weighting="score": added to every weight (zero scores average)
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,12 @@ class D2O(Policy):
         suite the evicted haystack merged into the needle's own entries, which the scores rank highest, and
         garbled 7-digit answers; docs/merge-diagnosis.md, "Ablation"]. Decode steps then take the pure path
         (``compress`` and a copy back), not the in-place op.
+    merge_weighting: "similarity" (default: the variant's weights, exp(u) against e for "paper", u against 1
+        for "code") or "score": a kept entry j and the evicted entries E_j merged into it are averaged with their
+        eviction scores as weights, x_j <- (s_j x_j + sum_e s_e x_e) / (s_j + sum_e s_e) (each s + 1e-6), for
+        keys and values; which entries merge is decided as before. An evicted token, ranked low, then moves
+        a high-ranked entry little [OURS: the attention-mass-weighted mean; docs/merge-diagnosis.md,
+        "Ablation"]. Decode steps take the pure path, as with merge_protect.
     merge_bias: True adds log(n) to the attention logit of an entry standing for n tokens (n = 1 + the
         tokens merged into it, recursively; ``LayerCache.log_weight``, as Chelsea's), so merged mass is
         attended in proportion to the tokens it replaced [OURS; the paper attends plainly].
@@ -122,6 +129,7 @@ class D2O(Policy):
     merge_floor: float | None = None
     merge_into_sinks: bool = True
     merge_protect: float = 0.0
+    merge_weighting: str = "similarity"
     merge_bias: bool = False
     first_compression: str = "prefill"
     skip_memory: str = "shared"
@@ -153,6 +161,8 @@ class D2O(Policy):
         protect = self.merge_protect
         require(isinstance(protect, (int, float)) and not isinstance(protect, bool) and 0.0 <= protect < 1.0,
                 f"d2o: merge_protect must be a number in [0, 1), got {protect!r}")
+        require(self.merge_weighting in ("similarity", "score"),
+                f"d2o: merge_weighting must be 'similarity' or 'score', got {self.merge_weighting!r}")
         floor = self.merge_floor
         require(floor is None or (isinstance(floor, (int, float)) and not isinstance(floor, bool) and -1.0 <= floor <= 1.0),
                 f"d2o: merge_floor must be None or a number in [-1, 1], got {floor!r}")
@@ -209,6 +219,10 @@ class D2O(Policy):
 
     def _protecting(self) -> bool:
         return self.merge and self.merge_protect > 0
+
+    def _in_place_op_applies(self) -> bool:
+        """The decode op ``kvpass::d2o_evict_one`` has neither protected targets nor score weights."""
+        return not self._protecting() and self.merge_weighting == "similarity"
 
     def _unprotected(self, score: Tensor, live: Tensor, keep: int) -> Tensor:
         """[B, Hkv, C] bool: the live slots outside the floor(merge_protect * keep) highest ``score`` [B, Hkv, C]
@@ -302,13 +316,19 @@ class D2O(Policy):
         nearest = nearest.clamp(min=0)
         u_star = torch.where(valid, u_star, 0.0)
         merged, w_e, w_self = self._threshold_and_merge(out.state, u_star, valid)
+        if self.merge_weighting == "score":     # [OURS] w_self per kept entry [B, Hkv, K, 1]
+            w_e = torch.where(merged, torch.gather(self._score(cache).float(), 2, e_idx) + SCORE_EPS, 0.0)
+            w_self = self._score(out).float()[..., None] + SCORE_EPS
         if self.merge_bias:                     # sizes add: log_weight = log(sum of the members' sizes)
             size_e = torch.where(merged, torch.gather(cache.log_weight, 2, e_idx).exp(), 0.0)
             size = out.log_weight.exp().scatter_add(2, nearest, size_e)
             out.log_weight = torch.where(out.live, size.log(), out.log_weight)
         count, w_sum, (k_acc, v_acc) = _sums_into(nearest, merged.float(), w_e, (k_e, v_e),
                                                   (w_self * out.k.float(), w_self * out.v.float()))
-        norm = w_self + (w_sum if self.d2o_variant == "paper" else count)      # [B, Hkv, K]
+        if self.merge_weighting == "score":
+            norm = w_self[..., 0] + w_sum
+        else:
+            norm = w_self + (w_sum if self.d2o_variant == "paper" else count)  # [B, Hkv, K]
         target = (count > 0)[..., None]                                        # entries something merged into
         for name, acc in (("k", k_acc), ("v", v_acc)):
             base = getattr(out, name)
@@ -323,8 +343,8 @@ class D2O(Policy):
         position (``pick_one``). Same entries and values as ``compress`` (tested as sets). On CUDA one
         op of three Triton kernels (``torch.ops.kvpass.d2o_evict_one``), elsewhere and under export its
         plain-torch reference. Any other capacity: ``compress`` and a copy back."""
-        if cache.capacity != keep + 1 or self.heads.world > 1 or self._protecting():
-            # tensor parallel: the threshold spans ranks; merge_protect: the op has no protected targets
+        if cache.capacity != keep + 1 or self.heads.world > 1 or not self._in_place_op_applies():
+            # tensor parallel: the threshold spans ranks
             super().compress_into(cache, keep)
             return
         sinks, _, recent = self.split(keep)
@@ -368,10 +388,20 @@ class D2O(Policy):
         out = keep_slots(cache, j[:keep] + (j[:keep] >= e))
         merged, w_e, w_self = self._threshold_and_merge(out.state, pick.u_star, pick.valid)
         target = pick.nearest - (pick.nearest > e).long()                      # [B, Hkv, 1] in the output's slots
+        if self.merge_weighting == "score":     # [OURS] the weights are the two entries' scores
+            score = self._score(cache).float()
+            w_e = torch.where(merged, torch.gather(score, 2, e) + SCORE_EPS, 0.0)
+            w_into = torch.gather(score, 2, pick.nearest) + SCORE_EPS
+
+            def rows(into: Tensor, src: Tensor) -> Tensor:
+                new = (w_into[..., None] * into.float() + w_e[..., None] * src.float()) / (w_into + w_e)[..., None]
+                return torch.where(merged[..., None], new.to(into.dtype), into)
+        else:
+            def rows(into: Tensor, src: Tensor) -> Tensor:
+                return _merged_rows(into, src, merged, w_e, w_self, self.d2o_variant)
         for name, s_e in (("k", pick.k_e), ("v", pick.v_e)):
             base = getattr(out, name)
-            put_slots(base, target, _merged_rows(gather_slots(base, target), s_e, merged, w_e, w_self,
-                                                 self.d2o_variant))
+            put_slots(base, target, rows(gather_slots(base, target), s_e))
         if self.merge_bias:
             into, src = torch.gather(out.log_weight, 2, target), torch.gather(cache.log_weight, 2, e)
             out.log_weight = out.log_weight.scatter(2, target, torch.where(merged, merged_log_weight(into, src), into))

@@ -24,6 +24,9 @@ OPTIONS = {
     "bias": dict(merge_bias=True),
     "protect": dict(merge_protect=0.5),
     "protect-most": dict(merge_protect=0.9, merge_into_sinks=False),      # some evictions find no target
+    "score-weights": dict(merge_weighting="score"),
+    "score-protect": dict(scores="window", merge_weighting="score", merge_protect=0.5, merge_bias=True),
+    "score-window": dict(scores="window", merge_weighting="score"),
     "all": dict(scores="window", merge_floor=0.1, merge_into_sinks=False, merge_bias=True),
     "all-protect": dict(scores="window", merge_floor=0.1, merge_into_sinks=False, merge_bias=True, merge_protect=0.3),
 }
@@ -34,7 +37,8 @@ def reference(cache: LayerCache, keep: int, policy: D2O, tau_prev: list[float | 
     turns them into col_sum, else col_sum),
     keep sinks + recent + top; the nearest kept key by cosine among the allowed targets (not the sinks when
     merge_into_sinks is False) and outside the floor(merge_protect * keep) kept entries of highest score (an
-    evicted entry with no such target is dropped and skips tau); EMA tau; merge where the variant's decision, merge and the floor allow;
+    evicted entry with no such target is dropped and skips tau); EMA tau; the variant's weights or, with
+    merge_weighting="score", the ranking scores (+ 1e-6); merge where the variant's decision, merge and the floor allow;
     log-size bias. Returns ({(b, g): (positions, k, v, log_weight)}, taus)."""
     sinks, _, recent = policy.split(keep)
     score_name = "window_scores" if policy.scores == "window" and "window_scores" in cache.slot_meta else "col_sum"
@@ -87,7 +91,13 @@ def reference(cache: LayerCache, keep: int, policy: D2O, tau_prev: list[float | 
                         decided = sum(same_rank) / len(same_rank) >= tau
                     if decided and policy.merge and u >= floor:
                         into.append((i, u))
-                if policy.d2o_variant == "paper":
+                if policy.merge_weighting == "score":
+                    head_score = cache.slot_meta[score_name][b, g].double().tolist()
+                    w = {i: head_score[i] + 1e-6 for i, _ in into + [(j, 0.0)]}
+                    z = sum(w.values())
+                    rows_k.append(sum(w[i] * k[i] for i in w) / z)
+                    rows_v.append(sum(w[i] * v[i] for i in w) / z)
+                elif policy.d2o_variant == "paper":
                     z = math.e + sum(math.exp(u) for _, u in into)
                     rows_k.append((math.e * k[j] + sum(math.exp(u) * k[i] for i, u in into)) / z)
                     rows_v.append((math.e * v[j] + sum(math.exp(u) * v[i] for i, u in into)) / z)
@@ -211,6 +221,7 @@ def test_merge_protect_keeps_the_top_scores_untouched() -> None:
     (dict(window_pool="median"), "window_pool"),
     (dict(merge_protect=1.0), "merge_protect"), (dict(merge_protect=-0.1), "merge_protect"),
     (dict(merge_protect="half"), "merge_protect"), (dict(merge_protect=True), "merge_protect"),
+    (dict(merge_weighting="attention"), "merge_weighting"),
     (dict(n_m_ratio="3-1"), "n_m_ratio"), (dict(n_m_ratio="a:1"), "n_m_ratio"),
 ])
 def test_bad_options_raise(kwargs: dict, name: str) -> None:
@@ -237,6 +248,7 @@ def test_window_scores_are_asked_for_with_the_options() -> None:
                                     dict(first_compression="decode"),
                                     dict(merge_bias=True, merge_into_sinks=False, merge_floor=0.3),
                                     dict(scores="window", window_kernel=5, merge_protect=0.5),
+                                    dict(scores="window", merge_weighting="score", d2o_variant="code"),
                                     dict(first_compression="decode", scores="window", d2o_variant="code",
                                          expand_kv_heads=True)])
 def test_options_generate_within_the_budget(kwargs: dict, prompt_ids: torch.Tensor) -> None:
