@@ -29,6 +29,7 @@ from kvpass.policies.base import Policy, Stat, require
 from kvpass.policies.selection import kept_slots, ordered_slots, select_kept
 
 TAU, TAU_SET = "d2o_tau", "d2o_tau_set"     # LayerCache.state: EMA threshold [B] fp32, initialised [B] bool
+SCORE_EPS = 1e-6                             # merge_weighting="score": added to every weight (zero scores average)
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class D2O(Policy):
     Parameters
     ----------
     sinks: first tokens always kept, counted inside N (code: 4).
-    n_m_ratio: important : recent split N:M (paper App. A.3: 3:1).
+    n_m_ratio: important : recent split N:M (paper App. A.3: 3:1); a spec writes it "n:m" (``d2o[n_m_ratio=7:1]``).
     beta: EMA weight of the current step (paper: 0.7).
     d2o_variant: "paper" or "code" token-level merge (§5.6); default "paper".
     allocation: "code" (normalised variance, default), "paper" (raw variance softmax, §5.4 paper form,
@@ -89,6 +90,19 @@ class D2O(Policy):
     merge_into_sinks: False: the sinks never absorb a token; an evicted entry is matched among the other
         kept entries (the merge guard: a sink holds much of every row's attention, so a token averaged into
         it moves the largest logits) [OURS]. Needs budgets above ``sinks``.
+    merge_protect: a fraction in [0, 1): the floor(merge_protect * keep) kept entries with the highest
+        eviction score (ties: the lower slot) never absorb an evicted token; it merges into its most similar
+        unprotected kept entry, or is evicted without trace when none is left (and then does not enter the
+        threshold). 0 (default): every kept entry may absorb, the paper [OURS, the merge guard: on the quality
+        suite the evicted haystack merged into the needle's own entries, which the scores rank highest, and
+        garbled 7-digit answers; docs/merge-diagnosis.md, "Ablation"]. Decode steps then take the pure path
+        (``compress`` and a copy back), not the in-place op.
+    merge_weighting: "similarity" (default: the variant's weights, exp(u) against e for "paper", u against 1
+        for "code") or "score": a kept entry j and the evicted entries E_j merged into it are averaged with their
+        eviction scores as weights, x_j <- (s_j x_j + sum_e s_e x_e) / (s_j + sum_e s_e) (each s + 1e-6), for
+        keys and values; which entries merge is decided as before. An evicted token, ranked low, then moves
+        a high-ranked entry little [OURS: the attention-mass-weighted mean; docs/merge-diagnosis.md,
+        "Ablation"]. Decode steps take the pure path, as with merge_protect.
     merge_bias: True adds log(n) to the attention logit of an entry standing for n tokens (n = 1 + the
         tokens merged into it, recursively; ``LayerCache.log_weight``, as Chelsea's), so merged mass is
         attended in proportion to the tokens it replaced [OURS; the paper attends plainly].
@@ -116,6 +130,8 @@ class D2O(Policy):
     merge: bool = True
     merge_floor: float | None = None
     merge_into_sinks: bool = True
+    merge_protect: float = 0.0
+    merge_weighting: str = "similarity"
     merge_bias: bool = False
     first_compression: str = "prefill"
     skip_memory: str = "shared"
@@ -123,6 +139,11 @@ class D2O(Policy):
     def __post_init__(self) -> None:
         super().__post_init__()
         require(isinstance(self.sinks, int) and self.sinks >= 0, f"d2o: sinks must be an int >= 0, got {self.sinks!r}")
+        if isinstance(self.n_m_ratio, str):     # a spec's "n:m" (d2o[n_m_ratio=7:1])
+            parts = self.n_m_ratio.split(":")
+            require(len(parts) == 2 and all(x.strip().isdigit() for x in parts),
+                    f"d2o: n_m_ratio must be two ints 'n:m', got {self.n_m_ratio!r}")
+            object.__setattr__(self, "n_m_ratio", (int(parts[0]), int(parts[1])))
         ratio = tuple(self.n_m_ratio)
         require(len(ratio) == 2 and all(isinstance(x, int) and x >= 0 for x in ratio) and sum(ratio) > 0,
                 f"d2o: n_m_ratio must be two ints >= 0, not both 0, got {self.n_m_ratio!r}")
@@ -139,6 +160,11 @@ class D2O(Policy):
         require(self.window_pool in ("avg", "max"), f"d2o: window_pool must be 'avg' or 'max', got {self.window_pool!r}")
         for name in ("merge", "merge_into_sinks", "merge_bias"):
             require(isinstance(getattr(self, name), bool), f"d2o: {name} must be True or False, got {getattr(self, name)!r}")
+        protect = self.merge_protect
+        require(isinstance(protect, (int, float)) and not isinstance(protect, bool) and 0.0 <= protect < 1.0,
+                f"d2o: merge_protect must be a number in [0, 1), got {protect!r}")
+        require(self.merge_weighting in ("similarity", "score"),
+                f"d2o: merge_weighting must be 'similarity' or 'score', got {self.merge_weighting!r}")
         floor = self.merge_floor
         require(floor is None or (isinstance(floor, (int, float)) and not isinstance(floor, bool) and -1.0 <= floor <= 1.0),
                 f"d2o: merge_floor must be None or a number in [-1, 1], got {floor!r}")
@@ -192,6 +218,22 @@ class D2O(Policy):
 
     def _target_from(self, keep: int) -> int:
         return 0 if self.merge_into_sinks else self.split(keep)[0]
+
+    def _protecting(self) -> bool:
+        return self.merge and self.merge_protect > 0
+
+    def _in_place_op_applies(self) -> bool:
+        """The decode op ``kvpass::d2o_evict_one`` has neither protected targets nor score weights."""
+        return not self._protecting() and self.merge_weighting == "similarity"
+
+    def _unprotected(self, score: Tensor, live: Tensor, keep: int) -> Tensor:
+        """[B, Hkv, C] bool: the live slots outside the floor(merge_protect * keep) highest ``score`` [B, Hkv, C]
+        of their row (ties: the lower slot first; a stable sort, the same on every device)."""
+        n_protect = int(self.merge_protect * keep)
+        order = torch.sort(score.float().masked_fill(~live, float("-inf")), dim=-1, descending=True, stable=True).indices
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
+                                                .expand_as(order).contiguous())
+        return live & (rank >= n_protect)
 
     # ------------------------------------------------------------------ layer level (§5.4)
     def layer_density(self, caches: list[LayerCache]) -> list[float]:
@@ -275,17 +317,27 @@ class D2O(Policy):
         # nearest live kept key per evicted entry, never the [E, K] similarity matrix on CUDA
         match = torch.ops.kvpass.cosine_match if k_e.is_cuda else cosine_match_reference   # CPU/export: plain torch
         targets = out.live & (torch.arange(out.capacity, device=out.k.device) >= self._target_from(keep))
+        if self._protecting():
+            targets = targets & self._unprotected(self._score(out), out.live, keep)
         nearest, u_star = match(k_e, out.k, targets)                           # [B, Hkv, E]
+        if self._protecting():                  # no unprotected target left: evicted without trace
+            valid = valid & (nearest >= 0)
         nearest = nearest.clamp(min=0)
         u_star = torch.where(valid, u_star, 0.0)
         merged, w_e, w_self = self._threshold_and_merge(out.state, u_star, valid)
+        if self.merge_weighting == "score":     # [OURS] w_self per kept entry [B, Hkv, K, 1]
+            w_e = torch.where(merged, torch.gather(self._score(cache).float(), 2, e_idx) + SCORE_EPS, 0.0)
+            w_self = self._score(out).float()[..., None] + SCORE_EPS
         if self.merge_bias:                     # sizes add: log_weight = log(sum of the members' sizes)
             size_e = torch.where(merged, torch.gather(cache.log_weight, 2, e_idx).exp(), 0.0)
             size = out.log_weight.exp().scatter_add(2, nearest, size_e)
             out.log_weight = torch.where(out.live, size.log(), out.log_weight)
         count, w_sum, (k_acc, v_acc) = _sums_into(nearest, merged.float(), w_e, (k_e, v_e),
                                                   (w_self * out.k.float(), w_self * out.v.float()))
-        norm = w_self + (w_sum if self.d2o_variant == "paper" else count)      # [B, Hkv, K]
+        if self.merge_weighting == "score":
+            norm = w_self[..., 0] + w_sum
+        else:
+            norm = w_self + (w_sum if self.d2o_variant == "paper" else count)  # [B, Hkv, K]
         target = (count > 0)[..., None]                                        # entries something merged into
         for name, acc in (("k", k_acc), ("v", v_acc)):
             base = getattr(out, name)
@@ -300,7 +352,8 @@ class D2O(Policy):
         position (``pick_one``). Same entries and values as ``compress`` (tested as sets). On CUDA one
         op of three Triton kernels (``torch.ops.kvpass.d2o_evict_one``), elsewhere and under export its
         plain-torch reference. Any other capacity: ``compress`` and a copy back."""
-        if cache.capacity != keep + 1 or self.heads.world > 1:    # tensor parallel: the threshold spans ranks
+        if cache.capacity != keep + 1 or self.heads.world > 1 or not self._in_place_op_applies():
+            # tensor parallel: the threshold spans ranks
             super().compress_into(cache, keep)
             return
         sinks, _, recent = self.split(keep)
@@ -359,8 +412,17 @@ class D2O(Policy):
     def _pick_one(self, cache: LayerCache, keep: int) -> OneEviction:
         """``pick_one`` (§5.5-5.6 for rows of at most keep + 1 entries) on this layer's cache."""
         sinks, _, recent = self.split(keep)
-        return pick_one(cache.k, cache.v, self._score(cache), cache.position, cache.length, keep, sinks, recent,
+        pick = pick_one(cache.k, cache.v, self._score(cache), cache.position, cache.length, keep, sinks, recent,
                         self._target_from(keep))
+        if not self._protecting():
+            return pick
+        # merge_protect: the nearest unprotected kept entry (the protected ones ranked without the evicted slot)
+        j = torch.arange(cache.capacity, device=cache.k.device)
+        others = cache.live & (j != pick.e)
+        targets = self._unprotected(self._score(cache), others, keep) & (j >= self._target_from(keep))
+        nearest, u_star = cosine_match_reference(pick.k_e, cache.k, targets)                 # [B, Hkv, 1]
+        valid = pick.valid & (nearest >= 0)
+        return pick._replace(valid=valid, nearest=nearest.clamp(min=0), u_star=torch.where(valid, u_star, 0.0))
 
     def _compress_one(self, cache: LayerCache, keep: int) -> LayerCache:
         """One-in-one-out (capacity keep + 1) as a pure function: the entry ``_pick_one`` chooses is
@@ -375,10 +437,20 @@ class D2O(Policy):
         out = keep_slots(cache, j[:keep] + (j[:keep] >= e))
         merged, w_e, w_self = self._threshold_and_merge(out.state, pick.u_star, pick.valid)
         target = pick.nearest - (pick.nearest > e).long()                      # [B, Hkv, 1] in the output's slots
+        if self.merge_weighting == "score":     # [OURS] the weights are the two entries' scores
+            score = self._score(cache).float()
+            w_e = torch.where(merged, torch.gather(score, 2, e) + SCORE_EPS, 0.0)
+            w_into = torch.gather(score, 2, pick.nearest) + SCORE_EPS
+
+            def rows(into: Tensor, src: Tensor) -> Tensor:
+                new = (w_into[..., None] * into.float() + w_e[..., None] * src.float()) / (w_into + w_e)[..., None]
+                return torch.where(merged[..., None], new.to(into.dtype), into)
+        else:
+            def rows(into: Tensor, src: Tensor) -> Tensor:
+                return _merged_rows(into, src, merged, w_e, w_self, self.d2o_variant)
         for name, s_e in (("k", pick.k_e), ("v", pick.v_e)):
             base = getattr(out, name)
-            put_slots(base, target, _merged_rows(gather_slots(base, target), s_e, merged, w_e, w_self,
-                                                 self.d2o_variant))
+            put_slots(base, target, rows(gather_slots(base, target), s_e))
         if self.merge_bias:
             into, src = torch.gather(out.log_weight, 2, target), torch.gather(cache.log_weight, 2, e)
             out.log_weight = out.log_weight.scatter(2, target, torch.where(merged, merged_log_weight(into, src), into))

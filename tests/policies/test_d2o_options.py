@@ -22,7 +22,13 @@ OPTIONS = {
     "floor": dict(merge_floor=0.2),
     "no-sinks": dict(merge_into_sinks=False),
     "bias": dict(merge_bias=True),
+    "protect": dict(merge_protect=0.5),
+    "protect-most": dict(merge_protect=0.9, merge_into_sinks=False),      # some evictions find no target
+    "score-weights": dict(merge_weighting="score"),
+    "score-protect": dict(scores="window", merge_weighting="score", merge_protect=0.5, merge_bias=True),
+    "score-window": dict(scores="window", merge_weighting="score"),
     "all": dict(scores="window", merge_floor=0.1, merge_into_sinks=False, merge_bias=True),
+    "all-protect": dict(scores="window", merge_floor=0.1, merge_into_sinks=False, merge_bias=True, merge_protect=0.3),
 }
 
 
@@ -30,12 +36,15 @@ def reference(cache: LayerCache, keep: int, policy: D2O, tau_prev: list[float | 
     """One compression per (row, head) by loops: rank (window scores for scores="window" until ``prepare``
     turns them into col_sum, else col_sum),
     keep sinks + recent + top; the nearest kept key by cosine among the allowed targets (not the sinks when
-    merge_into_sinks is False); EMA tau; merge where the variant's decision, merge and the floor allow;
+    merge_into_sinks is False) and outside the floor(merge_protect * keep) kept entries of highest score (an
+    evicted entry with no such target is dropped and skips tau); EMA tau; the variant's weights or, with
+    merge_weighting="score", the ranking scores (+ 1e-6); merge where the variant's decision, merge and the floor allow;
     log-size bias. Returns ({(b, g): (positions, k, v, log_weight)}, taus)."""
     sinks, _, recent = policy.split(keep)
     score_name = "window_scores" if policy.scores == "window" and "window_scores" in cache.slot_meta else "col_sum"
     floor = -math.inf if policy.merge_floor is None else policy.merge_floor
     first_target = 0 if policy.merge_into_sinks else sinks
+    n_protect = int(policy.merge_protect * keep) if policy.merge else 0
     out, taus = {}, []
     b_rows, hkv = cache.length.shape
     for b in range(b_rows):
@@ -49,9 +58,13 @@ def reference(cache: LayerCache, keep: int, policy: D2O, tau_prev: list[float | 
                 middle = sorted(range(sinks, s - recent), key=lambda j: -score[j])[: keep - sinks - recent]
                 kept = sorted(set(range(sinks)) | set(range(s - recent, s)) | set(middle))
             k = cache.k[b, g].double()
+            rank = sorted(kept, key=lambda j: (-score[j], j))          # the row's positions are its slots here
+            protected = set(rank[:n_protect]) if s > keep else set()
             best = []
             for i in (j for j in range(s) if j not in kept):
-                allowed = [j for j in kept if j >= first_target]
+                allowed = [j for j in kept if j >= first_target and j not in protected]
+                if not allowed:
+                    continue
                 sims = [float(k[i] @ k[j] / (k[i].norm() * k[j].norm())) for j in allowed]
                 x = max(range(len(allowed)), key=lambda a: sims[a])
                 best.append((i, allowed[x], sims[x]))
@@ -78,7 +91,13 @@ def reference(cache: LayerCache, keep: int, policy: D2O, tau_prev: list[float | 
                         decided = sum(same_rank) / len(same_rank) >= tau
                     if decided and policy.merge and u >= floor:
                         into.append((i, u))
-                if policy.d2o_variant == "paper":
+                if policy.merge_weighting == "score":
+                    head_score = cache.slot_meta[score_name][b, g].double().tolist()
+                    w = {i: head_score[i] + 1e-6 for i, _ in into + [(j, 0.0)]}
+                    z = sum(w.values())
+                    rows_k.append(sum(w[i] * k[i] for i in w) / z)
+                    rows_v.append(sum(w[i] * v[i] for i in w) / z)
+                elif policy.d2o_variant == "paper":
                     z = math.e + sum(math.exp(u) for _, u in into)
                     rows_k.append((math.e * k[j] + sum(math.exp(u) * k[i] for i, u in into)) / z)
                     rows_v.append((math.e * v[j] + sum(math.exp(u) * v[i] for i, u in into)) / z)
@@ -115,7 +134,7 @@ def test_options_match_the_reference_over_steps(option: str, variant: str) -> No
     want, taus = reference(cache, keep, policy, [None, None])
     got = policy.compress(cache, keep)
     _check(got, want, "prompt")
-    assert [float(t) for t in got.state[TAU]] == pytest.approx(taus, abs=1e-6)
+    assert [float(t) for t in got.state[TAU]] == pytest.approx(_unset_as_zero(taus), abs=1e-6)
     policy.prepare(got, 0, keep)                                            # scores="window": col_sum := window scores
     assert "window_scores" not in got.slot_meta or policy.scores != "window"
     gen = torch.Generator().manual_seed(1)
@@ -139,7 +158,12 @@ def test_options_match_the_reference_over_steps(option: str, variant: str) -> No
         policy.compress_into(cache, keep)                                 # the in-place op's reference
         _check(cache, step_want, f"step {step} in place")
         _check(pure, step_want, f"step {step} pure")
-        assert [float(t) for t in cache.state[TAU]] == pytest.approx(taus, abs=1e-6)
+        assert [float(t) for t in cache.state[TAU]] == pytest.approx(_unset_as_zero(taus), abs=1e-6)
+
+
+def _unset_as_zero(taus: list[float | None]) -> list[float]:
+    """The reference's taus as the state stores them: a row with no merge candidate yet holds 0."""
+    return [0.0 if t is None else t for t in taus]
 
 
 def _sequence_order(cache: LayerCache) -> LayerCache:
@@ -169,16 +193,45 @@ def test_options_change_what_they_should() -> None:
     assert bool((biased.log_weight[0, :, :keep] > 0).any()) and bool((biased.log_weight[0, :, :keep] >= 0).all())
 
 
+def test_merge_protect_keeps_the_top_scores_untouched() -> None:
+    """merge_protect=0.5: the 8 highest-scoring of 16 kept entries keep their own K, V in every head (the
+    paper merges into some of them on this cache); the others still absorb tokens; the kept set is the same."""
+    cache = random_cache([[40, 40]], 40, d=4, seed=7)
+    keep = 16
+    base, guarded = D2O().compress(cache, keep), D2O(merge_protect=0.5).compress(cache, keep)
+    into_top = 0
+    for g in range(cache.k.shape[1]):
+        pos = torch.tensor(live_positions(guarded, 0, g))           # the general path keeps sequence order
+        assert pos.tolist() == live_positions(base, 0, g) == guarded.position[0, g, :keep].tolist()
+        top = cache.slot_meta["col_sum"][0, g, pos].argsort(descending=True)[:8]
+        rest = torch.tensor([i for i in range(keep) if i not in set(top.tolist())])
+        for name in ("k", "v"):
+            own = getattr(cache, name)[0, g, pos]                    # [keep, D]: each kept entry's own row
+            assert torch.equal(getattr(guarded, name)[0, g, top], own[top])
+        assert not torch.equal(guarded.k[0, g, rest], cache.k[0, g, pos[rest]])
+        into_top += int((base.k[0, g, top] != cache.k[0, g, pos[top]]).any(-1).sum())
+    assert into_top > 0
+
+
 @pytest.mark.parametrize(("kwargs", "name"), [
     (dict(scores="query"), "scores"), (dict(window=0), "window"), (dict(window_kernel=4), "window_kernel"),
     (dict(merge=1), "merge"), (dict(merge_floor=1.5), "merge_floor"), (dict(merge_floor="high"), "merge_floor"),
     (dict(merge_into_sinks=None), "merge_into_sinks"), (dict(merge_bias="yes"), "merge_bias"),
     (dict(first_compression="never"), "first_compression"), (dict(skip_memory="free"), "skip_memory"),
     (dict(window_pool="median"), "window_pool"),
+    (dict(merge_protect=1.0), "merge_protect"), (dict(merge_protect=-0.1), "merge_protect"),
+    (dict(merge_protect="half"), "merge_protect"), (dict(merge_protect=True), "merge_protect"),
+    (dict(merge_weighting="attention"), "merge_weighting"),
+    (dict(n_m_ratio="3-1"), "n_m_ratio"), (dict(n_m_ratio="a:1"), "n_m_ratio"),
 ])
 def test_bad_options_raise(kwargs: dict, name: str) -> None:
     with pytest.raises(ValueError, match=name):
         get_policy("d2o", **kwargs)
+
+
+def test_n_m_ratio_from_a_spec() -> None:
+    assert get_policy("d2o[n_m_ratio=7:1]").n_m_ratio == (7, 1)
+    assert get_policy("d2o[n_m_ratio=7:1]").split(200) == D2O(n_m_ratio=(7, 1)).split(200) == (4, 175, 25)
 
 
 def test_window_scores_are_asked_for_with_the_options() -> None:
@@ -194,6 +247,8 @@ def test_window_scores_are_asked_for_with_the_options() -> None:
 @pytest.mark.parametrize("kwargs", [dict(scores="window"), dict(scores="window", window_kernel=5, window_pool="max"),
                                     dict(first_compression="decode"),
                                     dict(merge_bias=True, merge_into_sinks=False, merge_floor=0.3),
+                                    dict(scores="window", window_kernel=5, merge_protect=0.5),
+                                    dict(scores="window", merge_weighting="score", d2o_variant="code"),
                                     dict(first_compression="decode", scores="window", d2o_variant="code",
                                          expand_kv_heads=True)])
 def test_options_generate_within_the_budget(kwargs: dict, prompt_ids: torch.Tensor) -> None:
