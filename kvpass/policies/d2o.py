@@ -357,17 +357,23 @@ class D2O(Policy):
             super().compress_into(cache, keep)
             return
         sinks, _, recent = self.split(keep)
-        b, device = cache.k.shape[0], cache.k.device
-        for name, dtype in ((TAU, torch.float32), (TAU_SET, torch.bool)):     # the op mutates existing tensors
-            if name not in cache.state:
-                cache.state[name] = torch.zeros(b, dtype=dtype, device=device)
-        score = self._score_name(cache)
+        score, others = self._in_place_inputs(cache)
         step = (torch.ops.kvpass.d2o_evict_one if cache.k.is_cuda and not torch.compiler.is_exporting()
                 else d2o_evict_one_reference)
         step(cache.k, cache.v, cache.slot_meta[score], cache.position, cache.log_weight, cache.length,
-             cache.state[TAU], cache.state[TAU_SET], [t for n, t in cache.slot_meta.items() if n != score],
-             keep, sinks, recent, self.beta, self.d2o_variant, self._min_cos(), self._target_from(keep),
-             self.merge_bias)
+             cache.state[TAU], cache.state[TAU_SET], others, keep, sinks, recent, self.beta, self.d2o_variant,
+             self._min_cos(), self._target_from(keep), self.merge_bias)
+
+    def _in_place_inputs(self, cache: LayerCache) -> tuple[str, list[Tensor]]:
+        """What the in-place one-in-one-out ops need beyond the cache's tensors: the EMA threshold state
+        (TAU, TAU_SET [B], created here where missing: the ops mutate existing tensors), and (the name of the
+        ranked slot metadata, every other slot metadata tensor, which follows the entries' moves)."""
+        b, device = cache.k.shape[0], cache.k.device
+        for name, dtype in ((TAU, torch.float32), (TAU_SET, torch.bool)):
+            if name not in cache.state:
+                cache.state[name] = torch.zeros(b, dtype=dtype, device=device)
+        score = self._score_name(cache)
+        return score, [t for n, t in cache.slot_meta.items() if n != score]
 
     def rows_in_one_call(self, budgets: Sequence[int], capacities: Sequence[int]) -> bool:
         """Rows of their own budgets in one call (``compress_rows_into``) where no row's capacity exceeds its
@@ -395,19 +401,15 @@ class D2O(Policy):
         read the per-row values from the tensors: no compilation per budget), elsewhere its reference."""
         if self.heads.world > 1:
             raise NotImplementedError("d2o: per-row budgets in one call need one process (rows_in_one_call)")
-        b, device = cache.k.shape[0], cache.k.device
-        keep = keep.to(device=device, dtype=torch.long).contiguous()
+        keep = keep.to(device=cache.k.device, dtype=torch.long).contiguous()
         sinks, _, recent = self.split_rows(keep)
         target_from = torch.zeros_like(keep) if self.merge_into_sinks else sinks
-        for name, dtype in ((TAU, torch.float32), (TAU_SET, torch.bool)):     # the op mutates existing tensors
-            if name not in cache.state:
-                cache.state[name] = torch.zeros(b, dtype=dtype, device=device)
-        score = self._score_name(cache)
+        score, others = self._in_place_inputs(cache)
         step = (torch.ops.kvpass.d2o_evict_one_ragged if cache.k.is_cuda and not torch.compiler.is_exporting()
                 else d2o_evict_one_ragged_reference)
         step(cache.k, cache.v, cache.slot_meta[score], cache.position, cache.log_weight, cache.length,
-             cache.state[TAU], cache.state[TAU_SET], [t for n, t in cache.slot_meta.items() if n != score],
-             keep, sinks, recent, target_from, self.beta, self.d2o_variant, self._min_cos(), self.merge_bias)
+             cache.state[TAU], cache.state[TAU_SET], others, keep, sinks, recent, target_from, self.beta,
+             self.d2o_variant, self._min_cos(), self.merge_bias)
 
     def _pick_one(self, cache: LayerCache, keep: int) -> OneEviction:
         """``pick_one`` (§5.5-5.6 for rows of at most keep + 1 entries) on this layer's cache."""
