@@ -164,6 +164,41 @@ def summarise(records: list[dict], labels: dict[str, str], budgets: list[float])
     return rows
 
 
+def count_merges(loaded, items: list, specs: list[str], budgets: list[float], batch: int) -> list[dict]:
+    """Per (D2O spec, budget): evicted and merged (KV head, token) pairs over prefill and decode, counted by
+    wrapping ``D2O._threshold_and_merge`` on a fresh run (a throwaway store, so every case runs)."""
+    import tempfile
+
+    counts: dict[str, list[int]] = {}
+    original = D2O._threshold_and_merge
+
+    def counting(self, state, u_star, valid):
+        merged, w_e, w_self = original(self, state, u_star, valid)
+        got = counts.setdefault(repr(self), [0, 0])
+        got[0] += int(valid.sum())
+        got[1] += int(merged.sum())
+        return merged, w_e, w_self
+
+    from kvpass.policies import policy_from_spec
+
+    d2o_specs = [s for s in specs if isinstance(policy_from_spec(s), D2O)]
+    rows = []
+    D2O._threshold_and_merge = counting
+    try:
+        for budget in budgets:
+            counts.clear()
+            with tempfile.TemporaryDirectory() as tmp:
+                suite.run(loaded, items, suite.cells(d2o_specs, [budget], ["query_aware"], reference=False),
+                          Store(Path(tmp) / "counts.json"), batch=batch, desc=f"merge counts @{budget}")
+            for spec in d2o_specs:
+                evicted, merged = counts.get(repr(policy_from_spec(spec)), [0, 0])
+                rows.append({"spec": spec, "budget": budget, "evicted": evicted, "merged": merged,
+                             "merged_fraction": round(merged / max(evicted, 1), 4)})
+    finally:
+        D2O._threshold_and_merge = original
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
@@ -177,6 +212,10 @@ def main() -> None:
     p.add_argument("--store", required=True, help="the resumable per-case JSON (kvpass.eval.store)")
     p.add_argument("--json", help="the summary JSON")
     p.add_argument("--report-only", action="store_true", help="run nothing: summarise what the store holds")
+    p.add_argument("--count-merges", action="store_true",
+                   help="also run the D2O variants once more on the first --count-cases number cases of the first "
+                        "length, counting evicted and merged (KV head, token) pairs per layer, prefill and decode")
+    p.add_argument("--count-cases", type=int, default=4)
     args = p.parse_args()
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
@@ -198,14 +237,19 @@ def main() -> None:
     for r in rows:
         print(f"{r['variant']:24s} {str(r['budget']):5s} {r['correct']:3d}/{r['cases']:<3d} "
               f"numbers {r['numbers'][0]}/{r['numbers'][1]}  words {r['words'][0]}/{r['words'][1]}")
+    counted = [c for c in items if c.length == args.lengths[0] and is_number(c)][:args.count_cases]
+    merges = count_merges(loaded, counted, specs, args.budgets, args.batch) if args.count_merges else []
+    for m in merges:
+        print(f"{m['spec']} @{m['budget']}: merged {m['merged']} of {m['evicted']} evicted ({m['merged_fraction']:.1%})")
     if args.json:
-        out = {"command": "python benchmarks/merge_ablation.py " + " ".join(
-                   f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                   for k, v in vars(args).items() if k not in ("json", "store", "report_only")),
+        flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {' '.join(map(str, v)) if isinstance(v, list) else v}")
+                 for k, v in vars(args).items() if k not in ("json", "store", "report_only") and v is not False]
+        out = {"command": "python benchmarks/merge_ablation.py " + " ".join(flags),
                "model": args.model, "device": args.device, "host": platform.machine(), "torch": torch.__version__,
                "date": time.strftime("%Y-%m-%d"), "mode": "query_aware", "family": "single_needle",
                "seeds": {str(n): sorted(c.seed for c in items if c.length == n) for n in args.lengths},
-               "run_seconds": round(seconds, 1), "results": rows}
+               "run_seconds": round(seconds, 1), "results": rows,
+               "merge_counts": {"seeds": [c.seed for c in counted] if merges else [], "rows": merges}}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=1), encoding="utf-8")
         print(f"wrote {args.json}")
