@@ -165,8 +165,10 @@ def summarise(records: list[dict], labels: dict[str, str], budgets: list[float])
 
 
 def count_merges(loaded, items: list, specs: list[str], budgets: list[float], batch: int) -> list[dict]:
-    """Per (D2O spec, budget): evicted and merged (KV head, token) pairs over prefill and decode, counted by
-    wrapping ``D2O._threshold_and_merge`` on a fresh run (a throwaway store, so every case runs)."""
+    """Per (D2O spec, budget): evicted and merged (KV head, token) pairs, counted by wrapping
+    ``D2O._threshold_and_merge`` on a fresh run (a throwaway store, so every case runs). That counts the
+    prefill compression and the decode steps of the pure path (merge_protect, merge_weighting="score"); the
+    in-place decode op (every other variant) does not pass through it, so there only the prefill counts."""
     import tempfile
 
     counts: dict[str, list[int]] = {}
