@@ -379,8 +379,9 @@ class D2O(Policy):
         """Rows of their own budgets in one call (``compress_rows_into``) where no row's capacity exceeds its
         budget + 1 (the one-in-one-out step, ``interval`` 1): a row is due exactly when it holds budget + 1
         entries, so compressing every row of the layer at its own budget evicts one entry from each due row
-        and nothing from the others. Not under tensor parallelism (the threshold spans ranks: the general path)."""
-        return self.heads.world == 1 and all(1 <= cap <= keep + 1
+        and nothing from the others. Not under tensor parallelism (the threshold spans ranks: the general path),
+        nor with merge_protect or merge_weighting="score" (the ragged op has neither: each row alone)."""
+        return self.heads.world == 1 and self._in_place_op_applies() and all(1 <= cap <= keep + 1
                                              for keep, cap in zip(budgets, capacities, strict=True))
 
     def split_rows(self, keep: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -76,3 +76,18 @@ def test_d2o_layer_budgets_are_per_row():
         assert [lay.budget for lay in alone.layers if lay.compressible] == per_row[b]
     for lay in compressed:
         assert lay.budget == max(lay.row_budgets) and lay.cache.capacity == lay.budget + 1
+
+
+@pytest.mark.parametrize("options", [dict(merge_protect=0.5), dict(merge_weighting="score")],
+                         ids=["merge_protect", "score-weights"])
+def test_d2o_guarded_merges_decode_each_row_as_alone(options):
+    """D2O's merge_protect and merge_weighting="score" have no in-place decode op: rows of their own layer
+    budgets (padded-fraction: different prompts, different budgets) still decode what they decode alone."""
+    kv = apply_cached("llama", "d2o", 0.4, **options)
+    lengths = [40, 23, 31]
+    ids, mask = padded_batch(lengths, seed=len(lengths) + sum(lengths))
+    tokens, logits = _greedy(kv, ids, mask)
+    for row, n in enumerate(lengths):
+        alone_tokens, alone_logits = _greedy(kv, ids[row:row + 1, ids.shape[1] - n:], None)
+        assert torch.equal(tokens[row:row + 1], alone_tokens), row
+        torch.testing.assert_close(logits[row:row + 1], alone_logits, rtol=1e-4, atol=1e-4)
