@@ -101,6 +101,21 @@ def merge_outcomes(layer: dict[str, torch.Tensor], keep: int, sinks: int, recent
     return int(merged.sum()), int((pick.valid & ~merged).sum())
 
 
+def assert_replay_equals(step, start: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """``step(layer)`` (an in-place op on a dict of CUDA tensors) captured once in a CUDA graph over a copy of
+    ``start`` and replayed from ``start``'s values equals ``want`` exactly (the eager result from ``start``)."""
+    layer = copied(start, "cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(layer)
+    for name, t in layer.items():
+        t.copy_(start[name])
+    graph.replay()
+    torch.cuda.synchronize()
+    for name in want:
+        assert torch.equal(layer[name], want[name]), name
+
+
 def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], msg: str) -> None:
     for name in EXACT:
         assert torch.equal(got[name].cpu(), want[name]), f"{msg}: {name}"
@@ -253,17 +268,7 @@ def test_cuda_op_replays_in_a_cuda_graph() -> None:
     want = copied(layer, "cuda")
     run_step(torch.ops.kvpass.d2o_evict_one, want, 6554, 4, 1638, "paper")
     run_step(torch.ops.kvpass.d2o_evict_one, layer, 6554, 4, 1638, "paper")       # warm-up (compiles)
-    for name, t in layer.items():
-        t.copy_(start[name])
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run_step(torch.ops.kvpass.d2o_evict_one, layer, 6554, 4, 1638, "paper")
-    for name, t in layer.items():
-        t.copy_(start[name])
-    graph.replay()
-    torch.cuda.synchronize()
-    for name in want:
-        assert torch.equal(layer[name], want[name]), name
+    assert_replay_equals(lambda x: run_step(torch.ops.kvpass.d2o_evict_one, x, 6554, 4, 1638, "paper"), start, want)
 
 
 @pytest.mark.gpu

@@ -15,7 +15,13 @@ from kvpass.cache import LayerCache, put_rows_at, take_rows
 from kvpass.kernels.d2o_evict_one import d2o_evict_one_reference
 from kvpass.kernels.d2o_evict_one_ragged import d2o_evict_one_ragged_reference, d2o_evict_one_ragged_triton
 from kvpass.policies.d2o import D2O, TAU, TAU_SET
-from tests.kernels.test_d2o_evict_one import assert_same, copied, decode_write, random_layer
+from tests.kernels.test_d2o_evict_one import (
+    assert_replay_equals,
+    assert_same,
+    copied,
+    decode_write,
+    random_layer,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
@@ -203,14 +209,6 @@ def test_cuda_ragged_op_equals_reference_at_real_shapes(variant: str) -> None:
         cpu = {n: t.cpu() for n, t in want.items()}
         decode_write(cpu, step, gen)
         want = {n: t.cuda() for n, t in cpu.items()}
-    start, layer = copied(want, "cuda"), copied(want, "cuda")
+    start = copied(want, "cuda")
     run_ragged(torch.ops.kvpass.d2o_evict_one_ragged, want, split, variant)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run_ragged(torch.ops.kvpass.d2o_evict_one_ragged, layer, split, variant)
-    for name, t in layer.items():
-        t.copy_(start[name])
-    graph.replay()
-    torch.cuda.synchronize()
-    for name in want:
-        assert torch.equal(layer[name], want[name]), name
+    assert_replay_equals(lambda x: run_ragged(torch.ops.kvpass.d2o_evict_one_ragged, x, split, variant), start, want)
