@@ -11,13 +11,12 @@ over other cases than kvpass's; this table compares like with like.
 from __future__ import annotations
 
 import collections
-import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from kvpass.eval.suite import calibrated_grid  # noqa: E402
+from benchmarks.suite_readme_table import calibrated_cases  # noqa: E402
 
 PAIRS = (("snapkv[kernel=31]", "KVzipPress"), ("snapkv[kernel=31]", "SnapKVPress"), ("snapkv", "SnapKVPress"),
          ("pyramidkv", "PyramidKVPress"), ("adakv", "AdaKVPress(SnapKVPress)"), ("tova", "TOVAPress"),
@@ -26,13 +25,9 @@ PAIRS = (("snapkv[kernel=31]", "KVzipPress"), ("snapkv[kernel=31]", "SnapKVPress
 
 
 def main(model: str = "smollm2", budget: float = 0.2) -> None:
-    cells = set(calibrated_grid(model) or [])
-    results = ROOT / "benchmarks" / "results"
     got: dict[tuple, dict] = collections.defaultdict(dict)
-    for name in (f"quality-suite-{model}-cases.json", f"quality-suite-{model}-peers.json"):
-        for c in json.loads((results / name).read_text())["cases"]:
-            if (c.get("family"), c.get("length")) in cells:
-                got[(c["policy"], c["budget"], c["mode"])][(c["family"], c["length"], c["seed"])] = bool(c["correct"])
+    for c in calibrated_cases(model):
+        got[(c["policy"], c["budget"], c["mode"])][(c["family"], c["length"], c["seed"])] = bool(c["correct"])
     print("| mode | kvpass | kvpress | cases | kvpass | kvpress | only kvpass | only kvpress |")
     print("|---|---|---|---|---|---|---|---|")
     for mode in ("query_aware", "query_agnostic"):

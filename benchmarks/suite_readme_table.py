@@ -14,34 +14,33 @@ from __future__ import annotations
 
 import collections
 import json
-import math
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from kvpass.eval.report import wilson  # noqa: E402
 from kvpass.eval.suite import calibrated_grid  # noqa: E402
 
 FULL_ROW = 300
 MIN_CASES = 50
 
 
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    p, den = k / n, 1 + z * z / n
-    centre, half = (p + z * z / (2 * n)) / den, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
-    return centre - half, centre + half
-
-
-def main(model: str = "smollm2") -> None:
-    cells = {(f, n) for f, n in calibrated_grid(model)}
+def calibrated_cases(model: str) -> list[dict]:
+    """Every stored case (kvpass's and kvpass's peers') of ``model``'s calibrated (family, length) cells."""
+    cells = set(calibrated_grid(model) or [])
     results = ROOT / "benchmarks" / "results"
     cases = []
     for name in (f"quality-suite-{model}-cases.json", f"quality-suite-{model}-peers.json"):
         if (results / name).exists():
             cases += json.loads((results / name).read_text())["cases"]
+    return [c for c in cases if (c.get("family"), c.get("length")) in cells]
+
+
+def main(model: str = "smollm2") -> None:
     acc, ratio = collections.defaultdict(list), collections.defaultdict(list)
-    for c in cases:
-        if (c.get("family"), c.get("length")) not in cells or c.get("mode") == "reference":
+    for c in calibrated_cases(model):
+        if c.get("mode") == "reference":
             continue
         key = (c["policy"], c["budget"], c["mode"])
         acc[key].append(bool(c["correct"]))
