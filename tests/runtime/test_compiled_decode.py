@@ -112,3 +112,26 @@ def test_a_failing_compilation_decodes_eagerly(caplog):
     report = kv.compile_report
     assert not report["compiled"] and "BackendCompilerFailed" in report["failure"]
     assert not kv.last_report.compiled and report["compilations"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["streamingllm", "d2o"])
+def test_cuda_default_compiles_once_and_matches_eager(name):
+    """On CUDA (float32, CUDA-graphed steps) the default is compiled: eager's greedy tokens at three prompt
+    lengths, one compilation in all, the capacity symbolic."""
+    torch.manual_seed(0)
+    model = tiny_model("llama").to("cuda")
+    try:
+        eager = kvpass.apply(model, compile=False, **POLICIES[name])
+        compiled = kvpass.apply(model, **POLICIES[name])
+        assert isinstance(compiled.compiled_decode, CompiledDecode)
+        for n in LENGTHS:
+            ids = _ids(n, seed=n).cuda()
+            want = eager.generate(ids, max_new_tokens=12, eos_token_id=[])
+            assert torch.equal(compiled.generate(ids, max_new_tokens=12, eos_token_id=[]), want), n
+        report = compiled.compile_report
+        assert report["compilations"] == 1 and report["each"][0]["capacity"] == "dynamic"
+        assert compiled.decode_step.captures >= 1
+    finally:
+        model.to("cpu")
