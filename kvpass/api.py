@@ -38,7 +38,7 @@ def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float
     captured: ``kvpass.rewrites.capture_model(model)`` (or ``capture_model(model, shard)``), to share one trace
         between several calls (tracing is most of a rewrite's time: evaluation grids, benchmarks, tests);
         default: traced here. With tp > 1 the capture must be sharded for this rank already.
-    compile: decode with the step's graph compiled by Inductor (``kvpass.compile_backend.CompiledDecode``).
+    compile: decode with the step's graph compiled by Inductor (``kvpass.compiled_decode.CompiledDecode``).
         None (default): on CUDA with one process, else not (the CPU keeps the exact eager graph: ``full`` gives
         transformers' tokens). The cache capacity is a symbol in the compiled graph, so one compilation serves
         every prompt length and layer budget: at most two per model (batch 1, then any larger batch), done on
@@ -79,7 +79,7 @@ def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float
     out.prefill_chunk = prefill_chunk
     enabled = compile if compile is not None else (out.device.type == "cuda" and heads.world == 1)
     if enabled:
-        from kvpass.compile_backend import CompiledDecode
+        from kvpass.compiled_decode import CompiledDecode
 
         out.compiled_decode = CompiledDecode(graphs.decode)
     return out

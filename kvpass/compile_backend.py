@@ -38,25 +38,21 @@ forward with transformers' full cache, and no backend ever sees it. So the work 
 from __future__ import annotations
 
 import logging
-import time
 import weakref
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 from torch.fx import GraphModule
 
 from kvpass.budget import check_budget
+from kvpass.compiled_decode import COMPILE_COUNTS, INDUCTOR_MODES, CompiledDecode, inductor  # noqa: F401 (COMPILE_COUNTS: re-exported)
 from kvpass.policies import DEFAULT_POLICY, get_policy
 from kvpass.rewrites.sym_ops_to_builtins import replace_sym_ops_with_builtins
 
 log = logging.getLogger(__name__)
 BACKEND = "kvpass"
-_INDUCTOR_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-# How many graphs the backend compiled, by kind ("prefill", "decode", "model"): tests read this.
-COMPILE_COUNTS: Counter[str] = Counter()
 # The KVPassModel built for each kvpass-compiled OptimizedModule (nothing is stored on the module itself).
 _MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -96,35 +92,15 @@ class CompileOptions:
             check_budget(opts.budget)
         except (TypeError, ValueError) as err:   # torch.compile reports backend errors as ValueErrors alike
             raise InvalidValue(f"options['budget']: {err}", "options") from err
-        if opts.mode not in _INDUCTOR_MODES:
-            raise refuse("options.value", name="mode", got=opts.mode, allowed=", ".join(_INDUCTOR_MODES))
+        if opts.mode not in INDUCTOR_MODES:
+            raise refuse("options.value", name="mode", got=opts.mode, allowed=", ".join(INDUCTOR_MODES))
         return opts
-
-
-def _kind(gm: GraphModule) -> str:
-    names = {getattr(n.target, "name", lambda: "")() if callable(getattr(n.target, "name", None)) else ""
-             for n in gm.graph.nodes if n.op == "call_function"}
-    if any("kvpass::decode_attention" in n or "kvpass::write_kv" in n for n in names):
-        return "decode"
-    if any(n.startswith("kvpass::") for n in names):
-        return "prefill"
-    return "model"
 
 
 def kvpass_backend(gm: GraphModule, example_inputs: list, options: dict | None = None, **_) -> Callable:
     """Dynamo backend: validate ``options``, then compile ``gm`` with Inductor (see the module docstring)."""
-    from torch._inductor.compile_fx import compile_fx
-
     opts = CompileOptions.parse(options)
-    kind = _kind(gm)
-    COMPILE_COUNTS[kind] += 1
-    log.info("kvpass backend: compiling a %s graph (%d nodes)", kind, len(gm.graph.nodes))
-    patches = {} if opts.mode == "default" else {"max_autotune": "max-autotune" in opts.mode}
-    if hasattr(torch._inductor.config, "emulate_precision_casts"):
-        # fused kernels round intermediates to the model's dtype where eager does (RMSNorm's bf16 cast,
-        # RoPE's products), so compiled decoding follows the eager graph's numerics, not fp32's
-        patches["emulate_precision_casts"] = True
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    return inductor(gm, example_inputs, opts.mode)
 
 
 class GenerateHook:
@@ -228,81 +204,3 @@ def compile_graphs(model, opts: CompileOptions | None = None) -> None:
     model.graphs = replace(graphs, prefill=prefill)
     model.eager_graphs = graphs
     model.compiled_decode = CompiledDecode(graphs.decode, mode)
-
-
-# --------------------------------------------------------------------------------------- the decode step
-@dataclass(frozen=True)
-class Compilation:
-    """One compilation of the decode graph: the batch size it was traced at (``dynamic_batch``: it serves
-    every batch of 2 or more rows), what it cost (``seconds``: the wall time of the call that compiled,
-    Dynamo's trace, AOT, Inductor and the one step it ran) and whether the cache capacity was symbolic in it
-    (``capacity``: "dynamic", or "static" where Dynamo specialised it)."""
-
-    batch: int
-    seconds: float
-    dynamic_batch: bool
-    capacity: str
-
-
-class CompiledDecode:
-    """The decode graph compiled by Inductor once per model, not once per prompt length.
-
-    ``CompiledDecode(decode)(*inputs)`` = ``decode(*inputs)``. The cache's capacity (dimension 2 of every
-    K, V, log-weight, position and slot-metadata input: the layer's budget + interval, which follows the
-    prompt's length) is marked dynamic (``torch._dynamo.maybe_mark_dynamic``) on every call, so Dynamo traces
-    it as a symbol: one graph serves every prompt length and every layer budget (D2O's and PyramidKV's
-    per-layer budgets included: duck shaping is off while it traces, so layers of equal capacities get
-    symbols of their own and later unequal ones do not recompile). Nothing Inductor generates depends on
-    the capacity: it reaches only kvpass's custom ops (``write_kv``, the decode attention), whose kernels take
-    it at run time. The batch size is static at 1 (the common case, specialised) and, from the first batch
-    of 2 or more rows on, dynamic (``dynamic_batch``): at most two compilations per model, whatever the
-    prompts. Every compilation is recorded (``compilations``, ``report()``).
-
-    If Dynamo or Inductor fails (a ``TorchDynamoException``), a warning is logged, ``failure`` says why and
-    the eager graph runs from then on: the default path never breaks ``generate``."""
-
-    def __init__(self, decode: GraphModule, mode: str = "default", dynamic_batch: bool = True) -> None:
-        self.eager = decode
-        self.mode, self.dynamic_batch = mode, dynamic_batch
-        self.compilations: list[Compilation] = []
-        self.failure: str | None = None
-        self._compiling, self._symbolic = 0, False
-        self._fn = torch.compile(replace_sym_ops_with_builtins(decode), backend=self._backend, dynamic=None,
-                                 fullgraph=True)
-
-    def _backend(self, gm: GraphModule, example_inputs: list) -> Callable:
-        self._compiling += 1
-        self._symbolic = any(isinstance(v, torch.Tensor) and v.dim() >= 3 and isinstance(v.shape[2], torch.SymInt)
-                             for n in gm.graph.nodes if n.op == "placeholder"
-                             for v in [n.meta.get("example_value")])
-        return kvpass_backend(gm, example_inputs, {"mode": self.mode})
-
-    def __call__(self, *inputs: torch.Tensor):
-        if self.failure is not None:
-            return self.eager(*inputs)
-        batch = inputs[0].shape[0]
-        for t in inputs:
-            if isinstance(t, torch.Tensor):
-                if t.dim() >= 3:
-                    torch._dynamo.maybe_mark_dynamic(t, 2)
-                if batch > 1 and self.dynamic_batch and t.dim() >= 1 and t.shape[0] == batch:
-                    torch._dynamo.maybe_mark_dynamic(t, 0)
-        before, start = self._compiling, time.perf_counter()
-        try:
-            with torch.fx.experimental._config.patch(use_duck_shape=False):
-                out = self._fn(*inputs)
-        except torch._dynamo.exc.TorchDynamoException as err:
-            self.failure = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-            log.warning("kvpass: compiling the decode step failed (%s); decoding eagerly", self.failure)
-            return self.eager(*inputs)
-        if self._compiling > before:
-            self.compilations.append(Compilation(batch=batch, seconds=time.perf_counter() - start,
-                                                 dynamic_batch=batch > 1 and self.dynamic_batch,
-                                                 capacity="dynamic" if self._symbolic else "static"))
-        return out
-
-    def report(self) -> dict:
-        """{"compilations": n, "compile_seconds": total, "each": [Compilation as a dict], "failure": str | None}."""
-        return {"compilations": len(self.compilations),
-                "compile_seconds": sum(c.seconds for c in self.compilations),
-                "each": [asdict(c) for c in self.compilations], "failure": self.failure}

@@ -44,7 +44,7 @@ class RuntimeModel(Protocol):
     heads: HeadGroup
     decode_step: StaticDecodeStep
     rows_in_one_call: bool
-    compiled_decode: Callable | None      # the decode graph compiled (kvpass.compile_backend.CompiledDecode)
+    compiled_decode: Callable | None      # the decode graph compiled (kvpass.compiled_decode.CompiledDecode)
 
     @property
     def device(self) -> torch.device: ...

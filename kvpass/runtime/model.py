@@ -119,7 +119,7 @@ class KVPassModel(nn.Module):
         # bytes free on the device for the pre-prefill memory check (None: validation.free_device_bytes, which
         # asks CUDA and skips other devices); tests set a function to exercise the check on the CPU
         self.free_bytes = None
-        # The decode graph compiled by Inductor (kvpass.compile_backend.CompiledDecode: once per model, whatever
+        # The decode graph compiled by Inductor (kvpass.compiled_decode.CompiledDecode: once per model, whatever
         # the prompt lengths), or None: the eager graph. ``kvpass.apply(compile=...)`` sets it (default on CUDA).
         self.compiled_decode = None
 

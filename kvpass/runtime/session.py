@@ -273,7 +273,7 @@ class DecodeSession:
         [B, V] fp32. On CUDA it is replayed from a CUDA graph (decode_step.py), one per set of
         compressed layers: it reads and writes only the layers' cache tensors."""
         layers, graphs = self.layers, self.owner.graphs
-        decode = getattr(self.owner, "compiled_decode", None) or graphs.decode     # Inductor's (kvpass.compile_backend) or eager
+        decode = getattr(self.owner, "compiled_decode", None) or graphs.decode     # Inductor's (kvpass.compiled_decode) or eager
 
         def step(tokens: Tensor, pos: Tensor) -> tuple[Tensor]:
             # a compressed layer's slot is its length after compression: written by compress_layers

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import kvpass
-from kvpass.compile_backend import COMPILE_COUNTS, CompiledDecode
+from kvpass.compiled_decode import COMPILE_COUNTS, CompiledDecode
 from tests.conftest import padded_batch, tiny_model
 
 # prompt lengths of one model: the cache capacity (budget + interval) differs for each
@@ -105,7 +105,7 @@ def test_a_failing_compilation_decodes_eagerly(caplog):
 
     kv.compiled_decode._fn = broken
     ids = _ids(20, 1)
-    with caplog.at_level(logging.WARNING, logger="kvpass.compile_backend"):
+    with caplog.at_level(logging.WARNING, logger="kvpass.compiled_decode"):
         got = kv.generate(ids, max_new_tokens=6, eos_token_id=[])
     assert torch.equal(got, eager.generate(ids, max_new_tokens=6, eos_token_id=[]))
     assert len(calls) == 1 and "decoding eagerly" in caplog.text
