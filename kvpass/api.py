@@ -10,12 +10,12 @@ from kvpass.policies import DEFAULT_POLICY, Policy, get_policy
 from kvpass.rewrites import CapturedModel, capture_model, compile_model
 from kvpass.runtime import KVPassModel
 from kvpass.tensor_parallel import resolve_shard
-from kvpass.validation import check_budget_for_model, check_fuse_linears, check_model, refuse
+from kvpass.validation import check_budget_for_model, check_compile, check_fuse_linears, check_model, refuse
 
 
 def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float | int = 0.2, *,
           fuse_linears: bool | None = None, tp: int | None = None, device_mesh=None, prefill_chunk: int | None = None,
-          captured: CapturedModel | None = None, **policy_kwargs) -> KVPassModel:
+          captured: CapturedModel | None = None, compile: bool | None = None, **policy_kwargs) -> KVPassModel:
     """Rewrite a transformers causal LM to decode over a compressed KV cache.
 
     model: any ``*ForCausalLM`` whose attention kvpass can find (SDPA or eager). It is traced, not
@@ -38,6 +38,14 @@ def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float
     captured: ``kvpass.rewrites.capture_model(model)`` (or ``capture_model(model, shard)``), to share one trace
         between several calls (tracing is most of a rewrite's time: evaluation grids, benchmarks, tests);
         default: traced here. With tp > 1 the capture must be sharded for this rank already.
+    compile: decode with the step's graph compiled by Inductor (``kvpass.compiled_decode.CompiledDecode``).
+        None (default): on CUDA with one process, else not (the CPU keeps the exact eager graph: ``full`` gives
+        transformers' tokens). The cache capacity is a symbol in the compiled graph, so one compilation serves
+        every prompt length and layer budget: at most two per model (batch 1, then any larger batch), done on
+        the first ``generate`` that needs it, kept across calls, and reported (``model.compile_report``, and the
+        last call's share in ``last_report.compilations`` / ``compile_seconds``). Where Dynamo or Inductor
+        fails, a warning is logged and the step decodes eagerly. ``compile=False``: the eager graph; True:
+        compile on any device (Inductor's CPU backend needs a C++ compiler). docs/compiled-decode.md.
     policy_kwargs: the policy's hyperparameters (e.g. ``sinks=4`` for streamingllm).
 
     Bad arguments are refused before any work (``kvpass.validation.RULES``, docs/errors.md): a KVPassError
@@ -49,6 +57,7 @@ def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float
     chosen = get_policy(policy, **policy_kwargs)
     check_budget(budget)
     check_fuse_linears(fuse_linears)
+    check_compile(compile)
     if chosen.compresses and isinstance(budget, int) and budget < chosen.min_budget():
         raise refuse("budget.minimum", got=budget, source="", policy=chosen.name, minimum=chosen.min_budget())
     context = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
@@ -68,4 +77,9 @@ def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float
     out = KVPassModel(model, chosen, budget, captured, graphs, heads=heads)
     check_prefill_chunk(prefill_chunk, out)            # what the policy and layout allow
     out.prefill_chunk = prefill_chunk
+    enabled = compile if compile is not None else (out.device.type == "cuda" and heads.world == 1)
+    if enabled:
+        from kvpass.compiled_decode import CompiledDecode
+
+        out.compiled_decode = CompiledDecode(graphs.decode)
     return out

@@ -85,7 +85,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
               f"{answer!r} hidden at depth {args.depth:.0%} (the quality suite's single needle)", file=sys.stderr)
         print(f"prompt ends:       ...{tokenizer.decode(case.question_ids[-12:]).strip()}")
     t0 = time.perf_counter()
-    kv_model = kvpass.apply(model, policy=args.policy, budget=args.budget, tp=args.tp, **policy_kwargs)
+    kv_model = kvpass.apply(model, policy=args.policy, budget=args.budget, tp=args.tp,
+                            compile={"auto": None, "on": True, "off": False}[args.compile], **policy_kwargs)
     print(f"rewrote {len(kv_model.graphs.sites)} attention sites in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     out = kv_model.generate(torch.tensor([ids], device=kv_model.device), max_new_tokens=args.max_new_tokens, do_sample=False)
     text = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True).strip()
@@ -100,6 +101,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         heads = ", ".join(f"L{layer}.H{h}" for layer, hs in r.full_heads.items() for h in hs)
         print(f"full-cache heads:  {heads} (calibration, §1.10); the other heads keep "
               f"{min(r.layer_budgets.values())} entries")
+    if r.compiled:
+        print(f"compiled decode:   {r.compilations} compilation(s), {r.compile_seconds:.1f} s (once per model)")
     print(f"prompt tokens:     {r.prompt_tokens}")
     print(f"cache bytes:       {r.cache_bytes / 2**20:.2f} MiB compressed vs {r.full_cache_bytes / 2**20:.2f} MiB "
           f"full ({r.compression_ratio:.1%})")
@@ -136,6 +139,9 @@ def _generate_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--tp", type=int, default=None,
                    help="tensor parallel over N processes: run under `torchrun --nproc-per-node N -m kvpass.cli`")
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                   help="decode with Inductor's compiled graph: auto (default) on CUDA only, as kvpass.apply; a "
+                        "one-off generate pays the compilation (docs/compiled-decode.md)")
     p.set_defaults(func=cmd_generate)
 
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -48,14 +47,12 @@ from torch import nn
 from torch.fx import GraphModule
 
 from kvpass.budget import check_budget
+from kvpass.compiled_decode import COMPILE_COUNTS, INDUCTOR_MODES, CompiledDecode, inductor  # noqa: F401 (COMPILE_COUNTS: re-exported)
 from kvpass.policies import DEFAULT_POLICY, get_policy
 from kvpass.rewrites.sym_ops_to_builtins import replace_sym_ops_with_builtins
 
 log = logging.getLogger(__name__)
 BACKEND = "kvpass"
-_INDUCTOR_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-# How many graphs the backend compiled, by kind ("prefill", "decode", "model"): tests read this.
-COMPILE_COUNTS: Counter[str] = Counter()
 # The KVPassModel built for each kvpass-compiled OptimizedModule (nothing is stored on the module itself).
 _MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -95,35 +92,15 @@ class CompileOptions:
             check_budget(opts.budget)
         except (TypeError, ValueError) as err:   # torch.compile reports backend errors as ValueErrors alike
             raise InvalidValue(f"options['budget']: {err}", "options") from err
-        if opts.mode not in _INDUCTOR_MODES:
-            raise refuse("options.value", name="mode", got=opts.mode, allowed=", ".join(_INDUCTOR_MODES))
+        if opts.mode not in INDUCTOR_MODES:
+            raise refuse("options.value", name="mode", got=opts.mode, allowed=", ".join(INDUCTOR_MODES))
         return opts
-
-
-def _kind(gm: GraphModule) -> str:
-    names = {getattr(n.target, "name", lambda: "")() if callable(getattr(n.target, "name", None)) else ""
-             for n in gm.graph.nodes if n.op == "call_function"}
-    if any("kvpass::decode_attention" in n or "kvpass::write_kv" in n for n in names):
-        return "decode"
-    if any(n.startswith("kvpass::") for n in names):
-        return "prefill"
-    return "model"
 
 
 def kvpass_backend(gm: GraphModule, example_inputs: list, options: dict | None = None, **_) -> Callable:
     """Dynamo backend: validate ``options``, then compile ``gm`` with Inductor (see the module docstring)."""
-    from torch._inductor.compile_fx import compile_fx
-
     opts = CompileOptions.parse(options)
-    kind = _kind(gm)
-    COMPILE_COUNTS[kind] += 1
-    log.info("kvpass backend: compiling a %s graph (%d nodes)", kind, len(gm.graph.nodes))
-    patches = {} if opts.mode == "default" else {"max_autotune": "max-autotune" in opts.mode}
-    if hasattr(torch._inductor.config, "emulate_precision_casts"):
-        # fused kernels round intermediates to the model's dtype where eager does (RMSNorm's bf16 cast,
-        # RoPE's products), so compiled decoding follows the eager graph's numerics, not fp32's
-        patches["emulate_precision_casts"] = True
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    return inductor(gm, example_inputs, opts.mode)
 
 
 class GenerateHook:
@@ -209,20 +186,21 @@ def compiled_model(compiled: nn.Module):
         name = getattr(wrapper, "compiler_name", "unknown")
         raise refuse("compiled.backend", got=name)
     opts = CompileOptions.parse(wrapper.kwargs.get("options"))
-    model = apply(compiled._orig_mod, policy=opts.policy, budget=opts.budget, **opts.policy_kwargs)
+    model = apply(compiled._orig_mod, policy=opts.policy, budget=opts.budget, compile=False, **opts.policy_kwargs)
     compile_graphs(model, opts)
     _MODELS[compiled] = model
     return model
 
 
 def compile_graphs(model, opts: CompileOptions | None = None) -> None:
-    """Replace a KVPassModel's prefill and decode graphs by their compiled forms, in place (first
-    ``replace_sym_ops_with_builtins``: Dynamo cannot trace the ``torch.sym_min`` that export leaves on CUDA)."""
-    options = {"mode": (opts or CompileOptions()).mode}
-    graphs = model.graphs
-    prefill = torch.compile(replace_sym_ops_with_builtins(graphs.prefill), backend=BACKEND, options=options,
-                            dynamic=True)
-    decode = torch.compile(replace_sym_ops_with_builtins(graphs.decode), backend=BACKEND, options=options,
-                           dynamic=False, fullgraph=True)
-    model.graphs = replace(graphs, prefill=prefill, decode=decode)
+    """Compile a KVPassModel's prefill graph (dynamic prompt length; ``model.graphs.prefill`` replaced, the
+    eager graphs kept as ``model.eager_graphs``) and its decode step (``model.compiled_decode``, a
+    ``CompiledDecode``: cache capacities dynamic), in place (first ``replace_sym_ops_with_builtins``: Dynamo
+    cannot trace the ``torch.sym_min`` that export leaves on CUDA)."""
+    mode = (opts or CompileOptions()).mode
+    graphs = getattr(model, "eager_graphs", None) or model.graphs
+    prefill = torch.compile(replace_sym_ops_with_builtins(graphs.prefill), backend=BACKEND,
+                            options={"mode": mode}, dynamic=True)
+    model.graphs = replace(graphs, prefill=prefill)
     model.eager_graphs = graphs
+    model.compiled_decode = CompiledDecode(graphs.decode, mode)

@@ -101,6 +101,8 @@ RULES: tuple[Rule, ...] = (
          "budget of {got} tokens{source} is smaller than {policy}'s minimum of {minimum} (sinks + window)"),
     Rule("fuse_linears.type", APPLY, "fuse_linears", "not True, False or None",
          "fuse_linears must be True, False or None (on CUDA only), got {got!r}", InvalidType),
+    Rule("compile.type", APPLY, "compile", "not True, False or None",
+         "compile must be True, False or None (compiled on CUDA, eager elsewhere), got {got!r}", InvalidType),
     Rule("prefill_chunk.type", APPLY + "; " + GENERATE, "prefill_chunk", "not an int or None",
          "prefill_chunk must be an int number of prompt tokens per chunk, or None (prefill in one piece), got {got!r}",
          InvalidType),
@@ -313,6 +315,11 @@ def check_budget_for_model(budget: float | int, context: int) -> None:
 def check_fuse_linears(value: object) -> None:
     if value is not None and not isinstance(value, bool):
         raise refuse("fuse_linears.type", got=value)
+
+
+def check_compile(value: object) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise refuse("compile.type", got=value)
 
 
 # ---------------------------------------------------------------------------------------------- inputs

@@ -116,18 +116,17 @@ def test_generate_hook_is_idempotent_and_removable(llama):
 def test_decode_step_has_no_graph_breaks(compiled):
     """Record one decode step's real inputs, then ask Dynamo to explain the decode graph on them."""
     ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(3))
-    original, decode, seen = compiled.graphs, compiled.eager_graphs.decode, []
+    original, decode, seen = compiled.compiled_decode, compiled.eager_graphs.decode, []
 
     def record(*args):
         seen.append([a.clone() for a in args])
         return decode(*args)
 
-    compiled.graphs = type(original)(original.prefill, record, original.sites, original.prefill_stats,
-                                     original.decode_scores)
+    compiled.compiled_decode = record
     try:
         compiled.generate(ids, max_new_tokens=3, eos_token_id=[])
     finally:
-        compiled.graphs = original
+        compiled.compiled_decode = original
     explanation = torch._dynamo.explain(decode)(*seen[0])
     assert explanation.graph_break_count == 0 and explanation.graph_count == 1
 

@@ -101,7 +101,8 @@ def test_cuda_graph_decode_with_compression_matches_eager(policy, budget):
     torch.manual_seed(0)
     model = build_model(TINY_LLAMA, torch.device("cuda"), torch.float32)
     ids = torch.randint(1, TINY_LLAMA["vocab_size"], (2, 200 if policy == "chelsea" else 40), device="cuda")
-    kv = kvpass.apply(model, policy=policy, budget=budget, **POLICY_KWARGS.get(policy, {}))
+    # the eager graph under a CUDA graph (compiled decode, the CUDA default, is tests/runtime/test_compiled_decode.py's)
+    kv = kvpass.apply(model, policy=policy, budget=budget, compile=False, **POLICY_KWARGS.get(policy, {}))
     kv.decode_step.enabled = False
     want = kv.generate(ids, max_new_tokens=32, do_sample=False)
     kv.decode_step = StaticDecodeStep()
@@ -177,7 +178,7 @@ def test_compiled_decode_with_forked_compression_matches_eager():
     torch.manual_seed(0)
     model = build_model(TINY_LLAMA, torch.device("cuda"), torch.float32)
     ids = torch.randint(1, TINY_LLAMA["vocab_size"], (2, 40), device="cuda")
-    kv = kvpass.apply(model, policy="d2o", budget=24)
+    kv = kvpass.apply(model, policy="d2o", budget=24, compile=False)     # eager steps: the reference
     kv.decode_step.enabled = False
     want = kv.generate(ids, max_new_tokens=24, do_sample=False)
     kv.decode_step = StaticDecodeStep()

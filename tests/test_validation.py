@@ -166,6 +166,8 @@ def test_meta_weights_and_spread_devices_and_rewritten():
     (dict(policy="d2o", budget=300), InvalidValue, "budget"),           # context: 256 positions
     (dict(policy="streamingllm", budget=3, sinks=4), InvalidValue, "budget"),
     (dict(policy="d2o", fuse_linears="yes"), InvalidType, "fuse_linears"),
+    (dict(policy="d2o", compile="yes"), InvalidType, "compile"),
+    (dict(policy="d2o", compile=1), InvalidType, "compile"),
     (dict(policy="d2o[beta=0.5"), InvalidValue, "policy"),                 # a spec that is not name[k=v,...]
     (dict(policy="d2o[bogus=1]"), InvalidValue, "policy_kwargs"),
     (dict(policy=kvpass.get_policy("d2o"), beta=0.5), InvalidType, "policy_kwargs"),

@@ -88,8 +88,10 @@ class Models:
         key = (policy, budget if uses_budget(policy) else None)
         if key not in self._built:
             chosen = policy_from_spec(policy)     # a name or a spec: name[key=value,...]
+            # eager decode (compile=False): a grid builds a model per (policy, budget) and decodes few tokens
+            # each, so a compilation each would cost more than it saves, and stored results stay comparable
             self._built[key] = apply(self.model, chosen, key[1] if key[1] is not None else 1.0,
-                                     captured=self.captured)
+                                     captured=self.captured, compile=False)
         return self._built[key]
 
     def prefill_graphs(self, union: StatUnion) -> RewrittenGraphs:

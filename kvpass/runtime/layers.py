@@ -9,7 +9,7 @@ seen here through ``RuntimeModel`` (what they read of it), so this module does n
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -44,6 +44,7 @@ class RuntimeModel(Protocol):
     heads: HeadGroup
     decode_step: StaticDecodeStep
     rows_in_one_call: bool
+    compiled_decode: Callable | None      # the decode graph compiled (kvpass.compiled_decode.CompiledDecode)
 
     @property
     def device(self) -> torch.device: ...

@@ -119,6 +119,9 @@ class KVPassModel(nn.Module):
         # bytes free on the device for the pre-prefill memory check (None: validation.free_device_bytes, which
         # asks CUDA and skips other devices); tests set a function to exercise the check on the CPU
         self.free_bytes = None
+        # The decode graph compiled by Inductor (kvpass.compiled_decode.CompiledDecode: once per model, whatever
+        # the prompt lengths), or None: the eager graph. ``kvpass.apply(compile=...)`` sets it (default on CUDA).
+        self.compiled_decode = None
 
     @property
     def model(self) -> nn.Module:
@@ -157,6 +160,15 @@ class KVPassModel(nn.Module):
             raise refuse("max_new_tokens.context", prompt=longest, got=max_new_tokens, context=ctx)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         return ids, pad, pos
+
+    @property
+    def compile_report(self) -> dict:
+        """What compiling the decode step has cost this model so far: {"compiled": bool, "compilations": n,
+        "compile_seconds": total, "each": [{"batch", "seconds", "dynamic_batch", "capacity"}], "failure": reason
+        or None}. ``last_report`` holds the share of the last ``generate``."""
+        if self.compiled_decode is None:
+            return {"compiled": False, "compilations": 0, "compile_seconds": 0.0, "each": [], "failure": None}
+        return {"compiled": self.compiled_decode.failure is None, **self.compiled_decode.report()}
 
     @property
     def vocab_size(self) -> int | None:

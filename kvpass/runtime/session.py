@@ -59,6 +59,11 @@ class GenerationReport:
     # max over rows): the whole prompt for a plain prefill, about budget + chunk with ``prefill_chunk``
     peak_entries: dict[int, int] = field(default_factory=dict)
     prefill_chunk: int | None = None    # the chunk length the prompt was prefilled in (None: in one piece)
+    # the decode step ran Inductor's compiled graph (``kvpass.apply(compile=...)``); the compilations this call
+    # triggered and their seconds (part of ``decode_seconds``: a model compiles once or twice, then never again)
+    compiled: bool = False
+    compilations: int = 0
+    compile_seconds: float = 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -122,6 +127,8 @@ class DecodeSession:
         self.steps = 0
         self.prefill_seconds = self.decode_seconds = 0.0
         self.prefill_chunk: int | None = None         # set by a chunked prefill (kvpass/chunked_prefill.py)
+        compiled = getattr(owner, "compiled_decode", None)
+        self._compiled_before = len(getattr(compiled, "compilations", ()))
 
     @property
     def batch(self) -> int:
@@ -266,6 +273,7 @@ class DecodeSession:
         [B, V] fp32. On CUDA it is replayed from a CUDA graph (decode_step.py), one per set of
         compressed layers: it reads and writes only the layers' cache tensors."""
         layers, graphs = self.layers, self.owner.graphs
+        decode = getattr(self.owner, "compiled_decode", None) or graphs.decode     # Inductor's (kvpass.compiled_decode) or eager
 
         def step(tokens: Tensor, pos: Tensor) -> tuple[Tensor]:
             # a compressed layer's slot is its length after compression: written by compress_layers
@@ -273,7 +281,7 @@ class DecodeSession:
                      for i, lay in enumerate(layers)]
             self.compress_layers(compress, join=False, slots={i: slots[i] for i in compress})
             flat = [x for lay, slot in zip(layers, slots, strict=True) for x in self._decode_inputs(lay, slot)]
-            outs = graphs.decode(tokens[:, None], pos, *flat)
+            outs = decode(tokens[:, None], pos, *flat)
             join_pending()
             if graphs.decode_scores:              # one multi-tensor launch per statistic, for every layer
                 for stat in sorted(self.policy.stats & DECODE_STATS, key=lambda s: s.value):
@@ -341,6 +349,15 @@ class DecodeSession:
         lay.row_len = [n + 1 for n in lay.row_len]
         lay.peak = max(lay.peak, lay.host_len)
 
+    def _compile_report(self) -> dict:
+        """The report's ``compiled``, ``compilations`` and ``compile_seconds``: this session's share."""
+        compiled = getattr(self.owner, "compiled_decode", None)
+        if not hasattr(compiled, "compilations"):      # eager, or a plain callable put there (tests)
+            return {}
+        new = compiled.compilations[self._compiled_before:]
+        return dict(compiled=compiled.failure is None, compilations=len(new),
+                    compile_seconds=sum(c.seconds for c in new))
+
     def report(self) -> GenerationReport:
         """Cache bytes and timings now; ``new_tokens`` counts the positions after the prompt (steps + 1)."""
         b, layers, new_tokens = self.batch, self.layers, self.steps + 1
@@ -360,5 +377,6 @@ class DecodeSession:
             decode_seconds=self.decode_seconds, entries={i: lay.host_len for i, lay in enumerate(layers)},
             full_heads=dict(self.owner.graphs.full_heads),
             peak_entries={i: lay.peak for i, lay in enumerate(layers)}, prefill_chunk=self.prefill_chunk,
+            **self._compile_report(),
             row_layer_budgets=[{i: lay.row_budgets[r] for i, lay in enumerate(layers) if lay.compressible}
                                for r in range(b)])
