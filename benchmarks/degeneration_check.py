@@ -181,7 +181,7 @@ def run_cells(model, ids: torch.Tensor, prefix: int, cells: Sequence[tuple[str, 
     """ids: [B, prefix + steps] on the model's device. For every (spec, budget) of ``cells`` (``full`` first,
     budget-less): NLL [B, steps] and greedy outputs. One prefill per group of policies whose statistics
     agree (``kvpass.eval.shared``; every budget of a group shares it), shared by (a) and (b). ``saved``:
-    called with the records so far after each group. -> raw records (no ratios yet)."""
+    called with the records so far after each cell. -> raw records (no ratios yet)."""
     from kvpass.eval.shared import Models, stat_groups
     from kvpass.errors import KVPassError
 
@@ -225,9 +225,9 @@ def run_cells(model, ids: torch.Tensor, prefix: int, cells: Sequence[tuple[str, 
                             "texts": texts, "cache_bytes": report.cache_bytes,
                             "full_cache_bytes": report.full_cache_bytes, "seconds": round(seconds, 2)})
             log(f"{spec}@{budget}: ppl {math.exp(float(nll.mean())):.2f} ({seconds:.1f} s)")
+            if saved is not None:
+                saved(records)
         del shared
-        if saved is not None:
-            saved(records)
     return records
 
 
@@ -324,8 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--prompts", type=int, default=2, help="essay segments (one batch)")
     p.add_argument("--prefix", type=int, default=1536, help="prompt tokens per segment")
-    p.add_argument("--steps", type=int, default=64, help="teacher-forced continuation tokens (the ppl)")
-    p.add_argument("--gen-tokens", type=int, default=64, help="greedy tokens generated after the prompt")
+    p.add_argument("--steps", type=int, default=48, help="teacher-forced continuation tokens (the ppl)")
+    p.add_argument("--gen-tokens", type=int, default=48, help="greedy tokens generated after the prompt")
     p.add_argument("--budgets", type=float, nargs="+", default=list(BUDGETS))
     p.add_argument("--policies", nargs="+", help="specs (default: configs())")
     p.add_argument("--json", default="benchmarks/results/degeneration-smollm2-cpu.json")
@@ -360,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     eos_ids, _ = eos_pad(loaded.model)
     started = time.perf_counter()
     print(f"{len(cells)} cells to run, {len(done)} kept from {out}", flush=True)
-    # one prefill per group of configurations (every budget); the JSON is rewritten after each group
+    # one prefill per group of configurations (every budget); the JSON is rewritten after each cell
 
     def save(new: list[dict]) -> None:
         meta["seconds"] = round(time.perf_counter() - started + (old["meta"].get("seconds", 0) if same else 0), 1)
