@@ -49,6 +49,12 @@ class CaM(Policy):
     interval: decode steps between compressions; 1 = the streaming cache's one-in-one-out.
     block: slots per triangular solve of the replayed merges (``merged_values``); speed only, the
         result does not depend on it beyond rounding [OURS].
+    first_compression: "prefill" (kvpass's contract: the budget holds from the first step) or "decode":
+        the prompt is compressed after the first decode step, which attends the whole prompt (the layer
+        holds prompt + 1 entries until then; ``Policy.prompt_compression_deferred``). "decode" is the timing
+        of kvpress's ``CAMPress``, a decoding press whose hook compresses after each step's attention, so
+        its first generated token after the prompt's is computed on the full cache [OURS as an option;
+        docs/merge-diagnosis.md, "CaM against kvpress"].
     """
 
     name: ClassVar[str] = "cam"
@@ -60,6 +66,7 @@ class CaM(Policy):
     seed: int = 0
     interval: int = 1
     block: int = 256
+    first_compression: str = "prefill"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -68,6 +75,11 @@ class CaM(Policy):
                 f"cam: merge_window must be an int >= 1, got {self.merge_window!r}")
         require(isinstance(self.block, int) and self.block >= 1, f"cam: block must be an int >= 1, got {self.block!r}")
         require(isinstance(self.seed, int), f"cam: seed must be an int, got {self.seed!r}")
+        require(self.first_compression in ("prefill", "decode"),
+                f"cam: first_compression must be 'prefill' or 'decode', got {self.first_compression!r}")
+
+    def prompt_compression_deferred(self) -> bool:
+        return self.first_compression == "decode"
 
     def compress(self, cache: LayerCache, keep: int) -> LayerCache:
         """cache: k, v [B, Hkv, C, D]; slot_meta['col_sum'] [B, Hkv, C] fp32 -> capacity min(keep, C)."""

@@ -121,3 +121,29 @@ def test_compress_reads_nothing_back_to_the_host() -> None:
                            slot_meta={n: mode.from_tensor(t) for n, t in cache.slot_meta.items()})
         out = CaM().compress(fake, 48)
     assert out.v.shape == (1, 2, 48, 8)
+
+
+def test_first_compression_decode_attends_the_whole_prompt_once(prompt_ids: torch.Tensor) -> None:
+    """first_compression="decode" (kvpress CAMPress's timing): the first decode step attends the whole prompt,
+    so its logits are the full cache's; the prompt is compressed before the second step, which then
+    differs from the full cache and matches no longer; every layer ends within budget + interval."""
+    from tests.policies.policy_helpers import apply_cached
+
+    full = apply_cached("llama", "full", 1.0)
+    deferred = apply_cached("llama", "cam", 8, first_compression="decode", sinks=2, merge_window=4)
+    eager = apply_cached("llama", "cam", 8, sinks=2, merge_window=4)
+    first = torch.tensor([5, 7])
+    sessions = [m.start(prompt_ids, max_new_tokens=3) for m in (full, deferred, eager)]
+    assert [lay.host_len for lay in sessions[1].layers] == [prompt_ids.shape[1]] * len(sessions[1].layers)
+    after_first = [s.step(first) for s in sessions]
+    torch.testing.assert_close(after_first[1], after_first[0])
+    assert not torch.allclose(after_first[2], after_first[0], atol=1e-4)
+    assert [lay.host_len for lay in sessions[1].layers] == [prompt_ids.shape[1] + 1] * len(sessions[1].layers)
+    after_second = [s.step(first + 1) for s in sessions]
+    assert [lay.host_len for lay in sessions[1].layers] == [9] * len(sessions[1].layers)
+    assert not torch.allclose(after_second[1], after_second[0], atol=1e-4)
+
+
+def test_bad_first_compression_raises() -> None:
+    with pytest.raises(ValueError, match="first_compression"):
+        get_policy("cam", first_compression="never")
