@@ -41,7 +41,7 @@ def _bucket(name: str) -> str:
 def profile_policy(model, captured, name: str, budget: float, prompt: int, steps: int,
                    compiled: bool = False) -> dict:
     policy = kvpass.get_policy(name)
-    kv = kvpass.apply(model, policy, budget if policy.compresses else 1.0, captured=captured)
+    kv = kvpass.apply(model, policy, budget if policy.compresses else 1.0, captured=captured, compile=False)
     if compiled:                                  # the "kvpass" torch.compile backend's graphs (Inductor)
         compile_graphs(kv)
     ids = torch.randint(1, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0)).cuda()

@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> dict:
     t_start = time.monotonic()
     model = build_model(config, device, dtype)
     captured = capture_model(model)
-    models = {name: kvpass.apply(model, name, args.budget, captured=captured)
+    models = {name: kvpass.apply(model, name, args.budget, captured=captured, compile=False)
               for name in {policy for _, policy, _ in CONFIGS}}
     rows: list[dict] = []
     for batch in args.batches:

@@ -51,7 +51,7 @@ def section_throughput(device: torch.device, smoke: bool, deadline: Deadline, pr
         kv = None
         if name != "transformers":
             policy = kvpass.get_policy(name)
-            kv = kvpass.apply(model, policy, budget if policy.compresses else 1.0, captured=captured)
+            kv = kvpass.apply(model, policy, budget if policy.compresses else 1.0, captured=captured, compile=False)
             kv.prefill_rows = 1        # one row's full K, V at a time: the batch is bounded by compressed caches
         batch = 1
         while True:                    # doubling the batch; out of memory ends it, any other error ends the method
@@ -160,7 +160,8 @@ def section_e2e(device: torch.device, smoke: bool, deadline: Deadline, copy_bw: 
                     row["kv_bytes_per_step"] = full_kv
                 else:
                     policy = kvpass.get_policy(pname, **VARIANTS.get(label.removeprefix("kvpass-"), (None, {}))[1])
-                    kv = kvpass.apply(model, policy, 1.0 if not policy.compresses else budget, captured=captured)
+                    kv = kvpass.apply(model, policy, 1.0 if not policy.compresses else budget, captured=captured,
+                                      compile=False)   # eager rows; "-compiled" rows compile below
                     if label.endswith("-eager"):
                         kv.decode_step.enabled = False
 
