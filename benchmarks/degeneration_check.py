@@ -2,7 +2,7 @@
 
 For every compressing policy configuration (``configs()``: each registered policy that uses a budget, with
 its defaults, plus the documented option configurations: the default ``snapkv[kernel=31]``, D2O and EMS
-with window scores, KVMerger without value scaling) at each budget, on ``--prompts`` segments of real essay
+with window scores, KVMerger without value scaling and with ``overflow=tiered``) at each budget, on ``--prompts`` segments of real essay
 text (the Paul Graham essays of ``kvpass.prompts.essays``, cut as ``kvpass eval ppl`` cuts them:
 ``kvpass.eval.lm.Segment`` / ``segment_ids``; segment i starts at essay token i * (prefix + steps)):
 
@@ -69,6 +69,8 @@ OPTION_CONFIGS = (
     "d2o[scores=window,window_kernel=31,merge=false]",
     "ems[scores=window,pool_kernel=31]",
     "kvmerger[value_scale=none]",
+    "kvmerger[overflow=tiered]",                    # docs/merge-diagnosis.md, "Degeneration check"
+    "kvmerger[value_scale=none,overflow=tiered]",
 )
 THRESHOLDS = {
     "ppl_ratio": 10.0,          # cell: ppl / full's ppl at or above this

@@ -46,11 +46,19 @@ class KVMerger(Policy):
     the lowest-attention unprotected singletons are dropped. At decode time (``interval``) merged
     entries are never merged again (§3.5 extension).
 
+    ``overflow`` says what goes when the protected entries and this round's merged entries (pivots) alone
+    exceed ``keep`` (every prompt compression below a budget of about recent_ratio + heavy_ratio, where the
+    protected entries are scaled to fill ``keep``): "slot_order" (default, the stored results) ranks them
+    all equal and drops the last in sequence order, i.e. the newest protected (recent) entries and the
+    prompt's last tokens; "tiered" keeps protected entries first, then pivots by accumulated attention,
+    then singletons (docs/merge-diagnosis.md, "Degeneration check").
+
     Parameters
     ----------
     epsilon: 0.75. recent_ratio, heavy_ratio: 0.17 and 0.12 (the 50% setting; 35%: 0.08 and 0.02).
     sigma: 5. sigma_mode: "fixed" or "mean_dist" (§3.9). value_scale: "set_size" (plain attention,
-    values times |S|) or "none" (log|S| logit bias instead, §3.7). interval: 16.
+    values times |S|) or "none" (log|S| logit bias instead, §3.7). interval: 16. overflow: "slot_order"
+    or "tiered" (above).
     """
 
     name: ClassVar[str] = "kvmerger"
@@ -65,6 +73,7 @@ class KVMerger(Policy):
     value_scale: str = "set_size"
     budget_mode: str = "strict"
     interval: int = 16
+    overflow: str = "slot_order"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -76,6 +85,7 @@ class KVMerger(Policy):
         require(self.sigma_mode in ("fixed", "mean_dist"), f"kvmerger: sigma_mode must be 'fixed' or 'mean_dist', got {self.sigma_mode!r}")
         require(self.value_scale in ("set_size", "none"), f"kvmerger: value_scale must be 'set_size' or 'none', got {self.value_scale!r}")
         require(self.budget_mode in ("strict", "adaptive"), f"kvmerger: budget_mode must be 'strict' or 'adaptive', got {self.budget_mode!r}")
+        require(self.overflow in ("slot_order", "tiered"), f"kvmerger: overflow must be 'slot_order' or 'tiered', got {self.overflow!r}")
 
     def protected(self, cache: LayerCache, keep: int) -> Tensor:
         """Recent and heavy-hitter entries of every row: [B, Hkv, C] bool (§3.4 step 2)."""
@@ -148,10 +158,17 @@ class KVMerger(Policy):
         log_weight = log_weight.masked_fill(grouped & ~is_pivot, EMPTY)
         # fewer links than needed: drop the lowest-attention unprotected singletons (§3.6)
         alive = log_weight > EMPTY
-        prio = torch.where(plan.protected | is_pivot, float("inf"), col_sum.float()).masked_fill(~alive, EMPTY)
+        slots = torch.arange(cache.capacity, device=k.device).expand_as(col_sum)
+        if self.overflow == "tiered":      # protected, then pivots, then singletons; by col_sum within each
+            by_score = torch.sort(col_sum.float(), dim=-1, stable=True).indices
+            score_rank = torch.empty_like(by_score).scatter_(-1, by_score, slots)           # 0 = lowest
+            tier = plan.protected.long() * 2 + (is_pivot & ~plan.protected).long()
+            prio = (tier * cache.capacity + score_rank).masked_fill(~alive, -1)
+        else:                              # protected and pivots tie: the last slots go first
+            prio = torch.where(plan.protected | is_pivot, float("inf"), col_sum.float()).masked_fill(~alive, EMPTY)
         n_keep = torch.clamp(alive.sum(-1), max=keep)
         order = torch.sort(prio, dim=-1, descending=True, stable=True).indices
-        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(cache.capacity, device=k.device).expand_as(order))
+        rank = torch.empty_like(order).scatter_(-1, order, slots)
         log_weight = log_weight.masked_fill(rank >= n_keep[..., None], EMPTY)
         merged = LayerCache(k=k, v=v, log_weight=log_weight, length=cache.length, position=cache.position,
                             slot_meta=meta, state=cache.state)

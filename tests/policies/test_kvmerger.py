@@ -106,9 +106,47 @@ def test_strict_mode_reaches_the_budget_exactly():
     assert float(none.log_weight[0, 0, :14].max()) > 0                      # log|S| bias instead of |S| values
 
 
+def overflowing_cache(c=96, d=8, seed=0) -> LayerCache:
+    """One row whose protected entries (scaled to fill keep) and merge pivots together exceed keep: runs of
+    near-identical keys separated by jumps, random accumulated attention."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(c // 8, d, generator=g, dtype=torch.float64).repeat_interleave(8, 0)
+    k = base + 0.01 * torch.randn(c, d, generator=g, dtype=torch.float64)
+    v = torch.randn(c, d, generator=g, dtype=torch.float64)
+    col = torch.rand(c, generator=g).float() * 5
+    return LayerCache(k=k[None, None], v=v[None, None], log_weight=torch.zeros(1, 1, c),
+                      length=torch.tensor([[c]]), position=torch.arange(c)[None, None],
+                      slot_meta={"col_sum": col[None, None]})
+
+
+@pytest.mark.parametrize("value_scale", ["none", "set_size"])
+def test_overflow_tiered_keeps_the_protected_entries(value_scale):
+    cache = overflowing_cache()
+    c, keep = cache.capacity, 12                                # protected: ceil(.17c) + ceil(.12c) = 45 > keep
+    old = KVMerger(value_scale=value_scale)
+    plan = old.plan(cache, keep)
+    protected = plan.protected[0, 0]
+    pivots = (plan.size > 1) & (plan.pivot == torch.arange(c))
+    assert int(protected.sum()) + int((pivots & ~plan.protected).sum()) > keep    # the case overflows
+    # default ("slot_order"): protected entries and pivots tie; the last slots go, the newest tokens with them
+    kept_old = set(old.compress(cache, keep).position[0, 0, :keep].tolist())
+    assert c - 1 not in kept_old
+    # "tiered": every protected entry stays, the rest of keep goes to the pivots of highest col_sum
+    out = KVMerger(value_scale=value_scale, overflow="tiered").compress(cache, keep)
+    assert int(out.length) == keep
+    kept = set(out.position[0, 0, :keep].tolist())
+    want_protected = {j for j in range(c) if protected[j]}
+    assert want_protected <= kept and c - 1 in kept
+    col = cache.slot_meta["col_sum"][0, 0]
+    set_id = plan.set_id[0, 0]
+    set_col = {int(p): float(col[set_id == set_id[p]].sum()) for p in torch.nonzero(pivots[0, 0] & ~protected).flatten()}
+    best = sorted(set_col, key=lambda p: -set_col[p])[:keep - len(want_protected)]
+    assert kept - want_protected == set(best)
+
+
 def test_bad_hyperparameters_raise():
     for kwargs in ({"epsilon": 2.0}, {"recent_ratio": 1.0}, {"sigma": 0.0}, {"sigma_mode": "x"},
-                   {"value_scale": "x"}, {"budget_mode": "x"}):
+                   {"value_scale": "x"}, {"budget_mode": "x"}, {"overflow": "x"}):
         with pytest.raises(ValueError):
             KVMerger(**kwargs)
 
