@@ -184,8 +184,8 @@ def run_cells(model, ids: torch.Tensor, prefix: int, cells: Sequence[tuple[str, 
     budget-less): NLL [B, steps] and greedy outputs. One prefill per group of policies whose statistics
     agree (``kvpass.eval.shared``; every budget of a group shares it), shared by (a) and (b). ``saved``:
     called with the records so far after each cell. -> raw records (no ratios yet)."""
-    from kvpass.eval.shared import Models, stat_groups
     from kvpass.errors import KVPassError
+    from kvpass.eval.shared import Models, stat_groups
 
     steps = ids.shape[1] - prefix
     models = Models(model)
