@@ -22,13 +22,15 @@ class Knorm(Policy):
     """Keep the ``keep`` entries whose keys have the smallest L2 norm (§6.9): keys of low norm draw
     high attention, so the norm stands in for attention scores and no statistic is needed. Norms of
     the cached (post-RoPE) keys in fp32, equal to the pre-RoPE norms (RoPE rotates channel pairs).
-    The first ``sinks`` entries are always kept [OURS option; kvpress: none]. kvpress compresses the
+    The first ``sinks`` entries and the last ``recent`` are always kept [OURS options; kvpress: none]. kvpress compresses the
     prompt only; kvpass runs the same rule whenever a layer has grown ``interval`` entries past its
     budget [OURS]. Plain attention, nothing merged.
 
     Parameters
     ----------
     sinks: first tokens always kept (kvpress: 0).
+    recent: newest entries always kept (kvpress: 0; without them, low budgets drop the newest tokens and the
+        model stutters: docs/merge-diagnosis.md, "Degeneration check"); clamped to ``keep - sinks``.
     interval: decode steps between compressions.
     """
 
@@ -36,11 +38,13 @@ class Knorm(Policy):
     section: ClassVar[str] = "§6.9"
     summary: ClassVar[str] = "keep the keys of smallest L2 norm; no statistic"
     sinks: int = 0
+    recent: int = 0
     interval: int = 16
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require(isinstance(self.sinks, int) and self.sinks >= 0, f"knorm: sinks must be an int >= 0, got {self.sinks!r}")
+        require(isinstance(self.recent, int) and self.recent >= 0, f"knorm: recent must be an int >= 0, got {self.recent!r}")
 
     def min_budget(self) -> int:
         return self.sinks + 1
@@ -48,5 +52,5 @@ class Knorm(Policy):
     def compress(self, cache: LayerCache, keep: int) -> LayerCache:
         """cache: k, v [B, Hkv, C, D] -> capacity min(keep, C), the kept entries in sequence order."""
         sinks = min(self.sinks, keep)
-        kept = select_kept(key_norm_score(cache.k), cache.length, keep, sinks, 0)
+        kept = select_kept(key_norm_score(cache.k), cache.length, keep, sinks, min(self.recent, keep - sinks))
         return keep_slots(cache, kept_slots(kept, keep))
