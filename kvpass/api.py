@@ -10,7 +10,7 @@ from kvpass.policies import DEFAULT_POLICY, Policy, get_policy
 from kvpass.rewrites import CapturedModel, capture_model, compile_model
 from kvpass.runtime import KVPassModel
 from kvpass.tensor_parallel import resolve_shard
-from kvpass.validation import check_budget_for_model, check_compile, check_fuse_linears, check_model, refuse
+from kvpass.validation import check_budget_for_model, check_model, check_optional_bool, refuse
 
 
 def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float | int = 0.2, *,
@@ -56,8 +56,8 @@ def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float
     check_model(model)                                 # every refusal before any tracing (kvpass.validation)
     chosen = get_policy(policy, **policy_kwargs)
     check_budget(budget)
-    check_fuse_linears(fuse_linears)
-    check_compile(compile)
+    check_optional_bool("fuse_linears.type", fuse_linears)
+    check_optional_bool("compile.type", compile)
     if chosen.compresses and isinstance(budget, int) and budget < chosen.min_budget():
         raise refuse("budget.minimum", got=budget, source="", policy=chosen.name, minimum=chosen.min_budget())
     context = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)

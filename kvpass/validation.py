@@ -312,14 +312,10 @@ def check_budget_for_model(budget: float | int, context: int) -> None:
         raise refuse("budget.context", got=budget, context=context)
 
 
-def check_fuse_linears(value: object) -> None:
+def check_optional_bool(rule: str, value: object) -> None:
+    """True, False or None (``apply``'s fuse_linears and compile: None picks by device), else ``rule``'s refusal."""
     if value is not None and not isinstance(value, bool):
-        raise refuse("fuse_linears.type", got=value)
-
-
-def check_compile(value: object) -> None:
-    if value is not None and not isinstance(value, bool):
-        raise refuse("compile.type", got=value)
+        raise refuse(rule, got=value)
 
 
 # ---------------------------------------------------------------------------------------------- inputs
