@@ -171,9 +171,9 @@ def teacher_forced_nll(session, ids: torch.Tensor, prefix: int) -> torch.Tensor:
 def greedy(session, new_tokens: int, eos_ids: torch.Tensor) -> list[list[int]]:
     """Greedy tokens per row, each cut after its first end-of-text token (kept out)."""
     tokens, _ = session.sample(new_tokens, eos_ids.to(session.logits.device), 0, do_sample=False)
-    rows = []
+    eos, rows = set(eos_ids.tolist()), []
     for row in tokens.tolist():
-        cut = next((i for i, t in enumerate(row) if t in set(eos_ids.tolist())), len(row))
+        cut = next((i for i, t in enumerate(row) if t in eos), len(row))
         rows.append(row[:cut])
     return rows
 
