@@ -39,6 +39,9 @@ env)
     [ -d "$models/$name.parts" ] || continue
     cat "$models/$name.parts/$name".?? > "$models/$name.gguf"
   done
+  # the checksums come with a put call, or with this one (carry .assets/sha256): without them nothing is checked
+  [ -f "$models/sha256" ] || cp .assets/sha256 "$models/sha256" 2>/dev/null ||
+    { echo "no checksums in $models: carry .assets/sha256 with this call or a put" >&2; exit 1; }
   (cd "$models" && sha256sum -c --ignore-missing sha256 >&2)
   [ -f "$models/smollm2.gguf" ] && echo "export KVPASS_GGUF_SMOLLM2=$models/smollm2.gguf"
   [ -f "$models/gemma3-270m.gguf" ] && echo "export KVPASS_GGUF_GEMMA3_270M=$models/gemma3-270m.gguf"
