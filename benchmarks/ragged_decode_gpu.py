@@ -19,6 +19,10 @@ timed steps hold whole periods. D2O's tokens of the two paths are compared (they
 
     python benchmarks/ragged_decode_gpu.py --out /tmp/ragged.json              # GPU, < 3 minutes on an H200
     python benchmarks/ragged_decode_gpu.py --out /tmp/ragged.json --smoke      # CPU, tiny shapes, seconds
+    python benchmarks/ragged_decode_gpu.py --out /tmp/ragged-protect.json --d2o "d2o[merge_protect=0.5]"
+
+``--d2o`` picks the D2O spec timed both ways (default plain ``d2o``): merge_protect and merge_weighting="score"
+have no Triton op, their one call is the plain-torch step (``evict_one_in_place``), still inside the graph.
 
 Runs from a plain checkout (the repository root goes on ``sys.path``).
 """
@@ -45,8 +49,11 @@ from benchmarks.bench.timing import gpu_name  # noqa: E402
 SMALL_LLAMA = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
                    num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=8192,
                    rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
-# (label, policy, rows_in_one_call): the new path first, so its numbers exist if the time box ends a batch
-CONFIGS = (("d2o", "d2o", True), ("streamingllm", "streamingllm", True), ("d2o-per-row", "d2o", False))
+
+
+def configs(d2o: str) -> tuple[tuple[str, str, bool], ...]:
+    """(label, policy spec, rows_in_one_call): the new path first, so its numbers exist if the time box ends a batch."""
+    return (("d2o", d2o, True), ("streamingllm", "streamingllm", True), ("d2o-per-row", d2o, False))
 
 
 def unequal_prompts(batch: int, prompt: int, spread: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,13 +105,13 @@ def run(args: argparse.Namespace) -> dict:
     model = build_model(config, device, dtype)
     captured = capture_model(model)
     models = {name: kvpass.apply(model, name, args.budget, captured=captured, compile=False)
-              for name in {policy for _, policy, _ in CONFIGS}}
+              for name in {policy for _, policy, _ in configs(args.d2o)}}
     rows: list[dict] = []
     for batch in args.batches:
         ids, mask = unequal_prompts(batch, args.prompt, args.spread, config["vocab_size"], seed=batch)
         ids, mask = ids.to(device), mask.to(device)
         tokens_by_label: dict[str, list[torch.Tensor]] = {}
-        for label, name, in_one_call in CONFIGS:
+        for label, name, in_one_call in configs(args.d2o):
             row = {"batch": batch, "label": label, "policy": name, "rows_in_one_call": in_one_call,
                    "prompt_lengths": mask.sum(-1).tolist()}
             if time.monotonic() - t_start > args.time_box:
@@ -142,7 +149,7 @@ def run(args: argparse.Namespace) -> dict:
             same = all(torch.equal(a, b) for a, b in zip(tokens_by_label["d2o"], tokens_by_label["d2o-per-row"],
                                                          strict=True))
             for row in rows:
-                if row["batch"] == batch and row["policy"] == "d2o":
+                if row["batch"] == batch and row["label"] == "d2o":
                     row["d2o_tokens_equal_between_paths"] = same
     summary = {}
     for batch in args.batches:
@@ -156,7 +163,7 @@ def run(args: argparse.Namespace) -> dict:
                                                            / got["streamingllm"]["tokens_per_s"])
         summary[str(batch)] = entry
     return {"device": gpu_name(device) if device.type == "cuda" else "cpu", "dtype": str(dtype), "model": config,
-            "budget": args.budget, "prompt": args.prompt, "spread": args.spread, "smoke": args.smoke,
+            "d2o": args.d2o, "budget": args.budget, "prompt": args.prompt, "spread": args.spread, "smoke": args.smoke,
             "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
             "seconds": time.monotonic() - t_start, "rows": rows, "summary": summary}
 
@@ -170,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spread", type=int, default=None,
                         help="prompt lengths lie in [prompt - spread, prompt] (default 512; smoke 16)")
     parser.add_argument("--budget", type=float, default=0.2)
+    parser.add_argument("--d2o", default="d2o", help='the D2O spec timed in one call and per row (default d2o), '
+                        'e.g. "d2o[merge_protect=0.5]"')
     parser.add_argument("--warm", type=int, default=None, help="untimed steps (default 8; smoke 2)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 32; smoke 4)")
     parser.add_argument("--time-box", type=float, default=150.0, help="seconds after which configurations are skipped")

@@ -37,6 +37,16 @@ Rows of budgets of their own (D2O's per-row layer budgets): kvpass/kernels/d2o_e
 same step with keep, sinks, recent, target_from per batch row (the references share ``evict_one_in_place``,
 the kernels their RAGGED form); there the newest entry of an evicting row is at slot length - 1.
 
+Two more of D2O's merge guards exist in the plain-torch step alone (``evict_one_in_place``'s ``protect`` and
+``score_weights``; the Triton kernels have neither, D2O runs this step for them on CUDA too, batched and
+capturable in a CUDA graph):
+    protect:       nearest is sought outside the floor(protect * keep) live j != e of highest col_sum
+                   (ties: the lower slot), per row with its own keep; a row left with no target evicts e
+                   without merging, and its head does not enter the threshold (not counted in n)
+    score_weights: w_nearest = col_sum[nearest] + SCORE_EPS, w_e = col_sum[e] + SCORE_EPS,
+                   k_nearest <- (w_nearest k_nearest + w_e k_e) / (w_nearest + w_e) where merged (the merge
+                   decision is the variant's, as above)
+
 Triton path (CUDA; on CPU under TRITON_INTERPRET=1 for the tests), three kernels. A and B run one
 program per (row, split of its slots): A the chunk's lowest candidate score, B the row's e from A's
 minima and the chunk's most similar key. C, one program per batch row: combines the splits' maxima,
@@ -57,6 +67,7 @@ from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_
 from kvpass.kernels.cosine_match import cosine_match_reference
 
 _EPS = 1e-12
+SCORE_EPS = 1e-6       # score_weights: added to every weight (entries of zero score average)
 EMPTY = float("-inf")
 NO_FLOOR = -2.0        # min_cos that lets every merge through (a cosine is >= -1)
 NO_MERGE = 2.0         # min_cos that lets none through (a cosine is <= 1)
@@ -64,8 +75,9 @@ NO_MERGE = 2.0         # min_cos that lets none through (a cosine is <= 1)
 
 class OneEviction(NamedTuple):
     """What ``pick_one`` finds per row, each [B, Hkv, 1, ...]: the evicted slot e (C - 1 when the row
-    evicts nothing), whether it evicts, the entry's K and V, its nearest other live slot and that
-    cosine similarity (0 where nothing is evicted)."""
+    evicts nothing), whether it evicts with a merge target (``valid``: the evictions that enter the
+    threshold; without ``protect`` every eviction has one), the entry's K and V, its nearest allowed
+    live slot and that cosine similarity (0 where not valid)."""
 
     e: Tensor
     valid: Tensor
@@ -86,8 +98,27 @@ def newest_slot(length: Tensor, evict: Tensor, c: int) -> Tensor:
     return torch.where(evict, length - 1, c - 1)
 
 
+def protected_count(protect: float, keep: int | Tensor) -> int | Tensor:
+    """floor(protect * keep): an int for an int ``keep``, else [B] int64 on keep's device, computed there in
+    fp64 (the same product and floor as the int's, with no host sync)."""
+    if isinstance(keep, int):
+        return int(protect * keep)
+    return (protect * keep.double()).floor().long()
+
+
+def unprotected(score: Tensor, live: Tensor, n_protect: int | Tensor) -> Tensor:
+    """[B, Hkv, C] bool: the ``live`` slots outside the ``n_protect`` (an int, or [B] int64: per batch row)
+    highest ``score`` [B, Hkv, C] of their row (ties: the lower slot first; a stable sort, the same on every
+    device). Sort, scatter and compare: no host sync."""
+    order = torch.sort(score.float().masked_fill(~live, float("-inf")), dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
+                                            .expand_as(order).contiguous())
+    return live & (rank >= _rows(n_protect, score.shape[0], 2))
+
+
 def pick_one(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, length: Tensor, keep: int | Tensor,
-             sinks: int | Tensor, recent: int | Tensor, target_from: int | Tensor = 0) -> OneEviction:
+             sinks: int | Tensor, recent: int | Tensor, target_from: int | Tensor = 0, protect: float = 0.0
+             ) -> OneEviction:
     """§5.5-5.6 for rows of at most keep + 1 entries (plain torch): the lowest ``col_sum`` outside the
     sinks (slots [0, sinks), where they stay) and the recent window (the ``recent`` newest positions),
     its K, V and its most cosine-similar other live key at a slot >= ``target_from``. A row holding at
@@ -96,7 +127,9 @@ def pick_one(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, length: Te
     position in slot length - 1, where the decode step wrote its entry (slot C - 1 with one ``keep`` for
     every row: a row that evicts is full).
     k, v: [B, Hkv, C, D]; col_sum, position: [B, Hkv, C]; length: [B, Hkv]; keep, sinks, recent,
-    target_from: ints, or [B] int64 tensors (each batch row its own budget and split: ``d2o_evict_one_ragged``)."""
+    target_from: ints, or [B] int64 tensors (each batch row its own budget and split: ``d2o_evict_one_ragged``).
+    ``protect`` > 0: the nearest key is sought outside the floor(protect * keep) live slots other than e of
+    highest ``col_sum`` (``unprotected``); a row with none left is not valid (evicts without a merge)."""
     b, h, c, d = k.shape
     j = torch.arange(c, device=k.device)
     live = j < length[..., None]
@@ -112,9 +145,12 @@ def pick_one(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, length: Te
     k_e = k.reshape(b * h * c, d).index_select(0, flat_e).view(b, h, 1, d)
     v_e = v.reshape(b * h * c, d).index_select(0, flat_e).view(b, h, 1, d)
     # one source row per (b, g): the plain torch matcher (one [1, C] product) beats a kernel launch
-    targets = live & (j != e) & (j >= _rows(target_from, b, 2))
+    others = live & (j != e)
+    targets = others & (j >= _rows(target_from, b, 2))
+    if protect > 0:
+        targets = targets & unprotected(col_sum, others, protected_count(protect, keep))
     nearest, u_star = cosine_match_reference(k_e, k, targets)                               # [B, Hkv, 1]
-    valid = evict[..., None]
+    valid = evict[..., None] & (nearest >= 0) if protect > 0 else evict[..., None]
     return OneEviction(e, valid, k_e, v_e, nearest.clamp(min=0), torch.where(valid, u_star, 0.0))
 
 
@@ -158,6 +194,14 @@ def merged_rows(into: Tensor, src: Tensor, merged: Tensor, w_e: Tensor, w_self: 
     return torch.where(merged[..., None], new.to(into.dtype), into)
 
 
+def score_merged_rows(into: Tensor, src: Tensor, merged: Tensor, w_into: Tensor, w_e: Tensor) -> Tensor:
+    """(w_into * into + w_e * src) / (w_into + w_e) where ``merged``, else ``into`` (the score weighting: each
+    entry's weight its score + SCORE_EPS; one evicted entry per row). into, src: [B, Hkv, 1, D]; merged,
+    w_into, w_e: [B, Hkv, 1]."""
+    new = (w_into[..., None] * into.float() + w_e[..., None] * src.float()) / (w_into + w_e)[..., None]
+    return torch.where(merged[..., None], new.to(into.dtype), into)
+
+
 def d2o_evict_one_reference(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor,
                             length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: int,
                             sinks: int, recent: int, beta: float, variant: str, min_cos: float = NO_FLOOR,
@@ -171,25 +215,37 @@ def d2o_evict_one_reference(k: Tensor, v: Tensor, col_sum: Tensor, position: Ten
 def evict_one_in_place(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor,
                        length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: int | Tensor,
                        sinks: int | Tensor, recent: int | Tensor, target_from: int | Tensor, beta: float,
-                       variant: str, min_cos: float, bias: bool) -> None:
+                       variant: str, min_cos: float, bias: bool, protect: float = 0.0,
+                       score_weights: bool = False) -> None:
     """Both references: one ``keep`` for every row (ints: an evicting row is full, its newest entry in slot
     C - 1) or one per batch row ([B] int64 tensors, ``d2o_evict_one_ragged``: the newest entry of an
-    evicting row in slot length - 1; a row that evicts nothing is left as it is, even full)."""
+    evicting row in slot length - 1; a row that evicts nothing is left as it is, even full).
+
+    ``protect`` (a fraction in [0, 1)) and ``score_weights``: D2O's merge_protect and merge_weighting="score"
+    (the module docstring), which no Triton kernel has; per batch row with its own keep, computed on the
+    device (sort, scatter, gather, where: nothing synchronises, a CUDA graph captures it)."""
     b, h, c, d = k.shape
-    pick = pick_one(k, v, col_sum, position, length, keep, sinks, recent, target_from)
+    evict = length > _rows(keep, b, 1)                                     # [B, Hkv]
+    pick = pick_one(k, v, col_sum, position, length, keep, sinks, recent, target_from, protect)
     new_tau, new_set = ema_threshold(pick.u_star, pick.valid, tau, tau_set, beta)
     tau.copy_(new_tau)
     tau_set.copy_(new_set)
     merged, w_e, w_self = merge_weights(pick.u_star, pick.valid, new_tau, variant, min_cos)
     ragged = not isinstance(keep, int)
     row0 = torch.arange(b * h, device=k.device).view(b, h, 1) * c
-    last = newest_slot(length, pick.valid[..., 0], c)[..., None] if ragged else c - 1
+    last = newest_slot(length, evict, c)[..., None] if ragged else c - 1
     flat_n, flat_e = (pick.nearest + row0).reshape(-1), (pick.e + row0).reshape(-1)
     flat_last = (row0 + last).reshape(-1)
+    if score_weights:                                  # the two entries' scores, before anything moves
+        score = col_sum.float()
+        w_e = torch.where(merged, torch.gather(score, 2, pick.e) + SCORE_EPS, 0.0)
+        w_into = torch.gather(score, 2, pick.nearest) + SCORE_EPS
     for buf, src in ((k, pick.k_e), (v, pick.v_e)):
         rows = buf.view(b * h * c, d)
         into = rows.index_select(0, flat_n).view(b, h, 1, d)
-        rows.index_copy_(0, flat_n, merged_rows(into, src, merged, w_e, w_self, variant).view(b * h, d))
+        new = (score_merged_rows(into, src, merged, w_into, w_e) if score_weights
+               else merged_rows(into, src, merged, w_e, w_self, variant))
+        rows.index_copy_(0, flat_n, new.view(b * h, d))
     if bias:                                           # before the move: nearest may be the newest entry
         lw = log_weight.view(-1)
         into, src = lw.index_select(0, flat_n), lw.index_select(0, flat_e)
@@ -204,9 +260,9 @@ def evict_one_in_place(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, 
             t[:, :, c - 1] = empty
             continue
         rows = t.view(b * h * c, *t.shape[3:])         # a row of its own keep may be full and evict nothing
-        gone = pick.valid.reshape(-1, *([1] * (t.dim() - 3)))
+        gone = evict.reshape(-1, *([1] * (t.dim() - 3)))
         rows.index_copy_(0, flat_last, torch.where(gone, empty, rows.index_select(0, flat_last)))
-    length.sub_(pick.valid[..., 0].long())
+    length.sub_(evict.long())
 
 
 # --------------------------------------------------------------------------------------- Triton

@@ -15,6 +15,10 @@ them per program (no compilation per budget, no ``tl.constexpr``), and the CUDA 
 addresses. Their values are the caller's contract (0 <= sinks, 0 <= recent, sinks + recent <= keep and
 0 <= target_from < keep in a row that can evict; D2O's split guarantees it), not checked: that would
 synchronise with the device. Same three kernels as ``d2o_evict_one`` (their RAGGED form), same cost.
+
+D2O's merge_protect and merge_weighting="score" have no kernel: for them D2O runs the shared plain-torch step
+``evict_one_in_place`` with ``protect`` / ``score_weights`` and these same [B] tensors (on CUDA too: batched,
+no host sync, captured by the CUDA graph like the op).
 """
 
 from __future__ import annotations

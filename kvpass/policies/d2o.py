@@ -15,21 +15,23 @@ from kvpass.kernels.cosine_match import cosine_match_reference
 from kvpass.kernels.d2o_evict_one import (
     NO_FLOOR,
     NO_MERGE,
+    SCORE_EPS,
     OneEviction,
-    d2o_evict_one_reference,
     ema_threshold,
+    evict_one_in_place,
     merge_weights,
     merged_log_weight,
     pick_one,
+    protected_count,
+    score_merged_rows,
+    unprotected,
 )
 from kvpass.kernels.d2o_evict_one import merged_rows as _merged_rows
-from kvpass.kernels.d2o_evict_one_ragged import d2o_evict_one_ragged_reference
 from kvpass.policies.allocation import apportion
 from kvpass.policies.base import Policy, Stat, require
 from kvpass.policies.selection import kept_slots, ordered_slots, select_kept
 
 TAU, TAU_SET = "d2o_tau", "d2o_tau_set"     # LayerCache.state: EMA threshold [B] fp32, initialised [B] bool
-SCORE_EPS = 1e-6                             # merge_weighting="score": added to every weight (zero scores average)
 
 
 @dataclass(frozen=True)
@@ -95,14 +97,15 @@ class D2O(Policy):
         unprotected kept entry, or is evicted without trace when none is left (and then does not enter the
         threshold). 0 (default): every kept entry may absorb, the paper [OURS, the merge guard: on the quality
         suite the evicted haystack merged into the needle's own entries, which the scores rank highest, and
-        garbled 7-digit answers; docs/merge-diagnosis.md, "Ablation"]. Decode steps then take the pure path
-        (``compress`` and a copy back), not the in-place op.
+        garbled 7-digit answers; docs/merge-diagnosis.md, "Ablation"]. Decode steps run the in-place step in
+        plain torch (``evict_one_in_place``; the Triton op has no protection), batched rows of their own
+        budgets in one call too (``compress_rows_into``), on CUDA inside the graphed step.
     merge_weighting: "similarity" (default: the variant's weights, exp(u) against e for "paper", u against 1
         for "code") or "score": a kept entry j and the evicted entries E_j merged into it are averaged with their
         eviction scores as weights, x_j <- (s_j x_j + sum_e s_e x_e) / (s_j + sum_e s_e) (each s + 1e-6), for
         keys and values; which entries merge is decided as before. An evicted token, ranked low, then moves
         a high-ranked entry little [OURS: the attention-mass-weighted mean; docs/merge-diagnosis.md,
-        "Ablation"]. Decode steps take the pure path, as with merge_protect.
+        "Ablation"]. Decode steps take the plain-torch in-place step, as with merge_protect.
     merge_bias: True adds log(n) to the attention logit of an entry standing for n tokens (n = 1 + the
         tokens merged into it, recursively; ``LayerCache.log_weight``, as Chelsea's), so merged mass is
         attended in proportion to the tokens it replaced [OURS; the paper attends plainly].
@@ -222,18 +225,25 @@ class D2O(Policy):
     def _protecting(self) -> bool:
         return self.merge and self.merge_protect > 0
 
+    def _protect(self) -> float:
+        """The fraction of a row's budget that never absorbs a token (0 when nothing merges)."""
+        return float(self.merge_protect) if self._protecting() else 0.0
+
     def _in_place_op_applies(self) -> bool:
-        """The decode op ``kvpass::d2o_evict_one`` has neither protected targets nor score weights."""
+        """The Triton decode ops ``kvpass::d2o_evict_one(_ragged)`` have neither protected targets nor score
+        weights (their plain-torch step ``evict_one_in_place`` has both)."""
         return not self._protecting() and self.merge_weighting == "similarity"
 
-    def _unprotected(self, score: Tensor, live: Tensor, keep: int) -> Tensor:
+    def _triton_step(self, cache: LayerCache) -> bool:
+        """Whether the in-place decode step runs as the Triton op: on CUDA, not under export, and only for the
+        options it has; else ``evict_one_in_place`` (plain torch, batched, no host sync)."""
+        return cache.k.is_cuda and not torch.compiler.is_exporting() and self._in_place_op_applies()
+
+    def _unprotected(self, score: Tensor, live: Tensor, keep: int | Tensor) -> Tensor:
         """[B, Hkv, C] bool: the live slots outside the floor(merge_protect * keep) highest ``score`` [B, Hkv, C]
-        of their row (ties: the lower slot first; a stable sort, the same on every device)."""
-        n_protect = int(self.merge_protect * keep)
-        order = torch.sort(score.float().masked_fill(~live, float("-inf")), dim=-1, descending=True, stable=True).indices
-        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
-                                                .expand_as(order).contiguous())
-        return live & (rank >= n_protect)
+        of their row (ties: the lower slot first; a stable sort, the same on every device); ``keep``: an int
+        or [B] int64 (per batch row, on the device)."""
+        return unprotected(score, live, protected_count(self.merge_protect, keep))
 
     # ------------------------------------------------------------------ layer level (§5.4)
     def layer_density(self, caches: list[LayerCache]) -> list[float]:
@@ -350,19 +360,23 @@ class D2O(Policy):
         O(C) reads of one layer's scores and keys, writes of two slots per row. The live slots stay
         [0, length) but no longer in sequence order, which is why the recent window is found by
         position (``pick_one``). Same entries and values as ``compress`` (tested as sets). On CUDA one
-        op of three Triton kernels (``torch.ops.kvpass.d2o_evict_one``), elsewhere and under export its
-        plain-torch reference. Any other capacity: ``compress`` and a copy back."""
-        if cache.capacity != keep + 1 or self.heads.world > 1 or not self._in_place_op_applies():
+        op of three Triton kernels (``torch.ops.kvpass.d2o_evict_one``), elsewhere, under export and for
+        merge_protect or merge_weighting="score" (which the kernels lack) its plain-torch step
+        ``evict_one_in_place``. Any other capacity: ``compress`` and a copy back."""
+        if cache.capacity != keep + 1 or self.heads.world > 1:
             # tensor parallel: the threshold spans ranks
             super().compress_into(cache, keep)
             return
         sinks, _, recent = self.split(keep)
         score, others = self._in_place_inputs(cache)
-        step = (torch.ops.kvpass.d2o_evict_one if cache.k.is_cuda and not torch.compiler.is_exporting()
-                else d2o_evict_one_reference)
-        step(cache.k, cache.v, cache.slot_meta[score], cache.position, cache.log_weight, cache.length,
-             cache.state[TAU], cache.state[TAU_SET], others, keep, sinks, recent, self.beta, self.d2o_variant,
-             self._min_cos(), self._target_from(keep), self.merge_bias)
+        layer = (cache.k, cache.v, cache.slot_meta[score], cache.position, cache.log_weight, cache.length,
+                 cache.state[TAU], cache.state[TAU_SET], others)
+        if self._triton_step(cache):
+            torch.ops.kvpass.d2o_evict_one(*layer, keep, sinks, recent, self.beta, self.d2o_variant, self._min_cos(),
+                                           self._target_from(keep), self.merge_bias)
+        else:
+            evict_one_in_place(*layer, keep, sinks, recent, self._target_from(keep), self.beta, self.d2o_variant,
+                               self._min_cos(), self.merge_bias, self._protect(), self.merge_weighting == "score")
 
     def _in_place_inputs(self, cache: LayerCache) -> tuple[str, list[Tensor]]:
         """What the in-place one-in-one-out ops need beyond the cache's tensors: the EMA threshold state
@@ -379,10 +393,9 @@ class D2O(Policy):
         """Rows of their own budgets in one call (``compress_rows_into``) where no row's capacity exceeds its
         budget + 1 (the one-in-one-out step, ``interval`` 1): a row is due exactly when it holds budget + 1
         entries, so compressing every row of the layer at its own budget evicts one entry from each due row
-        and nothing from the others. Not under tensor parallelism (the threshold spans ranks: the general path),
-        nor with merge_protect or merge_weighting="score" (the ragged op has neither: each row alone)."""
-        return self.heads.world == 1 and self._in_place_op_applies() and all(1 <= cap <= keep + 1
-                                             for keep, cap in zip(budgets, capacities, strict=True))
+        and nothing from the others. Not under tensor parallelism (the threshold spans ranks: the general path).
+        Every option: merge_protect and merge_weighting="score" take the plain-torch step (``compress_rows_into``)."""
+        return self.heads.world == 1 and all(1 <= cap <= keep + 1 for keep, cap in zip(budgets, capacities, strict=True))
 
     def split_rows(self, keep: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``split`` per batch row: keep [B] int64 -> (sinks, important N incl. sinks, recent M), each [B]."""
@@ -399,33 +412,31 @@ class D2O(Policy):
         keep[b] + 1 (tests/kernels/test_d2o_evict_ragged.py). Each row's sinks and recent window come from
         its own budget (``split_rows``, device tensors: nothing synchronises, the CUDA-graphed step captures
         it). On CUDA the Triton op ``torch.ops.kvpass.d2o_evict_one_ragged`` (the same three kernels, which
-        read the per-row values from the tensors: no compilation per budget), elsewhere its reference."""
+        read the per-row values from the tensors: no compilation per budget); elsewhere, under export and for
+        merge_protect (floor(merge_protect * keep[b]) protected per row, on the device) or
+        merge_weighting="score", which the kernels lack, the plain-torch step ``evict_one_in_place``, batched
+        and capturable all the same (tests/kernels/test_d2o_evict_ragged.py: each row as ``_compress_one`` alone)."""
         if self.heads.world > 1:
             raise NotImplementedError("d2o: per-row budgets in one call need one process (rows_in_one_call)")
         keep = keep.to(device=cache.k.device, dtype=torch.long).contiguous()
         sinks, _, recent = self.split_rows(keep)
         target_from = torch.zeros_like(keep) if self.merge_into_sinks else sinks
         score, others = self._in_place_inputs(cache)
-        step = (torch.ops.kvpass.d2o_evict_one_ragged if cache.k.is_cuda and not torch.compiler.is_exporting()
-                else d2o_evict_one_ragged_reference)
-        step(cache.k, cache.v, cache.slot_meta[score], cache.position, cache.log_weight, cache.length,
-             cache.state[TAU], cache.state[TAU_SET], others, keep, sinks, recent, target_from, self.beta,
-             self.d2o_variant, self._min_cos(), self.merge_bias)
+        layer = (cache.k, cache.v, cache.slot_meta[score], cache.position, cache.log_weight, cache.length,
+                 cache.state[TAU], cache.state[TAU_SET], others)
+        if self._triton_step(cache):
+            torch.ops.kvpass.d2o_evict_one_ragged(*layer, keep, sinks, recent, target_from, self.beta,
+                                                  self.d2o_variant, self._min_cos(), self.merge_bias)
+        else:
+            evict_one_in_place(*layer, keep, sinks, recent, target_from, self.beta, self.d2o_variant,
+                               self._min_cos(), self.merge_bias, self._protect(), self.merge_weighting == "score")
 
     def _pick_one(self, cache: LayerCache, keep: int) -> OneEviction:
-        """``pick_one`` (§5.5-5.6 for rows of at most keep + 1 entries) on this layer's cache."""
+        """``pick_one`` (§5.5-5.6 for rows of at most keep + 1 entries) on this layer's cache; merge_protect:
+        the nearest unprotected kept entry (the protected ones ranked without the evicted slot)."""
         sinks, _, recent = self.split(keep)
-        pick = pick_one(cache.k, cache.v, self._score(cache), cache.position, cache.length, keep, sinks, recent,
-                        self._target_from(keep))
-        if not self._protecting():
-            return pick
-        # merge_protect: the nearest unprotected kept entry (the protected ones ranked without the evicted slot)
-        j = torch.arange(cache.capacity, device=cache.k.device)
-        others = cache.live & (j != pick.e)
-        targets = self._unprotected(self._score(cache), others, keep) & (j >= self._target_from(keep))
-        nearest, u_star = cosine_match_reference(pick.k_e, cache.k, targets)                 # [B, Hkv, 1]
-        valid = pick.valid & (nearest >= 0)
-        return pick._replace(valid=valid, nearest=nearest.clamp(min=0), u_star=torch.where(valid, u_star, 0.0))
+        return pick_one(cache.k, cache.v, self._score(cache), cache.position, cache.length, keep, sinks, recent,
+                        self._target_from(keep), self._protect())
 
     def _compress_one(self, cache: LayerCache, keep: int) -> LayerCache:
         """One-in-one-out (capacity keep + 1) as a pure function: the entry ``_pick_one`` chooses is
@@ -446,8 +457,7 @@ class D2O(Policy):
             w_into = torch.gather(score, 2, pick.nearest) + SCORE_EPS
 
             def rows(into: Tensor, src: Tensor) -> Tensor:
-                new = (w_into[..., None] * into.float() + w_e[..., None] * src.float()) / (w_into + w_e)[..., None]
-                return torch.where(merged[..., None], new.to(into.dtype), into)
+                return score_merged_rows(into, src, merged, w_into, w_e)
         else:
             def rows(into: Tensor, src: Tensor) -> Tensor:
                 return _merged_rows(into, src, merged, w_e, w_self, self.d2o_variant)

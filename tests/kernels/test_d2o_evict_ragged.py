@@ -4,7 +4,8 @@ Three things: the Triton kernels equal the ragged reference (as in test_d2o_evic
 exactly, K, V and tau to the last bits); the ragged reference with one keep for every row is the one-budget
 reference, bit for bit; and every row of a ragged layer gets exactly what the per-row path gives it
 (the runtime's ``compress_rows_into``: the row alone, in a copy of its own capacity keep + 1, through
-``D2O.compress_into``), for D2O's options too."""
+``D2O.compress_into``), for D2O's options too. D2O's merge_protect and merge_weighting="score" (the plain-torch
+step alone, no kernel): every row of one batched call as the pure path ``_compress_one`` gives it alone."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from kvpass.cache import LayerCache, put_rows_at, take_rows
-from kvpass.kernels.d2o_evict_one import d2o_evict_one_reference
+from kvpass.kernels.d2o_evict_one import d2o_evict_one_reference, protected_count, unprotected
 from kvpass.kernels.d2o_evict_one_ragged import d2o_evict_one_ragged_reference, d2o_evict_one_ragged_triton
 from kvpass.policies.d2o import D2O, TAU, TAU_SET
 from tests.kernels.test_d2o_evict_one import (
@@ -29,11 +30,12 @@ NEVER = 99          # a budget above the test layers' capacity: the row never ev
 
 
 def ragged_layer(keeps: list[int], h: int, d: int, seed: int, dtype: torch.dtype, near: float = 0.3,
-                 extra: int = 0, capacity: int | None = None) -> dict[str, torch.Tensor]:
+                 extra: int = 0, capacity: int | None = None, idle: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
     """A layer of ``capacity`` C slots (default: the largest budget below NEVER + 1 + ``extra``) whose row b is
     ``random_layer``'s layer of capacity keeps[b] + 1 (heads of random lengths, every other head full at
     keeps[b] + 1, so it evicts, with its newest entry in slot keeps[b]) followed by empty slots with garbage
-    K, V; a row whose budget is C or more holds up to C - 4 entries (room for decode writes), never evicting."""
+    K, V; a row whose budget is C or more holds up to C - 4 entries (room for decode writes), never evicting;
+    a row b in ``idle`` holds at most keeps[b] entries in every head (not due this step)."""
     c = capacity or max(k for k in keeps if k < NEVER) + 1 + extra
     rows = []
     gen = torch.Generator().manual_seed(seed + 1000)
@@ -41,6 +43,9 @@ def ragged_layer(keeps: list[int], h: int, d: int, seed: int, dtype: torch.dtype
         if keep >= c:
             length = torch.randint(1, c - 3, (1, h), generator=gen)
             row = random_layer(1, h, c - 1, d, seed=seed + b, dtype=dtype, length=length, near=near)
+        elif b in idle:
+            length = torch.randint(1, keep + 1, (1, h), generator=gen)
+            row = random_layer(1, h, keep, d, seed=seed + b, dtype=dtype, length=length, near=near)
         else:
             row = random_layer(1, h, keep, d, seed=seed + b, dtype=dtype, near=near)
         pad = c - row["k"].shape[2]
@@ -134,8 +139,11 @@ def per_row_path(policy: D2O, cache: LayerCache, keeps: list[int]) -> None:
 
 
 @pytest.mark.parametrize("options", [{}, {"d2o_variant": "code"}, {"merge_into_sinks": False, "merge_floor": 0.2},
-                                     {"merge_bias": True, "sinks": 1, "n_m_ratio": (1, 1)}, {"merge": False}],
-                         ids=["paper", "code", "guard", "bias", "no-merge"])
+                                     {"merge_bias": True, "sinks": 1, "n_m_ratio": (1, 1)}, {"merge": False},
+                                     {"merge_protect": 0.5},
+                                     {"merge_weighting": "score", "merge_protect": 0.25, "merge_bias": True,
+                                      "d2o_variant": "code"}],
+                         ids=["paper", "code", "guard", "bias", "no-merge", "protect", "score-protect"])
 @pytest.mark.parametrize("with_tau", [True, False], ids=["tau", "first"])
 def test_compress_rows_into_equals_the_per_row_path(options: dict, with_tau: bool) -> None:
     """``D2O.compress_rows_into`` (the ragged reference, one call) against the per-row path, over steps: the
@@ -170,6 +178,110 @@ def test_compress_rows_into_equals_the_per_row_path(options: dict, with_tau: boo
         decode_write(want, step, gen)
         decode_write(got, step, gen2)
     assert evicted >= 4 * 2, evicted          # every step: at least one head of each evicting row (full ones)
+
+
+def _row_cache(layer: dict[str, torch.Tensor], b: int, capacity: int) -> LayerCache:
+    """Batch row b of ``layer`` alone, a copy of its first ``capacity`` slots (what the row holds on its own)."""
+    row = {name: t[b:b + 1].clone() if t.dim() < 3 else t[b:b + 1, :, :capacity].clone()     # tau, length: all
+           for name, t in layer.items()}
+    return _cache(row, with_tau=True)
+
+
+def _assert_same_entries(got: dict[str, torch.Tensor], b: int, want: LayerCache, msg: str, tol: float = 1e-12) -> None:
+    """Row b of the in-place layer ``got`` holds the entries of ``want`` (a batch of one, any slot order): per
+    head the same positions, scores and log-weights exactly, K, V within ``tol`` (float64 inputs; the merge is
+    computed in fp32 by both, so on one CPU they agree to the bit: ``tol`` leaves room for a last-bit
+    difference of another matmul's cosine on CUDA)."""
+    assert got["length"][b].tolist() == want.length[0].tolist(), msg
+    for g, n in enumerate(want.length[0].tolist()):
+        mine = got["position"][b, g, :n].argsort()
+        theirs = want.position[0, g, :n].argsort()
+        assert torch.equal(got["position"][b, g, :n][mine], want.position[0, g, :n][theirs]), f"{msg} head {g}"
+        for name, ref in (("col_sum", want.slot_meta["col_sum"]), ("window", want.slot_meta["window"]),
+                          ("log_weight", want.log_weight)):
+            assert torch.equal(got[name][b, g, :n][mine], ref[0, g, :n][theirs]), f"{msg} head {g} {name}"
+        for name, ref in (("k", want.k), ("v", want.v)):
+            torch.testing.assert_close(got[name][b, g, :n][mine], ref[0, g, :n][theirs], rtol=tol, atol=tol,
+                                       msg=f"{msg} head {g} {name}")
+
+
+def _changed_keys(before: dict[str, torch.Tensor], b: int, after: LayerCache) -> int:
+    """How many live entries of ``after`` (row b alone) have another key than the same position in ``before``."""
+    changed = 0
+    for g, n in enumerate(after.length[0].tolist()):
+        for s in range(n):
+            src = int((before["position"][b, g] == after.position[0, g, s]).nonzero()[0, 0])
+            changed += int(not torch.equal(after.k[0, g, s], before["k"][b, g, src]))
+    return changed
+
+
+@pytest.mark.parametrize("variant", ["paper", "code"])
+@pytest.mark.parametrize("bias", [False, True], ids=["plain", "bias"])
+@pytest.mark.parametrize("weighting", ["similarity", "score"])
+@pytest.mark.parametrize("protect", [0.25, 0.5])
+def test_guarded_rows_in_one_call_equal_each_row_alone(protect: float, weighting: str, bias: bool,
+                                                      variant: str) -> None:
+    """merge_protect and merge_weighting="score" (no Triton op: the plain-torch step): ``compress_rows_into``
+    over a float64 layer of rows of different budgets and lengths (one never evicting, one not due at the first
+    step) gives every row, at every step, what the pure one-in-one-out path ``_compress_one`` gives the row
+    alone at its own budget: the same entries with their positions, merged K, V, scores, log-weights and
+    threshold; the other rows are untouched."""
+    policy = D2O(merge_protect=protect, merge_weighting=weighting, merge_bias=bias, d2o_variant=variant,
+                 sinks=2, merge_into_sinks=protect != 0.25)
+    keeps = [6, 13, 9, NEVER, 11]
+    layer = ragged_layer(keeps, 3, 8, seed=int(protect * 8) + 2 * bias + (weighting == "score"),
+                         dtype=torch.float64, near=0.5, idle=(4,))
+    sizes = 1.5 * torch.rand(layer["log_weight"].shape, generator=torch.Generator().manual_seed(1))
+    layer["log_weight"] = torch.where(layer["log_weight"] > float("-inf"), sizes, layer["log_weight"])  # earlier merges
+    keep = torch.tensor(keeps)
+    gen = torch.Generator().manual_seed(5)
+    merged = unguarded = 0
+    for step in range(4):                                       # the never-due row has room for 4 writes
+        start = copied(layer, "cpu")
+        alone = {b: policy._compress_one(_row_cache(start, b, kb + 1), kb) for b, kb in enumerate(keeps) if kb < NEVER}
+        cache = _cache(layer, with_tau=True)
+        policy.compress_rows_into(cache, keep)
+        for b, want in alone.items():
+            _assert_same_entries(layer, b, want, f"step {step} row {b}")
+            assert torch.equal(layer["tau"][b:b + 1], want.state[TAU]), f"step {step} row {b} tau"
+            assert torch.equal(layer["tau_set"][b:b + 1], want.state[TAU_SET]), f"step {step} row {b} tau_set"
+            merged += _changed_keys(start, b, want)
+        for name, t in layer.items():                           # the never-due row: every tensor as it was
+            assert torch.equal(t[3], start[name][3]), f"step {step} {name}"
+        plain = D2O(d2o_variant=variant, sinks=2, merge_into_sinks=policy.merge_into_sinks, merge_bias=bias)
+        unguarded += sum(not torch.equal(plain._compress_one(_row_cache(start, b, keeps[b] + 1), keeps[b]).k, want.k)
+                         for b, want in alone.items())
+        decode_write(layer, step, gen)
+    assert merged > 0, "no merge happened: the test compares evictions alone"
+    assert unguarded > 0, "the options never changed a merge: the test does not exercise them"
+
+
+@pytest.mark.parametrize("protect", [0.1, 0.25, 0.29, 0.3, 0.5, 0.7, 0.9])
+def test_protected_count_on_the_device_is_the_host_floor(protect: float) -> None:
+    """floor(protect * keep) as the [B] tensor the batched step computes (fp64, on the device) and as the int
+    the one-budget path computes (Python's float product, int()): equal for every budget up to 10^5, products
+    that land a rounding error off an integer (0.29 * 100, 0.1 * 30, 0.7 * 10) included."""
+    keep = torch.arange(1, 100_001)
+    want = torch.tensor([int(protect * k) for k in range(1, 100_001)])
+    assert torch.equal(protected_count(protect, keep), want)
+    assert protected_count(protect, 10) == int(protect * 10)
+
+
+def test_unprotected_is_the_top_scores_of_each_row_by_a_loop() -> None:
+    """``unprotected`` with a count per batch row: the live slots outside the n[b] highest scores of each
+    (row, head), ties to the lower slot, against a sort of (-score, slot) in Python; on coarse scores (ties)."""
+    gen = torch.Generator().manual_seed(0)
+    b, h, c = 3, 4, 17
+    score = (torch.randint(0, 5, (b, h, c), generator=gen) / 4.0).float()
+    live = torch.arange(c) < torch.randint(1, c + 1, (b, h, 1), generator=gen)
+    live &= torch.rand(b, h, c, generator=gen) < 0.9                 # holes, as the evicted slot is
+    n = torch.tensor([0, 3, 7])
+    got = unprotected(score, live, n)
+    for bb in range(b):
+        for g in range(h):
+            slots = [j for j in range(c) if live[bb, g, j]]
+            top = set(sorted(slots, key=lambda j: (-float(score[bb, g, j]), j))[: int(n[bb])])
+            assert [j for j in range(c) if got[bb, g, j]] == [j for j in slots if j not in top], (bb, g)
 
 
 def test_ragged_inputs_are_checked(triton_device: str) -> None:
@@ -212,3 +324,28 @@ def test_cuda_ragged_op_equals_reference_at_real_shapes(variant: str) -> None:
     start = copied(want, "cuda")
     run_ragged(torch.ops.kvpass.d2o_evict_one_ragged, want, split, variant)
     assert_replay_equals(lambda x: run_ragged(torch.ops.kvpass.d2o_evict_one_ragged, x, split, variant), start, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("options", [dict(merge_protect=0.5),
+                                     dict(merge_weighting="score", merge_protect=0.25, merge_bias=True, d2o_variant="code")],
+                         ids=["protect", "score-protect"])
+def test_cuda_guarded_rows_in_one_call_equal_each_row_alone_and_replay(options: dict) -> None:
+    """merge_protect / merge_weighting="score" on CUDA (the plain-torch step, batched): every row as
+    ``_compress_one`` gives it alone on CUDA, at budgets of a few hundred (one row never evicting), float64;
+    then the step captured in a CUDA graph and replayed equals the eager call (no host sync, no .item())."""
+    policy = D2O(**options)
+    keeps = [600, 450, 520, 700]
+    layer = {n: t.cuda() for n, t in ragged_layer(keeps, 8, 64, seed=13, dtype=torch.float64, near=0.3,
+                                                   capacity=601).items()}
+    keep = torch.tensor(keeps, device="cuda")
+    start = copied(layer, "cuda")
+    alone = {b: policy._compress_one(_row_cache(start, b, kb + 1), kb) for b, kb in enumerate(keeps) if kb < 601}
+    policy.compress_rows_into(_cache(layer, with_tau=True), keep)
+    for b, want in alone.items():
+        _assert_same_entries(layer, b, want, f"row {b}", tol=1e-6)
+        torch.testing.assert_close(layer["tau"][b:b + 1], want.state[TAU], rtol=0, atol=1e-6)
+    for name, t in layer.items():
+        assert torch.equal(t[3], start[name][3]), name
+    assert_replay_equals(lambda x: policy.compress_rows_into(_cache(x, with_tau=True), keep), start, layer)

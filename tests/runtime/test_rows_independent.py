@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import kvpass
+import kvpass.runtime.session as session_module
 from kvpass.policies import POLICIES
+from kvpass.policies.d2o import D2O
 from tests.conftest import padded_batch
 from tests.policies.policy_helpers import apply_cached, captured_model
 
@@ -78,15 +80,23 @@ def test_d2o_layer_budgets_are_per_row():
         assert lay.budget == max(lay.row_budgets) and lay.cache.capacity == lay.budget + 1
 
 
-@pytest.mark.parametrize("options", [dict(merge_protect=0.5), dict(merge_weighting="score")],
-                         ids=["merge_protect", "score-weights"])
-def test_d2o_guarded_merges_decode_each_row_as_alone(options):
-    """D2O's merge_protect and merge_weighting="score" have no in-place decode op: rows of their own layer
-    budgets (padded-fraction: different prompts, different budgets) still decode what they decode alone."""
-    kv = apply_cached("llama", "d2o", 0.4, **options)
-    lengths = [40, 23, 31]
+@pytest.mark.parametrize("lengths", [[40, 40, 40], [40, 23, 31]], ids=["equal", "padded"])
+@pytest.mark.parametrize("spec", ["d2o[merge_protect=0.5]", "d2o[merge_weighting=score]",
+                                  "d2o[merge_protect=0.25,merge_weighting=score,merge_bias=true,d2o_variant=code]"],
+                         ids=["merge_protect", "score-weights", "both"])
+def test_d2o_guarded_merges_decode_each_row_as_alone(spec, lengths, monkeypatch):
+    """D2O's merge_protect and merge_weighting="score" (no Triton op: the plain-torch in-place step): rows of
+    their own layer budgets (different prompts, different budgets, equal lengths or left-padded) are compressed
+    in one call per layer (``D2O.compress_rows_into``, never the runtime's per-row copies) and still decode
+    what they decode alone."""
+    kv = apply_cached("llama", spec, 0.4)
     ids, mask = padded_batch(lengths, seed=len(lengths) + sum(lengths))
+    calls = []
+    one_call = D2O.compress_rows_into
+    monkeypatch.setattr(session_module, "compress_rows_into", lambda *a: pytest.fail("per-row path taken"))
+    monkeypatch.setattr(D2O, "compress_rows_into", lambda self, *a: calls.append(1) or one_call(self, *a))
     tokens, logits = _greedy(kv, ids, mask)
+    assert calls, "no layer had rows of their own budgets: the test does not exercise the batched path"
     for row, n in enumerate(lengths):
         alone_tokens, alone_logits = _greedy(kv, ids[row:row + 1, ids.shape[1] - n:], None)
         assert torch.equal(tokens[row:row + 1], alone_tokens), row
