@@ -1,5 +1,5 @@
 """benchmarks/kvmerger_collapse.py: where a loop starts, and the per-compression record on a cache whose
-protected entries and pivots overflow keep (the default drops the newest entry, overflow="tiered" keeps it)."""
+protected entries and pivots overflow keep (overflow="slot_order", the old default, drops the newest entry; "tiered", the default, keeps it)."""
 
 from __future__ import annotations
 

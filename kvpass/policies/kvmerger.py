@@ -48,17 +48,18 @@ class KVMerger(Policy):
 
     ``overflow`` says what goes when the protected entries and this round's merged entries (pivots) alone
     exceed ``keep`` (every prompt compression below a budget of about recent_ratio + heavy_ratio, where the
-    protected entries are scaled to fill ``keep``): "slot_order" (default, the stored results) ranks them
-    all equal and drops the last in sequence order, i.e. the newest protected (recent) entries and the
-    prompt's last tokens; "tiered" keeps protected entries first, then pivots by accumulated attention,
-    then singletons (docs/merge-diagnosis.md, "Degeneration check").
+    protected entries are scaled to fill ``keep``): "tiered" (default) keeps protected entries first, then
+    pivots by accumulated attention, then singletons; "slot_order" (the behaviour before session 19, kept
+    for the stored results) ranks them all equal and drops the last in sequence order, i.e. the newest
+    protected (recent) entries and the prompt's last tokens in every head, a bug (docs/merge-diagnosis.md,
+    "Degeneration check": perplexity x620 at budget 0.1 on SmolLM2; x10 with "tiered").
 
     Parameters
     ----------
     epsilon: 0.75. recent_ratio, heavy_ratio: 0.17 and 0.12 (the 50% setting; 35%: 0.08 and 0.02).
     sigma: 5. sigma_mode: "fixed" or "mean_dist" (§3.9). value_scale: "set_size" (plain attention,
-    values times |S|) or "none" (log|S| logit bias instead, §3.7). interval: 16. overflow: "slot_order"
-    or "tiered" (above).
+    values times |S|) or "none" (log|S| logit bias instead, §3.7). interval: 16. overflow: "tiered" or
+    "slot_order" (above).
     """
 
     name: ClassVar[str] = "kvmerger"
@@ -73,7 +74,7 @@ class KVMerger(Policy):
     value_scale: str = "set_size"
     budget_mode: str = "strict"
     interval: int = 16
-    overflow: str = "slot_order"
+    overflow: str = "tiered"
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -123,16 +123,17 @@ def overflowing_cache(c=96, d=8, seed=0) -> LayerCache:
 def test_overflow_tiered_keeps_the_protected_entries(value_scale):
     cache = overflowing_cache()
     c, keep = cache.capacity, 12                                # protected: ceil(.17c) + ceil(.12c) = 45 > keep
-    old = KVMerger(value_scale=value_scale)
+    old = KVMerger(value_scale=value_scale, overflow="slot_order")
     plan = old.plan(cache, keep)
     protected = plan.protected[0, 0]
     pivots = (plan.size > 1) & (plan.pivot == torch.arange(c))
     assert int(protected.sum()) + int((pivots & ~plan.protected).sum()) > keep    # the case overflows
-    # default ("slot_order"): protected entries and pivots tie; the last slots go, the newest tokens with them
+    # "slot_order" (the old default): protected entries and pivots tie; the last slots go, the newest tokens too
     kept_old = set(old.compress(cache, keep).position[0, 0, :keep].tolist())
     assert c - 1 not in kept_old
-    # "tiered": every protected entry stays, the rest of keep goes to the pivots of highest col_sum
-    out = KVMerger(value_scale=value_scale, overflow="tiered").compress(cache, keep)
+    # "tiered" (the default): every protected entry stays, the rest of keep goes to the pivots of highest col_sum
+    assert KVMerger().overflow == "tiered"
+    out = KVMerger(value_scale=value_scale).compress(cache, keep)
     assert int(out.length) == keep
     kept = set(out.position[0, 0, :keep].tolist())
     want_protected = {j for j in range(c) if protected[j]}
