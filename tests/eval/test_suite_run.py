@@ -60,6 +60,36 @@ def test_resume_and_time_limit(loaded, items, finished, tmp_path, monkeypatch):
     assert len(Store(store.path)) == 20
 
 
+def test_out_of_memory_retries_the_batch_in_halves(loaded, items, finished, tmp_path, monkeypatch):
+    """A batch that runs out of GPU memory (processes sharing the GPU) is retried as two halves, down to
+    single rows; every case is still scored, with the same tokens as the unbroken run."""
+    import torch
+
+    real = niah.answer_kvpass
+    sizes = []
+
+    def answer(kv, part, *a, **k):
+        sizes.append(len(part))
+        if len(part) > 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+        return real(kv, part, *a, **k)
+
+    monkeypatch.setattr(niah, "answer_kvpass", answer)
+    store = Store(tmp_path / "oom.json")
+    cells = suite.cells(["full", "streamingllm"], [0.5], list(suite.MODES), reference=False)
+    assert suite.run(loaded, items, cells, store, batch=4) is True
+    assert max(sizes) > 1 and sizes.count(1) == 4 * 4      # batches of 2 (two families), then 4 rows x 4 cells alone
+    assert len(store) == 16
+    for key, r in store.cases.items():
+        assert r["output_ids"] == finished.cases[key]["output_ids"]
+    # a single row that runs out is not hidden
+    monkeypatch.setattr(niah, "answer_kvpass", lambda *a, **k: (_ for _ in ()).throw(
+        torch.cuda.OutOfMemoryError("CUDA out of memory (test)")))
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        suite.run(loaded, items[:1], suite.cells(["h2o"], [0.5], ["query_aware"], reference=False),
+                  Store(tmp_path / "one.json"), batch=4)
+
+
 def test_cli_run_report_and_calibrate(loaded, monkeypatch, tmp_path):
     monkeypatch.setattr("kvpass.eval.common.load", lambda name, device="cpu": loaded)
     out, cal = tmp_path / "res", tmp_path / "cal.json"
