@@ -33,8 +33,8 @@ def accuracy_rows(records: list[dict]) -> list[tuple]:
 
 def agreement(records: list[dict], policy: str, mode: str, against: list[dict], against_policy: str) -> tuple[int, int]:
     """(cases whose answer tokens equal, cases compared) between two policies on the same cases."""
-    mine = {r["case"]: r for r in records if r.get("policy") == policy and r.get("mode") == mode}
-    theirs = {r["case"]: r for r in against if r.get("policy") == against_policy}
+    mine = {r["case"]: r for r in records if r.get("policy") == policy and r.get("mode") == mode and "case" in r}
+    theirs = {r["case"]: r for r in against if r.get("policy") == against_policy and "case" in r}   # not errors
     common = sorted(set(mine) & set(theirs))
     return sum(mine[c]["output_ids"] == theirs[c]["output_ids"] for c in common), len(common)
 
