@@ -33,15 +33,14 @@ start)
   # Batch 8: at 16, 9 of 20 processes sharing the H200 ran out of memory (prefill statistics at 4k).
   # kvmerger: re-run at its new default (overflow=tiered); the old rows are kvmerger[overflow=slot_order].
   BATCH=8 SEED=$store setsid bash benchmarks/suite_rows_gpu.sh "$board/merge" "$seconds" smollm2 \
-    "kvmerger|0.1 0.2 0.5|1" "kvmerger[value_scale=none]|0.1 0.2 0.5|1" \
-    "d2o[scores=window,window_kernel=31,merge_protect=0.5]|0.1 0.2 0.5|2" \
-    "d2o[scores=window,window_kernel=31,merge_weighting=score]|0.1 0.2 0.5|2" >"$board/merge.log" 2>&1 < /dev/null &
+    "d2o[scores=window,window_kernel=31,merge_protect=0.5]|0.1 0.2 0.5|3" \
+    "d2o[scores=window,window_kernel=31,merge_weighting=score]|0.1 0.2 0.5|2" \
+    "kvmerger|0.1 0.2 0.5|1" "kvmerger[value_scale=none]|0.1 0.2 0.5|1" >"$board/merge.log" 2>&1 < /dev/null &
   BATCH=8 SEED=$store setsid bash benchmarks/suite_rows_gpu.sh "$board/fill" "$seconds" smollm2 \
-    "d2o|0.1 0.2 0.5|1" "d2o[scores=window,window_kernel=31]|0.1 0.2 0.5|1" \
-    "d2o[scores=window,window_kernel=31,merge=false]|0.1 0.2 0.5|1" "h2o|0.1 0.2 0.5|1" "ems|0.1 0.2 0.5|1" \
-    "ems[scores=window]|0.1 0.2 0.5|1" "ems[scores=window,pool_kernel=31]|0.1 0.2 0.5|1" \
-    "pyramidkv|0.1 0.2 0.5|1" "clusterkv|0.1 0.2 0.5|1" >"$board/fill.log" 2>&1 < /dev/null &
-  if [ -d .whl ]; then                      # kvpress at ratio 0.8 (budget 0.2) on the very same cases
+    "d2o[scores=window,window_kernel=31,merge=false]|0.1 0.2 0.5|1" "ems[scores=window]|0.1 0.2 0.5|1" \
+    "ems[scores=window,pool_kernel=31]|0.1 0.2 0.5|1" "d2o[scores=window,window_kernel=31]|0.1 0.2 0.5|1" \
+    "knorm[recent=32]|0.1 0.2 0.5|1" >"$board/fill.log" 2>&1 < /dev/null &
+  if [ -d .whl ] && [ -z "${NO_PEERS:-}" ]; then     # kvpress at ratio 0.8 (budget 0.2) on the very same cases
     python3 -m kvpass.cli eval suite export --model smollm2 --cases 100 --out "$board/cases-smollm2.jsonl" | tail -1
     [ -f "$board/peers-smollm2.json" ] || cp benchmarks/results/quality-suite-smollm2-peers.json "$board/peers-smollm2.json"
     PEERS_PROCS=${PEERS_PROCS:-4} PEERS_RATIOS=${PEERS_RATIOS:-0.8} setsid bash benchmarks/peers/gpu_run.sh "$board/cases-smollm2.jsonl" \

@@ -2,7 +2,7 @@
 
 For every compressing policy configuration (``configs()``: each registered policy that uses a budget, with
 its defaults, plus the documented option configurations: the default ``snapkv[kernel=31]``, D2O and EMS
-with window scores, KVMerger without value scaling and with ``overflow=tiered``) at each budget, on ``--prompts`` segments of real essay
+with window scores, KVMerger without value scaling and with the old ``overflow=slot_order``, Knorm with a recent window) at each budget, on ``--prompts`` segments of real essay
 text (the Paul Graham essays of ``kvpass.prompts.essays``, cut as ``kvpass eval ppl`` cuts them:
 ``kvpass.eval.lm.Segment`` / ``segment_ids``; segment i starts at essay token i * (prefix + steps)):
 
@@ -34,7 +34,7 @@ Run (CPU, ~30 min on one core for the default grid; JSON + a Markdown table next
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/degeneration_check.py \\
         --json benchmarks/results/degeneration-smollm2-cpu.json
     # GPU (the lead): more prompts, one batch
-    PYTHONPATH=. python benchmarks/degeneration_check.py --device cuda --prompts 16 --prefix 2048 --steps 256 \\
+    PYTHONPATH=. python benchmarks/degeneration_check.py --device cuda --prompts 16 --prefix 2048 --steps 128 \\
         --gen-tokens 128 --json benchmarks/results/degeneration-smollm2-cuda.json
 
 Results are resumable: cells already in ``--json`` (same model, prompts, prefix, steps, gen tokens) are kept.
@@ -68,9 +68,9 @@ OPTION_CONFIGS = (
     "d2o[scores=window,window_kernel=31,merge_weighting=score]",
     "d2o[scores=window,window_kernel=31,merge=false]",
     "ems[scores=window,pool_kernel=31]",
-    "kvmerger[value_scale=none]",
-    "kvmerger[overflow=tiered]",                    # docs/merge-diagnosis.md, "Degeneration check"
-    "kvmerger[value_scale=none,overflow=tiered]",
+    "kvmerger[value_scale=none]",                   # overflow="tiered", the default since session 19
+    "kvmerger[overflow=slot_order]",                # the old default: docs/merge-diagnosis.md, "Degeneration check"
+    "knorm[recent=32]",
 )
 THRESHOLDS = {
     "ppl_ratio": 10.0,          # cell: ppl / full's ppl at or above this
