@@ -27,6 +27,9 @@ counting compilations (target: <= 8 in all; by design 1) and their seconds, and 
 Where the sweep's policy is one of the speed rows', the sweep continues with that row's model (compiled there:
 ``compilations`` counts what the sweep's prompts added, ``compilations_in_all`` the model's whole count).
 
+``--batch N --no-generate --sweep 0`` measures the large-batch rows instead (issue 29: d2o's tokens/s at its
+largest batch against streamingllm's, ``tokens_per_s_over_streamingllm``; rows prefilled one at a time).
+
 No new part (nor sweep prompt) starts after ``--time-limit`` seconds (default 300: about six minutes of device time with the model
 build); what is left is recorded as skipped. ``--layers 24`` cuts every part's time by a quarter (the JSON says
 how many layers ran: ``config.layers``).
@@ -59,8 +62,8 @@ from kvpass.policies import DEFAULT_POLICY  # noqa: E402
 from kvpass.rewrites import capture_model  # noqa: E402
 
 
-def random_ids(vocab: int, tokens: int, seed: int, device: torch.device) -> torch.Tensor:
-    return torch.randint(1, vocab, (1, tokens), generator=torch.Generator().manual_seed(seed)).to(device)
+def random_ids(vocab: int, tokens: int, seed: int, device: torch.device, batch: int = 1) -> torch.Tensor:
+    return torch.randint(1, vocab, (batch, tokens), generator=torch.Generator().manual_seed(seed)).to(device)
 
 
 def decode_speed(kv, ids: torch.Tensor, warmup: int, steps: int, device: torch.device) -> dict:
@@ -130,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep-new", type=int, default=4)
     ap.add_argument("--sweep-policy", default=DEFAULT_POLICY)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=1,
+                    help="rows of the speed rows (prefilled one row at a time; tokens_per_s = batch / time a step)")
+    ap.add_argument("--no-generate", action="store_true", help="skip the generate timing (TTFT x3 at large batch)")
     ap.add_argument("--time-limit", type=float, default=300.0, help="no new part starts after this many seconds")
     args = ap.parse_args(argv)
     started = time.monotonic()
@@ -150,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict = {"config": {"smoke": smoke, "device": gpu_name(device) if device.type == "cuda" else "cpu",
                                 "dtype": str(dtype), "layers": layers, "model_layers": base["num_hidden_layers"],
-                                "budget": args.budget, "prompt": prompt, "batch": 1, "warmup": warmup,
+                                "budget": args.budget, "prompt": prompt, "batch": args.batch, "warmup": warmup,
                                 "steps": steps, "compile_argument": compile_arg, "policies": policies,
                                 "torch": torch.__version__, "argv": sys.argv[1:] if argv is None else argv}}
     t0 = time.monotonic()
@@ -162,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                         "copy_bandwidth_GBps": bandwidth / 1e9}
     print(f"[compiled-default] setup {results['setup']}", flush=True)
 
-    ids = random_ids(model.config.vocab_size, prompt, args.seed, device)
+    ids = random_ids(model.config.vocab_size, prompt, args.seed, device, args.batch)
     rows, sweep_model = {}, None
     for spec in policies:
         if time.monotonic() > deadline:
@@ -173,12 +179,21 @@ def main(argv: list[str] | None = None) -> int:
         try:
             kv = kvpass.apply(model, spec, args.budget, captured=captured, compile=compile_arg)
             row["compiled"] = kv.compiled_decode is not None
+            if args.batch > 1:
+                kv.prefill_rows = 1             # one row's full K, V at a time: the batch is bounded by the caches
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
             row.update(decode_speed(kv, ids, warmup, steps, device))
-            row.update(generate_speed(kv, ids, 2, 2 + steps, device))
+            row["tokens_per_s"] = args.batch / row["ms_per_token"] * 1e3
+            if device.type == "cuda":
+                row["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            if not args.no_generate:
+                row.update(generate_speed(kv, ids, 2, 2 + steps, device))
             floor = (weights + row["cache_bytes"]) / bandwidth
             row["floor_ms"] = floor * 1e3
             row["over_floor"] = row["ms_per_token"] / row["floor_ms"]
-            row["generate_over_floor"] = row["generate_ms_per_token"] / row["floor_ms"]
+            if "generate_ms_per_token" in row:
+                row["generate_over_floor"] = row["generate_ms_per_token"] / row["floor_ms"]
             row["compile"] = kv.compile_report
             if spec == args.sweep_policy:
                 sweep_model = kv                  # the sweep goes on with this model: its graph is compiled
@@ -191,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     results["speed"] = rows
+    base = rows.get("streamingllm", {}).get("tokens_per_s")
+    if base:
+        results["tokens_per_s_over_streamingllm"] = {s: r["tokens_per_s"] / base for s, r in rows.items()
+                                                     if "tokens_per_s" in r}
 
     if time.monotonic() > deadline:
         results["sweep"] = {"skipped": "time"}
