@@ -150,3 +150,20 @@ def test_store_module_imports_only_the_standard_library():
     names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert names and names <= set(sys.stdlib_module_names) | {"__future__"}, names
+
+
+def test_merge_suite_stores_folds_plain_and_gzipped_folders_into_a_gzipped_store(tmp_path, capsys):
+    """benchmarks/merge_suite_stores.py: per-process stores (plain on the GPU machine, or gzipped) and their
+    shards added to the committed .json.gz store."""
+    from benchmarks.merge_suite_stores import main
+
+    cases = [{**c, "kind": "suite"} for c in random_cases(30, seed=7)]
+    merged = tmp_path / "quality-suite-smollm2-cases.json.gz"
+    Store(merged).add_many(cases[:10])                                  # what is committed already
+    plain = tmp_path / "out" / "snapkv" / "quality-suite-smollm2-cases.json"
+    Store(plain).add_many(cases[10:15])
+    Store(plain, write_path=shard_path(plain, 1)).add_many(cases[15:20])
+    Store(tmp_path / "out" / "d2o" / "quality-suite-smollm2-cases.json.gz").add_many(cases[20:])
+    main(str(tmp_path / "out"), str(merged), "smollm2")
+    assert "30 suite cases" in capsys.readouterr().out
+    assert Store(merged).cases == {c["key"]: c for c in cases} and is_gzip(merged)
