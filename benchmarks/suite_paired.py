@@ -3,7 +3,7 @@ each on the cases both ran, and how many cases only one of them answers.
 
     python3 benchmarks/suite_paired.py [MODEL] [BUDGET]
 
-Reads benchmarks/results/quality-suite-MODEL-cases.json and -peers.json (calibrated cells only). The
+Reads benchmarks/results/quality-suite-MODEL-cases.json.gz and -peers.json.gz (calibrated cells only). The
 kvpress rows cover a subset of the 300 cases (the first shards in run order), so their unpaired rates are
 over other cases than kvpass's; this table compares like with like.
 """

@@ -2,7 +2,7 @@
 
     python3 benchmarks/suite_readme_table.py [MODEL]
 
-Reads benchmarks/results/quality-suite-MODEL-cases.json (kvpass) and -peers.json (kvpress), keeps the
+Reads benchmarks/results/quality-suite-MODEL-cases.json.gz (kvpass) and -peers.json.gz (kvpress), keeps the
 calibrated cells (kvpass/eval/tasks/calibration.json), and prints one row per policy: accuracy at budgets
 0.1 / 0.2 / 0.5 query-aware (0.2 with its Wilson 95% interval), 0.2 query-agnostic, and cache bytes /
 full cache at 0.2. A row's case count is shown where it is under 300; rows with fewer than MIN_CASES
@@ -13,13 +13,13 @@ by 0.2 query-aware.
 from __future__ import annotations
 
 import collections
-import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from kvpass.eval.report import wilson  # noqa: E402
+from kvpass.eval.store import read_json  # noqa: E402
 from kvpass.eval.suite import calibrated_grid  # noqa: E402
 
 FULL_ROW = 300
@@ -31,9 +31,9 @@ def calibrated_cases(model: str) -> list[dict]:
     cells = set(calibrated_grid(model) or [])
     results = ROOT / "benchmarks" / "results"
     cases = []
-    for name in (f"quality-suite-{model}-cases.json", f"quality-suite-{model}-peers.json"):
+    for name in (f"quality-suite-{model}-cases.json.gz", f"quality-suite-{model}-peers.json.gz"):
         if (results / name).exists():
-            cases += json.loads((results / name).read_text())["cases"]
+            cases += read_json(results / name)["cases"]
     return [c for c in cases if (c.get("family"), c.get("length")) in cells]
 
 

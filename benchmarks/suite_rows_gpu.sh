@@ -8,7 +8,7 @@
 # Merge afterwards with benchmarks/merge_suite_stores.py OUT STORE MODEL.
 # Environment: BATCH (default 16) rows per session (1 for a policy whose rows have budgets of their own,
 #   d2o: a batch of them compresses row by row each step); CASES (default 100) seeds per cell;
-#   SEED=STORE.json starts each shard's store from STORE's cases of its spec, so the run skips them;
+#   SEED=STORE.json[.gz] starts each shard's store from STORE's cases of its spec, so the run skips them;
 #   PYTHON, LENGTHS, DEVICE as suite_gpu.sh takes them.
 set -u
 out=$1

@@ -347,7 +347,7 @@ def run(args) -> int:
         index, count = 0, 1
     store_mod = C.store_module()
     out = Path(args.out)
-    write = out.with_name(f"{out.stem}.shard{index}{out.suffix}") if count > 1 else out
+    write = store_mod.shard_path(out, index) if count > 1 else out
     version = getattr(kvpress, "__version__", None) or _dist_version("kvpress")
     store = store_mod.Store(out, write_path=write, meta={
         "peer": "kvpress", "kvpress": version, "transformers": transformers.__version__, "torch": torch.__version__,
@@ -470,7 +470,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("cases", help="cases JSONL (kvpass eval suite export, or make_needle_cases.py)")
-    p.add_argument("--out", required=True, help="Store JSON (resumable: stored keys are skipped)")
+    p.add_argument("--out", required=True,
+                   help="Store JSON, gzipped when it ends in .json.gz (resumable: stored keys are skipped)")
     p.add_argument("--presses", nargs="+", default=DEFAULT_PRESSES,
                    help=f"press specs: 'Name' or 'Wrapper(Name)', '{NONE}' (no press), '{REFERENCE_POLICY}' "
                         f"(plain generate); default: {' '.join(DEFAULT_PRESSES)}")
@@ -482,7 +483,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--batch", type=int, default=8, help="rows per batch (cases of equal token counts)")
-    p.add_argument("--shard", help="i/n: this process runs batches i, i+n, ... into <out>.shard<i>.json")
+    p.add_argument("--shard", help="i/n: this process runs batches i, i+n, ... into <out>.shard<i>.json "
+                                   "(<out>.shard<i>.json.gz for an --out ending in .json.gz)")
     p.add_argument("--time-limit", type=float, help="stop cleanly after this many seconds")
     p.add_argument("--retry-errors", action="store_true", help="drop stored error records and retry those presses")
     args = p.parse_args(argv)

@@ -32,7 +32,8 @@ def _common(p: argparse.ArgumentParser, lm: bool, niah: bool) -> None:
     p.add_argument("--budgets", nargs="+", type=parse_budget, default=[0.1, 0.2, 0.5], metavar="B",
                    help="fractions like 0.2 or token counts (default 0.1 0.2 0.5)")
     p.add_argument("--out-dir", default="benchmarks/results", help="where JSON, Markdown and PNGs go")
-    p.add_argument("--store", help="the resumable JSON of every case (default: <out-dir>/<command>-<model>-cases.json)")
+    p.add_argument("--store", help="the resumable JSON of every case, gzipped when the name ends in .json.gz "
+                                   "(default: <out-dir>/<command>-<model>-cases.json.gz)")
     p.add_argument("--quick", action="store_true", help=f"a small grid that finishes in minutes: {QUICK}")
     p.add_argument("--device", default="cpu",
                    help="where the model runs: cpu (default) or cuda; each case records it")
@@ -88,12 +89,12 @@ def _spawn(args: argparse.Namespace, store_path: Path) -> None:
 
 
 def _store(args: argparse.Namespace, command: str):
-    from kvpass.eval.store import Store
+    from kvpass.eval.store import Store, shard_path
 
-    path = Path(args.store or Path(args.out_dir) / f"{command}-{Path(args.model).stem}-cases.json")
-    write = path.with_name(f"{path.stem}.shard{args.shard[0]}{path.suffix}") if args.shard else None
+    path = Path(args.store or Path(args.out_dir) / f"{command}-{Path(args.model).stem}-cases.json.gz")
+    write = shard_path(path, args.shard[0]) if args.shard else None
     if getattr(args, "part", "all") != "all":
-        write = path.with_name(f"{path.stem}.shard-{args.part}{'' if not args.shard else args.shard[0]}{path.suffix}")
+        write = shard_path(path, f"-{args.part}{'' if not args.shard else args.shard[0]}")
     return path, Store(path, meta={"model": args.model}, write_path=write)
 
 
@@ -279,7 +280,8 @@ def _suite_run_options(p: argparse.ArgumentParser, calibrate: bool) -> None:
     p.add_argument("--batch", type=int, default=16, help="rows per session (results do not depend on it)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda; each case records it")
     p.add_argument("--store", action="append", default=[], metavar="PATH",
-                   help="the resumable JSON of every case (default <out-dir>/quality-suite-<model>-cases.json); "
+                   help="the resumable JSON of every case, gzipped when the name ends in .json.gz "
+                        "(default <out-dir>/quality-suite-<model>-cases.json.gz); "
                         "given several times, the first is written and all are read")
     p.add_argument("--out-dir", default="benchmarks/results", help="where the JSON, Markdown and PNG go")
     p.add_argument("--report-only", action="store_true", help="run nothing: report the stored cases")
@@ -327,7 +329,7 @@ def _suite_stores(args: argparse.Namespace):
     from kvpass.eval.store import Store
 
     model = Path(args.model).stem + _chunk_suffix(args)
-    paths = args.store or [str(Path(args.out_dir) / f"quality-suite-{model}-cases.json")]
+    paths = args.store or [str(Path(args.out_dir) / f"quality-suite-{model}-cases.json.gz")]
     return Store(paths[0], meta={"model": args.model}), [Store(p) for p in paths[1:] + list(getattr(args, "peers", []))]
 
 

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from kvpass.cli import main
+from kvpass.eval.store import read_json
 
 ARGS = ["eval", "leaderboard", "--model", "tiny", "--policies", "full", "streamingllm", "--budgets", "0.5",
         "--lengths", "30", "--depths", "0", "1", "--max-new-tokens", "4", "--prefix", "40", "--steps", "6",
@@ -36,16 +37,16 @@ def test_leaderboard_writes_table_json_and_plots(tiny_cli, tmp_path, capsys):
     assert "| streamingllm | 0.5 |" in md
     for name in ["niah-tiny-streamingllm-0.5-query_aware.png", "ppl-tiny.png", "fidelity-tiny.png"]:
         assert (out / name).stat().st_size > 1000
-    cases = json.loads((out / "quality-tiny-cases.json").read_text())["cases"]
+    cases = read_json(out / "quality-tiny-cases.json.gz")["cases"]            # the default store: gzipped
     assert len(cases) == 2 * 5 + 3          # niah: 2 specs x (ref + full x2 + streaming x2); lm: ref, full, streaming
 
     # a wider grid on the same store: only the new cases run, the table says partial until done
     capsys.readouterr()
     assert main([*ARGS, "--out-dir", str(out), "--part", "lm", "--budgets", "0.5", "0.25"]) == 0
     assert main([*ARGS, "--out-dir", str(out), "--part", "lm", "--budgets", "0.5", "0.25"]) == 0
-    shards = list(out.glob("quality-tiny-cases.shard-lm*.json"))
-    assert len(shards) == 1
-    added = json.loads(shards[0].read_text())["cases"]
+    shards = list(out.glob("quality-tiny-cases.shard-lm*"))
+    assert [s.name for s in shards] == ["quality-tiny-cases.shard-lm.json.gz"]
+    added = read_json(shards[0])["cases"]
     assert len([c for c in added if c["budget"] == 0.25]) == 1
 
 

@@ -150,14 +150,42 @@ def test_error_record_is_keyed_per_model_policy_budget_mode_and_length():
     assert err["correct"] is None
 
 
-def test_error_record_and_records_go_to_a_resumable_store(tmp_path):
-    store = C.store_module().Store(tmp_path / "s.json")
+@pytest.mark.parametrize("name", ["s.json", "s.json.gz"])
+def test_error_record_and_records_go_to_a_resumable_store(tmp_path, name):
+    store = C.store_module().Store(tmp_path / name)
     store.add(C.error_record("smollm2", policy="kvpress:X", budget=0.5, mode="query_aware", tokens=8, error="boom"))
     store.add(C.make_record(case(), policy="kvpress:X", budget=0.2, mode="query_aware", output="cobalt-raven-4821",
                             output_ids=[1], seconds=0.1, device="cpu"))
-    again = C.store_module().Store(tmp_path / "s.json")
+    again = C.store_module().Store(tmp_path / name)
     assert C.error_key("smollm2", "kvpress:X", 0.5, "query_aware", 8) in again
     assert C.record_key(case(), "kvpress:X", 0.2, "query_aware") in again
+    if name.endswith(".gz"):
+        assert (tmp_path / name).read_bytes()[:2] == b"\x1f\x8b"      # the gzip magic
+
+
+def test_peers_read_kvpass_gzipped_store_and_merge_its_shards(tmp_path, capsys):
+    """A store written by kvpass (kvpass.eval.store) is read by the peers' stdlib-only loader of the same
+    file, and summary.py --merge folds the gzipped shards run_kvpress.py writes (<out>.shard<i>.json.gz)."""
+    from kvpass.eval.store import Store
+
+    peers_store = C.store_module()
+    assert peers_store is not sys.modules["kvpass.eval.store"]
+    kvpass_side = Store(tmp_path / "kvpass.json.gz")
+    kvpass_side.add(C.make_record(case("k"), policy="transformers", budget=None, mode="reference", output="x",
+                                  output_ids=[1], seconds=0.1, device="cpu"))
+    assert peers_store.Store(tmp_path / "kvpass.json.gz").cases == kvpass_side.cases
+    out = tmp_path / "kvpress.json.gz"
+    for i, key in enumerate(["a", "b"]):
+        shard = peers_store.shard_path(out, i)
+        assert shard.name == f"kvpress.shard{i}.json.gz"
+        peers_store.Store(out, write_path=shard).add(
+            C.make_record(case(key), policy="kvpress:SnapKVPress", budget=0.2, mode="query_aware",
+                          output="cobalt-raven-4821", output_ids=[1], seconds=0.1, device="cpu"))
+    summary = _load("summary")
+    assert summary.main([str(out), "--merge"]) == 0
+    assert "2 scored cases" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kvpass.json.gz", "kvpress.json.gz"]
+    assert len(Store(out)) == 2
 
 
 def test_press_specs_units_and_policies():

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from kvpass.cli import main
 from kvpass.eval import suite
-from kvpass.eval.store import Store
+from kvpass.eval.store import Store, read_json
 
 FAMILIES = ["variable_tracking", "essay_qa"]     # no preamble: they fit the tiny model's 256 positions
 LENGTH = 120
@@ -46,6 +46,6 @@ def test_cli_prefill_chunk_writes_its_own_store_and_report(loaded, monkeypatch, 
     plain = json.loads((out / "quality-suite-tiny.json").read_text())
     assert [r["cases"] for r in chunked["rows"]] == [r["cases"] for r in plain["rows"]] == [2]
     assert "--prefill-chunk 40" in chunked["meta"]["command"]
-    cases = json.loads((out / "quality-suite-tiny-chunk40-cases.json").read_text())["cases"]
+    cases = read_json(out / "quality-suite-tiny-chunk40-cases.json.gz")["cases"]
     assert {c["prefill_chunk"] for c in cases} == {40}
-    assert not (out / "quality-suite-tiny-cases.json").read_text().count("prefill_chunk")
+    assert "prefill_chunk" not in json.dumps(read_json(out / "quality-suite-tiny-cases.json.gz"))

@@ -9,7 +9,7 @@ import pytest
 
 from kvpass.cli import main
 from kvpass.eval import niah, suite
-from kvpass.eval.store import Store
+from kvpass.eval.store import Store, read_json
 
 FAMILIES = ["variable_tracking", "essay_qa"]     # no preamble: they fit the tiny model's 256 positions
 LENGTH = 120
@@ -105,8 +105,8 @@ def test_cli_run_report_and_calibrate(loaded, monkeypatch, tmp_path):
     assert (out / "quality-suite-tiny.png").stat().st_size > 1000
     md = (out / "quality-suite-tiny.md").read_text()
     assert "Status: complete" in md and "| streamingllm | 0.5 | query_aware |" in md
-    # a peer store's records join the table
-    peer = Store(tmp_path / "peer.json")
+    # a peer store's records join the table (a gzipped one: --peers X.json.gz)
+    peer = Store(tmp_path / "peer.json.gz")
     peer.add_many([{**r, "key": "peer|" + r["key"], "policy": "kvpress:SnapKVPress", "output_ids": None}
                    for r in data_records(out) if r["policy"] == "streamingllm"])
     assert main([*args, "--report-only", "--peers", str(peer.path)]) == 0
@@ -124,7 +124,7 @@ def test_cli_run_report_and_calibrate(loaded, monkeypatch, tmp_path):
 
 
 def data_records(out):
-    return json.loads((out / "quality-suite-tiny-cases.json").read_text())["cases"]
+    return read_json(out / "quality-suite-tiny-cases.json.gz")["cases"]
 
 
 def test_policy_specs_run_as_their_own_rows(loaded, items, tmp_path):
