@@ -5,10 +5,10 @@ from __future__ import annotations
 from torch import nn
 
 from kvpass.budget import check_budget
-from kvpass.chunked_prefill import check_prefill_chunk, check_prefill_chunk_value
 from kvpass.policies import DEFAULT_POLICY, Policy, get_policy
 from kvpass.rewrites import CapturedModel, capture_model, compile_model
 from kvpass.runtime import KVPassModel
+from kvpass.runtime.chunked_prefill import check_prefill_chunk, check_prefill_chunk_value
 from kvpass.tensor_parallel import resolve_shard
 from kvpass.validation import check_budget_for_model, check_model, check_optional_bool, refuse
 
@@ -33,7 +33,7 @@ def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float
     device_mesh: a 1-D ``torch.distributed.DeviceMesh`` to shard over instead of ``tp``.
     prefill_chunk: prefill prompts this many tokens at a time, compressing every layer back to its budget
         between chunks, so prefill holds about budget + prefill_chunk entries per layer instead of the whole
-        prompt (kvpass/chunked_prefill.py says what each policy's statistics become; EMS is refused). None
+        prompt (kvpass/runtime/chunked_prefill.py says what each policy's statistics become; EMS is refused). None
         (default): in one piece. ``generate(prefill_chunk=...)`` overrides it per call.
     captured: ``kvpass.rewrites.capture_model(model)`` (or ``capture_model(model, shard)``), to share one trace
         between several calls (tracing is most of a rewrite's time: evaluation grids, benchmarks, tests);

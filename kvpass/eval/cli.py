@@ -273,7 +273,7 @@ def _suite_run_options(p: argparse.ArgumentParser, calibrate: bool) -> None:
                        help="another store to read records from for the report (kvpress peers); repeatable")
         p.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
                        help="prefill every kvpass cell's prompt this many tokens at a time, compressed between "
-                            "chunks (kvpass/chunked_prefill.py); its own store and report, "
+                            "chunks (kvpass/runtime/chunked_prefill.py); its own store and report, "
                             "quality-suite-<model>-chunk<TOKENS>.*")
     p.add_argument("--modes", nargs="+", default=["query_aware", "query_agnostic"],
                    choices=["query_aware", "query_agnostic"])

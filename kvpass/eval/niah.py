@@ -267,7 +267,7 @@ def run_batches(loaded: Loaded, groups: Sequence[Sequence], cell_list: Sequence[
     row as if alone: tests/runtime/test_rows_independent.py). The reference is one batched ``generate``.
     A case's ``seconds``: its cell's time over its rows plus the prefill's time over the (row, cell)
     pairs it served. ``prefill_chunk``: each kvpass cell instead prefills its own rows, in chunks of that
-    many tokens (kvpass/chunked_prefill.py)."""
+    many tokens (kvpass/runtime/chunked_prefill.py)."""
     def late() -> bool:
         return deadline is not None and time.monotonic() > deadline
 

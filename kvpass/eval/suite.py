@@ -114,7 +114,7 @@ def run(loaded: Loaded, items: Sequence[SuiteCase], cell_list: Sequence[Cell], s
     alone) and scored by ``niah.run_batches``, the loop the needle evaluation runs too: per batch and mode
     one prefill serves every (policy, budget) cell, the transformers reference runs last. ``prefill_chunk``:
     every kvpass cell prefills its own prompt in chunks of that many tokens, compressed between chunks
-    (kvpass/chunked_prefill.py), instead of sharing one prefill; its records carry it (and their keys)."""
+    (kvpass/runtime/chunked_prefill.py), instead of sharing one prefill; its records carry it (and their keys)."""
     todo = {(c.ident, cell) for c in items for cell in cell_list
             if key_of(loaded.name, cell, c, prefill_chunk) not in store}
     bar = tqdm(total=len(todo), desc=desc, unit="case", dynamic_ncols=True)

@@ -1,5 +1,5 @@
 """Attention of a chunk of prompt queries over a layer's cache and over the chunk itself (chunked prefill,
-kvpass/chunked_prefill.py).
+kvpass/runtime/chunked_prefill.py).
 
 A chunk is T consecutive prompt tokens of every batch row (left-padded: row b's first ``pad[b]`` are
 padding), prefilled after the row's earlier tokens went into the layer's cache (and were perhaps

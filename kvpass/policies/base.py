@@ -102,7 +102,7 @@ class Policy:
     # no policy needs it: EMS, whose slot table's width follows the budget, holds each row's table in one as
     # wide as the widest row's).
     ragged_rows: ClassVar[bool] = True
-    # True: a chunked prefill (``prefill_chunk``, kvpass/chunked_prefill.py) may compress the cache between the
+    # True: a chunked prefill (``prefill_chunk``, kvpass/runtime/chunked_prefill.py) may compress the cache between the
     # prompt's chunks, and later chunks attend over what ``compress`` left. False (EMS: its first compression
     # turns the cache into entries expanded through a slot table, which only its decode op reads): refused.
     prefill_chunks: ClassVar[bool] = True

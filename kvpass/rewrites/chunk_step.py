@@ -1,4 +1,4 @@
-"""Rewrite: the captured no-cache forward -> the chunk-step graph of chunked prefill (kvpass/chunked_prefill.py).
+"""Rewrite: the captured no-cache forward -> the chunk-step graph of chunked prefill (kvpass/runtime/chunked_prefill.py).
 
 A copy of the captured graph sharing its weights, like the prefill graph (``build_prefill``), whose every
 attention site attends over the layer's cache as well as over the chunk (``kvpass::chunk_attention``):

@@ -130,7 +130,7 @@ def compile_model(captured: CapturedModel, policy: Policy, *, fuse_linears: bool
 def compile_chunk_step(captured: CapturedModel, policy: Policy, sites: Sequence[AttentionSite],
                        fuse_linears: bool) -> tuple[GraphModule, tuple]:
     """The chunk-step graph of chunked prefill (``build_chunk_step``: a prefill chunk attending over the layers'
-    caches, kvpass/chunked_prefill.py) over the sites of the model's graphs, with the fusion pass its prefill
+    caches, kvpass/runtime/chunked_prefill.py) over the sites of the model's graphs, with the fusion pass its prefill
     graph had (``fuse_linears``: ``RewrittenGraphs.fused_linears``). Returns (graph, its statistics' keys)."""
     gm, keys = build_chunk_step(captured.gm, list(sites), policy)
     _fuse([gm], None, fuse_linears, _device(captured.gm).type == "cuda")

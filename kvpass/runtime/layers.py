@@ -52,7 +52,7 @@ class RuntimeModel(Protocol):
 
 @dataclass
 class PromptCaches:
-    """The prompt's caches after the last chunk of a chunked prefill (kvpass/chunked_prefill.py), before the
+    """The prompt's caches after the last chunk of a chunked prefill (kvpass/runtime/chunked_prefill.py), before the
     runtime's final compression (``build_layers``): per attention site, its cache (a ring for a sliding-window layer shorter
     than prompt + new tokens), each batch row's live entries (max over KV heads) and the most live entries the
     layer held during the prefill; ``tokens`` is the padded prompt's length T."""
@@ -185,7 +185,7 @@ def build_layers(model: RuntimeModel, kv: Sequence[Tensor] | None, stats: dict[i
     """The layers' caches after prefill. Every row is budgeted as if alone: its budget from its own prompt
     + new tokens, its own per-layer budgets (D2O, PyramidKV), its own capacity; the buffers hold the
     largest. ``layer_budgets`` (groups of rows prefilled apart, ``prefill_rows``) gives every row those, or
-    (a list per row) each row its own. ``prompt`` (chunked prefill, kvpass/chunked_prefill.py): each
+    (a list per row) each row its own. ``prompt`` (chunked prefill, kvpass/runtime/chunked_prefill.py): each
     site's cache of the prompt so far, used instead of building them from ``kv`` (None then)."""
     layers: list[Layer] = []
     t = kv[0].shape[2] if prompt is None else prompt.tokens

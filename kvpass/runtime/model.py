@@ -17,6 +17,7 @@ from kvpass.decode_step import StaticDecodeStep
 from kvpass.head_group import SINGLE_PROCESS, HeadGroup
 from kvpass.policies.base import Policy
 from kvpass.rewrites import CapturedModel, RewrittenGraphs, compile_model
+from kvpass.runtime.chunked_prefill import check_prefill_chunk, start_chunked
 from kvpass.runtime.layers import build_layers, check_min_budget
 from kvpass.runtime.session import DecodeSession, GenerationReport, stack_sessions
 from kvpass.validation import (
@@ -112,7 +113,7 @@ class KVPassModel(nn.Module):
         # a layer): the old path, kept for benchmarks/ragged_decode_gpu.py's before/after. Same tokens.
         self.rows_in_one_call = True
         # Prompt tokens prefilled at a time (None: the whole prompt), each layer compressed back to its budget
-        # between chunks, so prefill holds about budget + chunk entries per layer (kvpass/chunked_prefill.py).
+        # between chunks, so prefill holds about budget + chunk entries per layer (kvpass/runtime/chunked_prefill.py).
         self.prefill_chunk: int | None = None
         self._chunk_step = None                    # the chunk-step graph, built on first use (chunked_prefill)
         self._lock = threading.Lock()              # held by generate(): a second thread gets ModelInUse
@@ -227,11 +228,9 @@ class KVPassModel(nn.Module):
 
         ``max_new_tokens`` counts every token that will go through ``step``/``feed`` afterwards.
         ``prefill_chunk``: prefill the prompt this many tokens at a time, compressing between chunks
-        (kvpass/chunked_prefill.py); left out: ``self.prefill_chunk``; None: in one piece."""
+        (kvpass/runtime/chunked_prefill.py); left out: ``self.prefill_chunk``; None: in one piece."""
         chunk = self.prefill_chunk if prefill_chunk is _UNSET else prefill_chunk
         if chunk is not None:
-            from kvpass.chunked_prefill import check_prefill_chunk, start_chunked
-
             check_prefill_chunk(chunk, self)
         ids = as_input_ids(input_ids, self.device, self.vocab_size)
         mask, _ = left_pads(attention_mask, ids)
@@ -288,7 +287,7 @@ class KVPassModel(nn.Module):
         and timings. As in transformers, ``eos_token_id`` / ``pad_token_id`` left out come from the
         model's generation config, and an explicit None means none. ``prefill_chunk`` (kvpass): prefill the
         prompt this many tokens at a time, each layer compressed back to its budget between chunks
-        (kvpass/chunked_prefill.py; left out: ``self.prefill_chunk``, set by ``kvpass.apply``)."""
+        (kvpass/runtime/chunked_prefill.py; left out: ``self.prefill_chunk``, set by ``kvpass.apply``)."""
         check_generate_kwargs(unsupported, _GENERATE_ARGS)
         if input_ids is None:
             raise refuse("input_ids.missing")

@@ -126,7 +126,7 @@ class DecodeSession:
         self.prompt_tokens, self.compressions = prompt_tokens, compressions
         self.steps = 0
         self.prefill_seconds = self.decode_seconds = 0.0
-        self.prefill_chunk: int | None = None         # set by a chunked prefill (kvpass/chunked_prefill.py)
+        self.prefill_chunk: int | None = None         # set by a chunked prefill (kvpass/runtime/chunked_prefill.py)
         compiled = getattr(owner, "compiled_decode", None)
         self._compiled_before = len(getattr(compiled, "compilations", ()))
 

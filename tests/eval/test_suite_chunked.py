@@ -1,4 +1,4 @@
-"""The suite with --prefill-chunk (chunked prefill, kvpass/chunked_prefill.py): every kvpass cell prefills its own
+"""The suite with --prefill-chunk (chunked prefill, kvpass/runtime/chunked_prefill.py): every kvpass cell prefills its own
 prompt in chunks, ``full`` still equals transformers case for case, the records carry the chunk in their keys,
 and the CLI writes its own store and report (quality-suite-<model>-chunk<N>.*) that unchunked records stay out of."""
 

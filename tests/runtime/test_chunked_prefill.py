@@ -1,4 +1,4 @@
-"""Chunked prefill (``prefill_chunk``, kvpass/chunked_prefill.py): ``full`` gives the unchunked tokens and logits
+"""Chunked prefill (``prefill_chunk``, kvpass/runtime/chunked_prefill.py): ``full`` gives the unchunked tokens and logits
 whatever the chunk (padded batches, sliding-window rings, groups of rows); a chunk of at least the prompt is the
 unchunked run exactly for every policy; with small chunks every compressed layer holds at most budget + chunk
 entries (``GenerationReport.peak_entries``) while the unchunked prefill holds the prompt; with nothing evicted the
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import kvpass
-from kvpass.chunked_prefill import chunk_bounds
 from kvpass.errors import InvalidType, InvalidValue, OutOfDeviceMemory
 from kvpass.policies import POLICIES
+from kvpass.runtime.chunked_prefill import chunk_bounds
 from tests.conftest import padded_batch
 from tests.policies.policy_helpers import apply_cached, by_position
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import kvpass
-from kvpass.chunked_prefill import chunk_bounds
 from kvpass.prompts import chat_ids, needle_prompt
+from kvpass.runtime.chunked_prefill import chunk_bounds
 
 pytestmark = pytest.mark.real_model
 

@@ -64,7 +64,7 @@ from kvpass.runtime.session import DecodeSession
 from kvpass.validation import check_memory, estimate_prefill_bytes, refuse
 
 if TYPE_CHECKING:
-    from kvpass.runtime import KVPassModel
+    from kvpass.runtime.model import KVPassModel
 
 # statistics a chunk adds to what the cache holds; every other one replaces it (a window of the newest queries)
 ACCUMULATED = frozenset({Stat.COLUMN_SUM})
