@@ -4,6 +4,7 @@ so every kernel is attributed; the CUDA-graph replayed step time is measured bes
 
     PYTHONUNBUFFERED=1 python3 benchmarks/profile_decode.py --out $OUT [--prompt 32768 --policies streamingllm,d2o]
                                                             [--compiled: the kvpass backend's Inductor graphs]
+                                                            [--batch 32: rows prefilled one at a time]
 
 Writes ``profile-decode.json`` and ``profile-decode.md`` (top kernels per policy) under --out.
 """
@@ -28,6 +29,8 @@ def _bucket(name: str) -> str:
     """A coarse family for a kernel name (what a reader wants to sum)."""
     n = name.lower()
     for key, label in (("decode_attention", "decode attention (Triton)"), ("triton_", "Inductor-fused (Triton)"),
+                       ("_candidate_kernel", "d2o eviction (Triton)"), ("_nearest_key_kernel", "d2o eviction (Triton)"),
+                       ("_merge_move_kernel", "d2o eviction (Triton)"),
                        ("gemv", "matmul (GEMV/GEMM)"),
                        ("gemm", "matmul (GEMV/GEMM)"), ("cublas", "matmul (GEMV/GEMM)"), ("nvjet", "matmul (GEMV/GEMM)"),
                        ("cutlass", "matmul (GEMV/GEMM)"), ("reduce", "reductions"), ("scatter", "scatter/gather/index"),
@@ -39,12 +42,13 @@ def _bucket(name: str) -> str:
 
 
 def profile_policy(model, captured, name: str, budget: float, prompt: int, steps: int,
-                   compiled: bool = False) -> dict:
+                   compiled: bool = False, batch: int = 1) -> dict:
     policy = kvpass.get_policy(name)
     kv = kvpass.apply(model, policy, budget if policy.compresses else 1.0, captured=captured, compile=False)
     if compiled:                                  # the "kvpass" torch.compile backend's graphs (Inductor)
         compile_graphs(kv)
-    ids = torch.randint(1, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0)).cuda()
+    kv.prefill_rows = 1 if batch > 1 else None    # one row's full K, V at a time: the batch is bounded by the caches
+    ids = torch.randint(1, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(0)).cuda()
     out: dict = {"policy": name + ("-compiled" if compiled else "")}
     for graphed in (True, False):
         kv.decode_step.enabled = graphed
@@ -90,20 +94,23 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=0.2)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--compiled", action="store_true", help="compile the graphs with the kvpass backend first")
+    ap.add_argument("--batch", type=int, default=1, help="rows (prefilled one at a time)")
     args = ap.parse_args()
     device = torch.device("cuda")
     model = build_model(LLAMA_8B, device, torch.bfloat16)
     captured = capture_model(model)
-    results = {"device": torch.cuda.get_device_name(), "prompt": args.prompt, "budget": args.budget, "policies": []}
+    results = {"device": torch.cuda.get_device_name(), "prompt": args.prompt, "budget": args.budget, "batch": args.batch,
+               "policies": []}
     for name in args.policies.split(","):
-        res = profile_policy(model, captured, name, args.budget, args.prompt, args.steps, args.compiled)
+        res = profile_policy(model, captured, name, args.budget, args.prompt, args.steps, args.compiled, args.batch)
         results["policies"].append(res)
         print(json.dumps({k: v for k, v in res.items() if k != "kernels"}), flush=True)
         torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile-decode.json").write_text(json.dumps(results, indent=1))
-    lines = [f"# Decode-step profile: {results['device']}, Llama-3.1-8B-shaped, prompt {args.prompt}, budget {args.budget}", ""]
+    lines = [f"# Decode-step profile: {results['device']}, Llama-3.1-8B-shaped, prompt {args.prompt}, batch {args.batch}, "
+             f"budget {args.budget}", ""]
     for res in results["policies"]:
         lines += [f"## {res['policy']}: {res['graphed_ms']:.2f} ms/step replayed, {res['eager_ms']:.2f} ms eager, "
                   f"kernels {res['kernel_us_per_step'] / 1e3:.2f} ms in {res['kernel_launches_per_step']:.0f} launches", "",
