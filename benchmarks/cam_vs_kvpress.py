@@ -71,10 +71,11 @@ class CaMNoMerge(CaM):
 POLICIES.setdefault(CaMNoMerge.name, CaMNoMerge)
 
 
-def chosen_keys(model: str, budget: float, extra: int, max_length: int) -> tuple[list, list]:
-    """(cases where kvpass cam and kvpress CAMPress disagree, ``extra`` agreeing ones) as (family, length, seed)."""
+def chosen_keys(cases: list[dict], budget: float, extra: int, max_length: int) -> tuple[list, list]:
+    """(cases where kvpass cam and kvpress CAMPress disagree, ``extra`` agreeing ones) as (family, length, seed);
+    ``cases``: the stored ones (``calibrated_cases``)."""
     got: dict[str, dict] = {"cam": {}, PEER: {}}
-    for c in calibrated_cases(model):
+    for c in cases:
         if c["budget"] == budget and c["mode"] == "query_aware" and c["policy"] in got:
             got[c["policy"]][(c["family"], c["length"], c["seed"])] = bool(c["correct"])
     common = sorted(set(got["cam"]) & set(got[PEER]))
@@ -83,8 +84,8 @@ def chosen_keys(model: str, budget: float, extra: int, max_length: int) -> tuple
     return differ, agree
 
 
-def stored_outputs(model: str, budget: float, policy: str) -> dict:
-    return {(c["family"], c["length"], c["seed"]): c for c in calibrated_cases(model)
+def stored_outputs(cases: list[dict], budget: float, policy: str) -> dict:
+    return {(c["family"], c["length"], c["seed"]): c for c in cases
             if c["policy"] == policy and c["budget"] == budget and c["mode"] == "query_aware"}
 
 
@@ -102,7 +103,8 @@ def main() -> None:
     p.add_argument("--report-only", action="store_true")
     args = p.parse_args()
     set_threads(1)
-    differ, agree = chosen_keys(args.model, args.budget, args.extra, args.max_length)
+    stored = calibrated_cases(args.model)                 # both stores, read once
+    differ, agree = chosen_keys(stored, args.budget, args.extra, args.max_length)
     loaded = load(args.model, args.device)
     items = [generate(loaded.tokenizer, f, n, s) for f, n, s in differ + agree]
     specs = [VARIANTS[v] for v in args.variants]
@@ -116,7 +118,7 @@ def main() -> None:
     for r in store.cases.values():
         if r.get("kind") == suite.KIND and r["mode"] == "query_aware" and r["budget"] == args.budget:
             mine.setdefault(r["policy"], {})[(r["family"], r["length"], r["seed"])] = r
-    leaderboard = {name: stored_outputs(args.model, args.budget, name)
+    leaderboard = {name: stored_outputs(stored, args.budget, name)
                    for name in ("cam", PEER, "streamingllm", "kvpress:StreamingLLMPress")}
     rows = []
     for label, name, got in ([(v, VARIANTS[v], mine.get(VARIANTS[v], {})) for v in args.variants] +
