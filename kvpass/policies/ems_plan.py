@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from kvpass.cache import gather_slots
+from kvpass.policies.selection import sort_rank
 
 EVICTED, CENTER, TBM, LOCAL = 0, 1, 2, 3
 
@@ -34,9 +35,7 @@ def partition(s_hat: Tensor, candidate: Tensor, local: Tensor, n_imp: int, n_tbm
     """Level-1 partition (§4.6 step 4): the top ``n_imp`` candidates by s_hat are class centres, the
     next ``n_tbm`` are to be merged, the other candidates are evicted; ``local`` slots are LOCAL.
     Ties: lower slot first. Returns [B, Hkv, C] int64 of EVICTED / CENTER / TBM / LOCAL."""
-    order = torch.sort(s_hat, dim=-1, descending=True, stable=True).indices
-    slot = torch.arange(s_hat.shape[-1], device=s_hat.device)
-    rank = torch.empty_like(order).scatter_(-1, order, slot.expand_as(order))
+    rank = sort_rank(s_hat, descending=True)
     cls = torch.where(rank < n_imp, CENTER, torch.where(rank < n_imp + n_tbm, TBM, EVICTED))
     cls = cls.masked_fill(~candidate, EVICTED)
     return cls.masked_fill(local, LOCAL)

@@ -13,6 +13,7 @@ from torch import Tensor
 import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
 from kvpass.cache import EMPTY, LayerCache, keep_slots, with_capacity
 from kvpass.policies.base import Policy, Stat, require
+from kvpass.policies.selection import sort_rank
 
 SIZE = "kvm_size"     # slot_meta: [B, Hkv, C] fp32 tokens an entry stands for (0 or 1: a plain token)
 
@@ -98,8 +99,7 @@ class KVMerger(Policy):
         live = cache.live
         recent = live & (slot >= (cache.length - n_r)[..., None])
         score = cache.slot_meta[Stat.COLUMN_SUM.value].float().masked_fill(~live | recent, EMPTY)
-        order = torch.sort(score, dim=-1, descending=True, stable=True).indices
-        rank = torch.empty_like(order).scatter_(-1, order, slot.expand_as(order))
+        rank = sort_rank(score, descending=True)
         return recent | ((rank < n_h[..., None]) & live & ~recent)
 
     def plan(self, cache: LayerCache, keep: int) -> MergePlan:
@@ -116,9 +116,7 @@ class KVMerger(Policy):
         n_need = (cache.length - keep).clamp(min=0)
         if self.budget_mode == "adaptive":
             n_need = torch.maximum(n_need, (cos > self.epsilon).sum(-1))
-        order = torch.sort(cos, dim=-1, descending=True, stable=True).indices
-        slot = torch.arange(cos.shape[-1], device=k.device)
-        rank = torch.empty_like(order).scatter_(-1, order, slot.expand_as(order))
+        rank = sort_rank(cos, descending=True)
         link = torch.nn.functional.pad((rank < n_need[..., None]) & admissible, (1, 0))  # [B, Hkv, C]
         set_id = torch.cumsum(~link, dim=-1) - 1
         size = torch.zeros_like(attn).scatter_add_(-1, set_id, torch.ones_like(attn))
@@ -159,17 +157,14 @@ class KVMerger(Policy):
         log_weight = log_weight.masked_fill(grouped & ~is_pivot, EMPTY)
         # fewer links than needed: drop the lowest-attention unprotected singletons (§3.6)
         alive = log_weight > EMPTY
-        slots = torch.arange(cache.capacity, device=k.device).expand_as(col_sum)
         if self.overflow == "tiered":      # protected, then pivots, then singletons; by col_sum within each
-            by_score = torch.sort(col_sum.float(), dim=-1, stable=True).indices
-            score_rank = torch.empty_like(by_score).scatter_(-1, by_score, slots)           # 0 = lowest
+            score_rank = sort_rank(col_sum.float())                                         # 0 = lowest
             tier = plan.protected.long() * 2 + (is_pivot & ~plan.protected).long()
             prio = (tier * cache.capacity + score_rank).masked_fill(~alive, -1)
         else:                              # protected and pivots tie: the last slots go first
             prio = torch.where(plan.protected | is_pivot, float("inf"), col_sum.float()).masked_fill(~alive, EMPTY)
         n_keep = torch.clamp(alive.sum(-1), max=keep)
-        order = torch.sort(prio, dim=-1, descending=True, stable=True).indices
-        rank = torch.empty_like(order).scatter_(-1, order, slots)
+        rank = sort_rank(prio, descending=True)
         log_weight = log_weight.masked_fill(rank >= n_keep[..., None], EMPTY)
         merged = LayerCache(k=k, v=v, log_weight=log_weight, length=cache.length, position=cache.position,
                             slot_meta=meta, state=cache.state)

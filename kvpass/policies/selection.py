@@ -11,6 +11,13 @@ import torch
 from torch import Tensor
 
 
+def sort_rank(x: Tensor, descending: bool = False) -> Tensor:
+    """[..., C] int64: each element's place in a stable sort of ``x`` [..., C] along its last dimension
+    (0 = first; ties: the lower index first)."""
+    order = torch.sort(x, dim=-1, descending=descending, stable=True).indices
+    return torch.empty_like(order).scatter_(-1, order, torch.arange(x.shape[-1], device=x.device).expand_as(order))
+
+
 def select_kept(score: Tensor, length: Tensor, keep: int, sinks: int, recent: int) -> Tensor:
     """The slots a row keeps: every live slot when ``length <= keep``; otherwise the sinks
     [0, sinks), the recent window [length - recent, length) and the top ``keep - sinks - recent``
