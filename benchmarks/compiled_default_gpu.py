@@ -181,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
             row["compiled"] = kv.compiled_decode is not None
             if args.batch > 1:
                 kv.prefill_rows = 1             # one row's full K, V at a time: the batch is bounded by the caches
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
+            if device.type == "cuda":           # this row's peak, not the earlier rows'
+                torch.cuda.reset_peak_memory_stats(device)
             row.update(decode_speed(kv, ids, warmup, steps, device))
             row["tokens_per_s"] = args.batch / row["ms_per_token"] * 1e3
             if device.type == "cuda":
