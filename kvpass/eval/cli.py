@@ -366,6 +366,15 @@ def _suite_records(args: argparse.Namespace, stores, policies: list[str] | None,
     return list(seen.values())
 
 
+def _peer_failures(args: argparse.Namespace, stores) -> list[dict]:
+    """The stored ``peer-error`` records of this model (a press that raised at some prompt length, so
+    its cases there stay unscored), for the report to name beside the table."""
+    model = Path(args.model).stem
+    return [c for store in stores for c in store.cases.values()
+            if c.get("kind") == "peer-error" and Path(str(c.get("model", ""))).stem == model
+            and str(c["policy"]).startswith("kvpress:")]       # the peer venv's own transformers check is not a row
+
+
 def cmd_suite(args: argparse.Namespace) -> int:
     import time
 
@@ -431,7 +440,8 @@ def cmd_suite(args: argparse.Namespace) -> int:
     expected = len(grid) * args.cases
     wanted = [(c.policy, c.budget, c.mode) for c in suite.cells(policies, budgets, args.modes, reference=reference)]
     md = suite_report.write(records, args.out_dir, model + _chunk_suffix(args), cmd, grid_text, expected,
-                            [str(s.path) for s in [store, *others]], wanted)
+                            [str(s.path) for s in [store, *others]], wanted,
+                            failures=_peer_failures(args, [store, *others]))
     print(md.read_text(encoding="utf-8"))
     return 0
 

@@ -97,10 +97,25 @@ def plot(table: Sequence[dict], path: str | Path, title: str) -> Path:
     return _save(plt, fig, path)
 
 
+def failed(failures: Sequence[dict]) -> list[dict[str, Any]]:
+    """Peer-error records (a press raised at a prompt length: ``benchmarks/peers/cases.error_record``)
+    grouped per (policy, budget, mode): the prompt lengths it failed at, the cases left unscored there
+    and the first error's text."""
+    out = []
+    for (policy, budget, mode), rs in group(failures, "policy", "budget", "mode").items():
+        rs = sorted(rs, key=lambda r: r.get("tokens") or 0)
+        out.append({"policy": policy, "budget": budget, "mode": mode,
+                    "tokens": sorted({r.get("tokens") for r in rs if r.get("tokens") is not None}),
+                    "cases": sum(r.get("cases") or 0 for r in rs), "error": str(rs[0].get("error", ""))})
+    return sorted(out, key=_order)
+
+
 def write(records: Sequence[dict], out_dir: str | Path, model: str, command: str, grid: dict[str, Any],
-          expected: int, stores: Sequence[str], wanted: Sequence[tuple[str, Any, str]] = ()) -> Path:
+          expected: int, stores: Sequence[str], wanted: Sequence[tuple[str, Any, str]] = (),
+          failures: Sequence[dict] = ()) -> Path:
     """Write ``quality-suite-<model>.json``, ``.md`` and ``.png`` -> the Markdown path. ``expected``:
-    cases per (policy, budget, mode) row of a complete run."""
+    cases per (policy, budget, mode) row of a complete run; ``failures``: peer-error records, listed
+    under the table (a press that raised is named, not silently missing)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     table = rows(records, expected, wanted)
@@ -112,7 +127,9 @@ def write(records: Sequence[dict], out_dir: str | Path, model: str, command: str
     meta = {"command": command, "model": model, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "grid": grid, "expected_cases_per_row": expected, "complete": complete, "devices": devices,
             "full_vs_transformers": agree, "stores": list(stores)}
-    (out_dir / f"quality-suite-{model}.json").write_text(json.dumps({"meta": meta, "rows": table}, indent=1),
+    fails = failed(failures)
+    (out_dir / f"quality-suite-{model}.json").write_text(json.dumps({"meta": meta, "rows": table,
+                                                                     "peer_failures": fails}, indent=1),
                                                          encoding="utf-8")
     png = plot(table, out_dir / f"quality-suite-{model}.png", f"{model}: long-context suite accuracy")
     lengths = sorted({int(k) for r in table for k in r["by_length"]})
@@ -142,6 +159,16 @@ def write(records: Sequence[dict], out_dir: str | Path, model: str, command: str
         ci = "-" if r["accuracy"] is None else f"{r['wilson_low']:.1%}-{r['wilson_high']:.1%}"
         lines.append(f"| {r['policy']} | {budget_label(r['budget'])} | {r['mode']} | {acc} | {ci} | {count}"
                      f"{cells} | {ratio} |")
+    if fails:
+        scored = {(r["policy"], r["budget"], r["mode"]): r["cases"] for r in table}
+        lines += ["", "Peers that raised (the press is skipped at those prompt lengths: its cases there are unscored, "
+                  "not counted as wrong; `scored`: the row's cases in the table):", "",
+                  "| policy | budget | mode | prompt tokens | scored | error |", "|---|---|---|---|---|---|"]
+        for f in fails:
+            text = " ".join(f["error"].split())[:160].replace("|", "/")
+            lines.append(f"| {f['policy']} | {budget_label(f['budget'])} | {f['mode']} | "
+                         f"{', '.join(map(str, f['tokens'])) or '-'} | "
+                         f"{scored.get((f['policy'], f['budget'], f['mode']), 0)} of {expected} | {text} |")
     lines += ["", "`full` against plain transformers, case for case (same tokens, greedy):"]
     for mode, a in agree.items():
         lines.append(f"- {mode}: identical output tokens in {a['same_tokens']}/{a['cases']} cases, "

@@ -109,9 +109,19 @@ def test_cli_run_report_and_calibrate(loaded, monkeypatch, tmp_path):
     peer = Store(tmp_path / "peer.json.gz")
     peer.add_many([{**r, "key": "peer|" + r["key"], "policy": "kvpress:SnapKVPress", "output_ids": None}
                    for r in data_records(out) if r["policy"] == "streamingllm"])
+    # a press that raised is named under the table with its lengths and unscored cases
+    peer.add({"key": "err|pyramid", "kind": "peer-error", "model": "tiny", "policy": "kvpress:PyramidKVPress",
+              "budget": 0.5, "mode": "query_agnostic", "tokens": LENGTH, "press": "PyramidKVPress", "cases": 2,
+              "error": "RuntimeError: The expanded size | of the tensor (959)", "correct": None, "output": None})
+    peer.save()
     assert main([*args, "--report-only", "--peers", str(peer.path)]) == 0
-    rows = {(r["policy"], r["budget"], r["mode"]) for r in json.loads((out / "quality-suite-tiny.json").read_text())["rows"]}
+    data = json.loads((out / "quality-suite-tiny.json").read_text())
+    rows = {(r["policy"], r["budget"], r["mode"]) for r in data["rows"]}
     assert ("kvpress:SnapKVPress", 0.5, "query_aware") in rows
+    assert [(f["policy"], f["tokens"], f["cases"]) for f in data["peer_failures"]] == [
+        ("kvpress:PyramidKVPress", [LENGTH], 2)]
+    assert (f"| kvpress:PyramidKVPress | 0.5 | query_agnostic | {LENGTH} | 0 of 4 | RuntimeError: The expanded size / of"
+            in (out / "quality-suite-tiny.md").read_text())
     # calibration: full + transformers per (family, length), written only when complete
     assert main(["eval", "suite", "calibrate", *args[3:12], "--out-dir", str(out), "--calibration", str(cal),
                  "--max-new-tokens", "variable_tracking=3", "essay_qa=3"]) == 0
