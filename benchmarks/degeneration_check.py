@@ -70,7 +70,7 @@ OPTION_CONFIGS = (
     "ems[scores=window,pool_kernel=31]",
     "kvmerger[value_scale=none]",                   # overflow="tiered", the default since session 19
     "kvmerger[overflow=slot_order]",                # the old default: docs/merge-diagnosis.md, "Degeneration check"
-    "knorm[recent=32]",
+    "knorm[recent=0]",                              # kvpress's rule (knorm's default keeps 32 recent since session 20)
 )
 THRESHOLDS = {
     "ppl_ratio": 10.0,          # cell: ppl / full's ppl at or above this

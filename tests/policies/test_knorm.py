@@ -47,7 +47,7 @@ def test_key_norms_drive_the_choice() -> None:
     cache.k[0, 0, 5] *= 100.0
     cache.k[0, 0, 6] *= 1e-3
     cache.slot_meta["col_sum"][0, 0, 5] = 100.0         # ignored: Knorm reads no statistic
-    pos = live_positions(Knorm().compress(cache, 8), 0, 0)
+    pos = live_positions(Knorm(recent=0).compress(cache, 8), 0, 0)
     assert 6 in pos and 5 not in pos and len(pos) == 8
 
 
@@ -59,10 +59,11 @@ def test_bad_sinks_raise() -> None:
 
 
 def test_recent_window_keeps_the_newest_even_with_large_norms() -> None:
-    """Without ``recent`` the newest (large-norm) keys leave; with it they stay."""
+    """Without ``recent`` (kvpress's rule) the newest (large-norm) keys leave; with it (the default) they stay."""
     cache = random_cache([[30]], c=30, seed=7)
     cache.k[0, 0, 26:] *= 100.0
-    assert not set(range(26, 30)) & set(live_positions(Knorm().compress(cache, 8), 0, 0))
+    assert not set(range(26, 30)) & set(live_positions(Knorm(recent=0).compress(cache, 8), 0, 0))
+    assert Knorm().recent == 32 and set(range(22, 30)) == set(live_positions(Knorm().compress(cache, 8), 0, 0))
     assert set(range(26, 30)) <= set(live_positions(Knorm(recent=4).compress(cache, 8), 0, 0))
 
 
