@@ -40,7 +40,7 @@ class Knorm(Policy):
 
     name: ClassVar[str] = "knorm"
     section: ClassVar[str] = "§6.9"
-    summary: ClassVar[str] = "keep the keys of smallest L2 norm; no statistic"
+    summary: ClassVar[str] = "keep the keys of smallest L2 norm and the 32 newest; no statistic"
     sinks: int = 0
     recent: int = 32
     interval: int = 16
