@@ -60,8 +60,8 @@ def main(model: str = "smollm2") -> None:
 
     policies = sorted({p for p, _, _ in acc if p not in ("full", "transformers", "kvpress:none")
                        and len(acc.get((p, 0.2, "query_aware"), [])) >= MIN_CASES},
-                      key=lambda p: -(sum(acc.get((p, 0.2, "query_aware"), [0])) /
-                                      max(len(acc.get((p, 0.2, "query_aware"), [])), 1)))
+                      key=lambda p: (-(sum(acc.get((p, 0.2, "query_aware"), [0])) /
+                                       max(len(acc.get((p, 0.2, "query_aware"), [])), 1)), p))   # ties: by name
     print("| policy | 0.1 query-aware | 0.2 query-aware [95% CI] | 0.5 query-aware | 0.2 query-agnostic "
           "| cache / full at 0.2 |")
     print("|---|---|---|---|---|---|")
