@@ -12,6 +12,7 @@ from torch import Tensor
 import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
 from kvpass.cache import LayerCache, gather_slots, keep_slots, put_slots
 from kvpass.kernels.cosine_match import cosine_match_reference
+from kvpass.kernels.d2o_evict_many import evict_many_in_place
 from kvpass.kernels.d2o_evict_one import (
     NO_FLOOR,
     NO_MERGE,
@@ -117,6 +118,9 @@ class D2O(Policy):
     """
 
     name: ClassVar[str] = "d2o"
+    # interval > 1: decode compressions in place (``evict_many_in_place``); False: the general path and a copy
+    # back (the before/after of tests and benchmarks)
+    in_place_many: ClassVar[bool] = True
     section: ClassVar[str] = "§5"
     summary: ClassVar[str] = "variance layer budgets + H2O eviction + EMA-threshold merging"
     sinks: int = 4
@@ -363,6 +367,14 @@ class D2O(Policy):
         op of three Triton kernels (``torch.ops.kvpass.d2o_evict_one``), elsewhere, under export and for
         merge_protect or merge_weighting="score" (which the kernels lack) its plain-torch step
         ``evict_one_in_place``. Any other capacity: ``compress`` and a copy back."""
+        if self._many_applies() and keep + 1 < cache.capacity <= keep + self.interval:
+            sinks, _, recent = self.split(keep)
+            score, others = self._in_place_inputs(cache)
+            evict_many_in_place(cache.k, cache.v, cache.slot_meta[score], cache.position, cache.log_weight,
+                                cache.length, cache.state[TAU], cache.state[TAU_SET], others, keep, cache.capacity,
+                                cache.capacity - keep, sinks, recent, self._target_from(keep), self.beta,
+                                self.d2o_variant, self._min_cos())
+            return
         if cache.capacity != keep + 1 or self.heads.world > 1:
             # tensor parallel: the threshold spans ranks
             super().compress_into(cache, keep)
@@ -394,8 +406,22 @@ class D2O(Policy):
         budget + 1 (the one-in-one-out step, ``interval`` 1): a row is due exactly when it holds budget + 1
         entries, so compressing every row of the layer at its own budget evicts one entry from each due row
         and nothing from the others. Not under tensor parallelism (the threshold spans ranks: the general path).
-        Every option: merge_protect and merge_weighting="score" take the plain-torch step (``compress_rows_into``)."""
-        return self.heads.world == 1 and all(1 <= cap <= keep + 1 for keep, cap in zip(budgets, capacities, strict=True))
+        Every option: merge_protect and merge_weighting="score" take the plain-torch step (``compress_rows_into``).
+        ``interval`` m > 1 (``_many_applies``): where every row's capacity is its budget + m (or at most its budget:
+        it never compresses), ``compress_rows_into`` evicts in place from the rows holding budget + m entries, the
+        due rows, and leaves the others as they are."""
+        if self.heads.world != 1:
+            return False
+        if self.interval == 1:
+            return all(1 <= cap <= keep + 1 for keep, cap in zip(budgets, capacities, strict=True))
+        return self._many_applies() and all(1 <= cap <= keep or cap == keep + self.interval
+                                            for keep, cap in zip(budgets, capacities, strict=True))
+
+    def _many_applies(self) -> bool:
+        """Whether ``interval`` > 1 compresses in place (``evict_many_in_place``): one process, and none of
+        merge_protect, merge_weighting="score", merge_bias (which it lacks: the general path)."""
+        return (self.in_place_many and self.interval > 1 and self.heads.world == 1 and not self._protecting()
+                and self.merge_weighting == "similarity" and not self.merge_bias)
 
     def split_rows(self, keep: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``split`` per batch row: keep [B] int64 -> (sinks, important N incl. sinks, recent M), each [B]."""
@@ -418,12 +444,19 @@ class D2O(Policy):
         and capturable all the same (tests/kernels/test_d2o_evict_ragged.py: each row as ``_compress_one`` alone)."""
         if self.heads.world > 1:
             raise NotImplementedError("d2o: per-row budgets in one call need one process (rows_in_one_call)")
+        if self.interval > 1 and not self._many_applies():
+            raise NotImplementedError("d2o: per-row budgets in one call with interval > 1 need none of merge_protect, "
+                                      "merge_weighting='score', merge_bias (rows_in_one_call)")
         keep = keep.to(device=cache.k.device, dtype=torch.long).contiguous()
         sinks, _, recent = self.split_rows(keep)
         target_from = torch.zeros_like(keep) if self.merge_into_sinks else sinks
         score, others = self._in_place_inputs(cache)
         layer = (cache.k, cache.v, cache.slot_meta[score], cache.position, cache.log_weight, cache.length,
                  cache.state[TAU], cache.state[TAU_SET], others)
+        if self.interval > 1:                   # the due rows (budget + interval entries) evict interval entries
+            evict_many_in_place(*layer, keep, keep + self.interval, self.interval, sinks, recent, target_from,
+                                self.beta, self.d2o_variant, self._min_cos())
+            return
         if self._triton_step(cache):
             torch.ops.kvpass.d2o_evict_one_ragged(*layer, keep, sinks, recent, target_from, self.beta,
                                                   self.d2o_variant, self._min_cos(), self.merge_bias)

@@ -140,12 +140,14 @@ class DecodeSession:
         start = time.perf_counter()
         self._deferred_prompt_compression()
         whole: list[int] = []
+        due_rows: dict[int, set[int]] = {}
         for i, lay in enumerate(self.layers):
             rows = lay.due_rows() if lay.compressible and not self._still_wide(lay) else []
             if not rows:
                 continue
             if lay.whole(rows) or self._rows_in_one_call(lay):    # the whole layer in its own buffers
                 whole.append(i)
+                due_rows[i] = set(rows)
             else:                                 # some rows, or rows of their own budgets: each as if alone
                 compress_rows_into(self.owner, lay, rows)
                 self.compressions += 1
@@ -161,9 +163,11 @@ class DecodeSession:
             due_in_step = due                     # graphed: compression is part of the replayed step
         self.logits = self._device_step(tokens, due_in_step)
         for i in due:
-            # the policy contract: a compressed row holds at most `budget` entries (checked when eager)
+            # the policy contract: a compressed row holds at most `budget` entries (checked when eager); a row
+            # that was not due is left as it is (``Policy.rows_in_one_call``: it may hold more, below its capacity)
             lay = self.layers[i]
-            lay.set_row_len([min(n, b) for n, b in zip(lay.row_len, lay.row_budgets, strict=True)])
+            lay.set_row_len([min(n, b) if r in due_rows[i] else n
+                             for r, (n, b) in enumerate(zip(lay.row_len, lay.row_budgets, strict=True))])
             self.compressions += 1
         for lay in self.layers:
             self._advance_host(lay)
