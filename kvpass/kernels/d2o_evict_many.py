@@ -93,7 +93,7 @@ def evict_many_in_place(k: Tensor, v: Tensor, score: Tensor, position: Tensor, l
     i = torch.arange(m, device=k.device)
     # the n lowest of them, then ordered by position: the general path's eviction order
     valid = i < n_evict[..., None]                                          # [B, Hkv, m]
-    by_pos = torch.where(valid, torch.gather(position, 2, cand), big).argsort(-1, stable=True)
+    by_pos = torch.where(valid, torch.gather(position, 2, cand), big).argsort(dim=-1, stable=True)
     e_idx = torch.gather(cand, 2, by_pos)
     evicted = torch.zeros_like(live).scatter_(2, e_idx, valid)              # [B, Hkv, C]
     flat_e = _flat(e_idx, c)
