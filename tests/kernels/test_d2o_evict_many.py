@@ -168,3 +168,23 @@ def test_generation_equals_the_general_path(kwargs: dict, prompt_ids: torch.Tens
     assert not calls
     assert n_calls > 0
     assert torch.equal(out[True], out[False])
+
+
+@pytest.mark.parametrize("budget", [12, 0.5])
+def test_rows_of_other_lengths_generate_as_alone(budget: float, monkeypatch) -> None:
+    """A left-padded batch whose rows fill their buffers at different steps (a row over its budget but not due
+    is left as it is, and the runtime keeps counting its entries): each row generates what it generates alone,
+    and the same as the general path."""
+    from tests.conftest import padded_batch
+
+    ids, mask = padded_batch([24, 15], seed=3)
+    out = {}
+    for in_place in (True, False):
+        monkeypatch.setattr(D2O, "in_place_many", in_place)
+        model = apply_cached("llama", "d2o[interval=4]", budget)
+        out[in_place] = model.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False, eos_token_id=None)
+    assert torch.equal(out[True], out[False])
+    monkeypatch.setattr(D2O, "in_place_many", True)
+    for row, n in ((0, 24), (1, 15)):
+        alone = model.generate(ids[row:row + 1, -n:], max_new_tokens=14, do_sample=False, eos_token_id=None)
+        assert torch.equal(alone[0, -14:], out[True][row, -14:]), f"row {row}"
