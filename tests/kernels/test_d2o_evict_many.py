@@ -188,3 +188,61 @@ def test_rows_of_other_lengths_generate_as_alone(budget: float, monkeypatch) -> 
     for row, n in ((0, 24), (1, 15)):
         alone = model.generate(ids[row:row + 1, -n:], max_new_tokens=14, do_sample=False, eos_token_id=None)
         assert torch.equal(alone[0, -14:], out[True][row, -14:]), f"row {row}"
+
+
+def _tensors(cache: LayerCache) -> list[torch.Tensor]:
+    return [cache.k, cache.v, cache.log_weight, cache.length, cache.position, *cache.slot_meta.values(),
+            *cache.state.values()]
+
+
+def _to(cache: LayerCache, device: str) -> LayerCache:
+    return LayerCache(k=cache.k.to(device, copy=True), v=cache.v.to(device, copy=True),
+                      log_weight=cache.log_weight.to(device, copy=True), length=cache.length.to(device, copy=True),
+                      position=cache.position.to(device, copy=True),
+                      slot_meta={n: t.to(device, copy=True) for n, t in cache.slot_meta.items()},
+                      state={n: t.to(device, copy=True) for n, t in cache.state.items()})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("per_row", [False, True])
+def test_cuda_graph_replay_equals_eager(per_row: bool) -> None:
+    """On CUDA (``torch.ops.kvpass.cosine_match``) the step is captured in a CUDA graph (no host sync) and its
+    replay from the same inputs equals the eager step; both equal the CPU step's entries."""
+    policy, interval = D2O(interval=8), 8
+    keeps = [20, 12, 17, 60] if per_row else [20] * 4
+    c = 20 + interval
+    lengths = [[c] * 3, [12 + interval, 5, 14], [19, 17, 3], [c - 2, c, 1]] if per_row else \
+        [[c] * 3, [c, 7, 20], [20, 5, 1], [c, c, 11]]
+    start = shuffled(ordered_cache(lengths, c, 64, 0, torch.float32), 0)
+
+    def step(cache: LayerCache, keep: torch.Tensor) -> None:
+        if per_row:
+            policy.compress_rows_into(cache, keep)
+        else:
+            policy.compress_into(cache, 20)
+
+    want = _to(start, "cpu")
+    step(want, torch.tensor(keeps))
+    eager = _to(start, "cuda")
+    keep = torch.tensor(keeps, device="cuda")
+    step(eager, keep)                                          # warm-up: Triton compilation
+    captured = _to(start, "cuda")
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(_to(start, "cuda"), keep)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        step(captured, keep)
+    for t, s in zip(_tensors(captured), _tensors(_to(start, "cuda")), strict=True):
+        t.copy_(s)
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, ref in zip(_tensors(captured), _tensors(eager), strict=True):
+        assert torch.equal(got, ref)
+    g, w = by_position(_to(eager, "cpu")), by_position(want)
+    for name in ("position", "log_weight", "col_sum", "window_scores"):
+        assert torch.equal(g[name], w[name]), name
+    for name in ("k", "v"):
+        torch.testing.assert_close(g[name], w[name], rtol=1e-5, atol=1e-5)
