@@ -74,7 +74,10 @@ class D2O(Policy):
     skip_layers: indices among the compressed layers (negative from the end) that are not compressed
         at prefill (budget = prompt length); the code skips 0, 1, L-1 at extra memory, here they are
         paid for by the other layers, so the default is none [OURS].
-    interval: decode steps between compressions; 1 = the paper's one-in-one-out.
+    interval: decode steps between compressions; 1 = the paper's one-in-one-out. Above 1 a layer holds up to
+        budget + interval entries and a due row evicts interval of them in place (``compress_into``,
+        ``kvpass.kernels.d2o_evict_many``), except with merge_protect, merge_weighting="score", merge_bias or
+        tensor parallelism (the general path: sort, copy, copy back).
 
     Options, off by default (docs/d2o-official.md says which are the paper's, which the code's, and why):
     scores: "accumulated" (the paper: prompt column sums + every decode row) or "window": the first
@@ -118,11 +121,11 @@ class D2O(Policy):
     """
 
     name: ClassVar[str] = "d2o"
+    section: ClassVar[str] = "§5"
+    summary: ClassVar[str] = "variance layer budgets + H2O eviction + EMA-threshold merging"
     # interval > 1: decode compressions in place (``evict_many_in_place``); False: the general path and a copy
     # back (the before/after of tests and benchmarks)
     in_place_many: ClassVar[bool] = True
-    section: ClassVar[str] = "§5"
-    summary: ClassVar[str] = "variance layer budgets + H2O eviction + EMA-threshold merging"
     sinks: int = 4
     n_m_ratio: tuple[int, int] = (3, 1)
     beta: float = 0.7
@@ -366,7 +369,16 @@ class D2O(Policy):
         position (``pick_one``). Same entries and values as ``compress`` (tested as sets). On CUDA one
         op of three Triton kernels (``torch.ops.kvpass.d2o_evict_one``), elsewhere, under export and for
         merge_protect or merge_weighting="score" (which the kernels lack) its plain-torch step
-        ``evict_one_in_place``. Any other capacity: ``compress`` and a copy back."""
+        ``evict_one_in_place``.
+
+        ``interval`` m > 1, capacity C in (keep + 1, keep + m] (the runtime's layer of capacity keep + m, or a
+        row's copy of capacity min(keep + m, its tokens)): the batch rows that are full (C entries in some head:
+        due) evict down to keep in place (``kvpass.kernels.d2o_evict_many.evict_many_in_place``: O(C) metadata, the
+        evicted entries, their targets and the moved entries; no whole-cache copy, no host sync); a row holding
+        fewer than C entries is left as it is (not due; ``compress`` compresses every row over keep). The due
+        rows get the same entries and values as ``compress`` (tests/kernels/test_d2o_evict_many.py). Not for
+        merge_protect, merge_weighting="score", merge_bias or tensor parallelism (``_many_applies``).
+        Any other capacity: ``compress`` and a copy back."""
         if self._many_applies() and keep + 1 < cache.capacity <= keep + self.interval:
             sinks, _, recent = self.split(keep)
             score, others = self._in_place_inputs(cache)

@@ -94,7 +94,7 @@ def test_compress_into_equals_the_general_path(interval: int, options: dict, dty
     """One budget: full rows (C = keep + interval entries) evict interval entries, shorter rows (at most keep)
     nothing; every row as ``compress`` gives it, from a shuffled copy."""
     policy = D2O(interval=interval, **options)
-    keep, h = 20, 3
+    keep = 20
     c = keep + interval
     lengths = [[c, c, c], [c, 7, keep], [keep, 5, 1], [c, c, 11]]
     for seed in range(3):
