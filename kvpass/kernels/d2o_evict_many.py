@@ -1,7 +1,8 @@
 """D2O's decode-time compression of one layer with ``interval`` m > 1, in place (docs/policies.md §5.5-5.6).
 
 A row that is due (its batch row holds ``due`` entries in some KV head: the runtime compresses a row when it
-reaches its own capacity keep + m) evicts its ``length - keep`` (at most m) lowest-scored entries outside the
+reaches its own capacity keep + m: ``D2O.compress_rows_into``; due = keep + 1, every row over its budget:
+``D2O.compress_into``) evicts its ``length - keep`` (at most m) lowest-scored entries outside the
 sinks and the recent window, merges them into their nearest kept keys and compacts its live entries into
 slots [0, new length). The other rows are left as they are. The same kept set, merged K, V and EMA threshold as
 ``D2O._compress_general`` (tests/kernels/test_d2o_evict_many.py) except for the slot order: like the
@@ -81,7 +82,8 @@ def evict_many_in_place(k: Tensor, v: Tensor, score: Tensor, position: Tensor, l
     live = j < length[..., None]                                            # [B, Hkv, C]
     keep_r = _rows(keep, b, 1)
     due_row = length.amax(1, keepdim=True) >= _rows(due, b, 1)              # [B, 1]
-    n_evict = torch.where(due_row & (length > keep_r), length - keep_r, 0)  # [B, Hkv]
+    # at most m (callers ensure length - keep <= m; more would be left, never overwritten)
+    n_evict = torch.where(due_row & (length > keep_r), length - keep_r, 0).clamp(max=m)   # [B, Hkv]
     new_length = length - n_evict
     # position ranks among the live slots (0 = oldest): the sinks and the recent window, wherever their slots are
     big = torch.iinfo(torch.long).max

@@ -372,18 +372,18 @@ class D2O(Policy):
         ``evict_one_in_place``.
 
         ``interval`` m > 1, capacity C in (keep + 1, keep + m] (the runtime's layer of capacity keep + m, or a
-        row's copy of capacity min(keep + m, its tokens)): the batch rows that are full (C entries in some head:
-        due) evict down to keep in place (``kvpass.kernels.d2o_evict_many.evict_many_in_place``: O(C) metadata, the
-        evicted entries, their targets and the moved entries; no whole-cache copy, no host sync); a row holding
-        fewer than C entries is left as it is (not due; ``compress`` compresses every row over keep). The due
-        rows get the same entries and values as ``compress`` (tests/kernels/test_d2o_evict_many.py). Not for
-        merge_protect, merge_weighting="score", merge_bias or tensor parallelism (``_many_applies``).
-        Any other capacity: ``compress`` and a copy back."""
+        row's copy of capacity min(keep + m, its tokens)): every row over keep evicts down to keep in place
+        (``kvpass.kernels.d2o_evict_many.evict_many_in_place``: O(C) metadata, the evicted entries, their targets
+        and the moved entries; no whole-cache copy, no host sync): the same entries and values as ``compress``
+        (tests/kernels/test_d2o_evict_many.py). The runtime's one call for a layer whose rows may be due at steps
+        of their own is ``compress_rows_into``, which leaves the rows that are not due. Not for merge_protect,
+        merge_weighting="score", merge_bias or tensor parallelism (``_many_applies``). Any other capacity:
+        ``compress`` and a copy back."""
         if self._many_applies() and keep + 1 < cache.capacity <= keep + self.interval:
             sinks, _, recent = self.split(keep)
             score, others = self._in_place_inputs(cache)
             evict_many_in_place(cache.k, cache.v, cache.slot_meta[score], cache.position, cache.log_weight,
-                                cache.length, cache.state[TAU], cache.state[TAU_SET], others, keep, cache.capacity,
+                                cache.length, cache.state[TAU], cache.state[TAU_SET], others, keep, keep + 1,
                                 cache.capacity - keep, sinks, recent, self._target_from(keep), self.beta,
                                 self.d2o_variant, self._min_cos())
             return
@@ -421,7 +421,8 @@ class D2O(Policy):
         Every option: merge_protect and merge_weighting="score" take the plain-torch step (``compress_rows_into``).
         ``interval`` m > 1 (``_many_applies``): where every row's capacity is its budget + m (or at most its budget:
         it never compresses), ``compress_rows_into`` evicts in place from the rows holding budget + m entries, the
-        due rows, and leaves the others as they are."""
+        due rows, and leaves the others as they are (rows of one budget too: the runtime then calls
+        ``compress_rows_into``, not ``compress_into``, which compresses every row over the budget)."""
         if self.heads.world != 1:
             return False
         if self.interval == 1:

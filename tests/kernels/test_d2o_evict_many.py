@@ -91,12 +91,12 @@ OPTIONS = [dict(), dict(d2o_variant="code"), dict(scores="window"), dict(merge_i
 @pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_compress_into_equals_the_general_path(interval: int, options: dict, dtype: torch.dtype) -> None:
-    """One budget: full rows (C = keep + interval entries) evict interval entries, shorter rows (at most keep)
-    nothing; every row as ``compress`` gives it, from a shuffled copy."""
+    """One budget: every row over it (full at C = keep + interval entries, or not) evicts down to it, the others
+    (at most keep) nothing; every row as ``compress`` gives it, from a shuffled copy."""
     policy = D2O(interval=interval, **options)
     keep = 20
     c = keep + interval
-    lengths = [[c, c, c], [c, 7, keep], [keep, 5, 1], [c, c, 11]]
+    lengths = [[c, c, c], [c, 7, keep], [keep, 5, 1], [c, c, 11], [c - 1, keep + 1, keep + 2]]
     for seed in range(3):
         cache = ordered_cache(lengths, c, 8, seed, dtype)
         want = policy.compress(cache, keep)
