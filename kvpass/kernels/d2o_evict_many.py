@@ -35,8 +35,10 @@ empty); log_weight [B, Hkv, C] fp32 (-inf empty); length [B, Hkv] int64; tau [B]
 more slot metadata [B, Hkv, C, ...]. keep, due, sinks, recent, target_from: ints or [B] int64 tensors (each batch
 row its own budget); m: a static int >= every evicting row's length - keep (C - min keep). All updated in place.
 
-Not here (D2O keeps its general path for them): merge_protect > 0, merge_weighting="score", merge_bias=True and
-tensor parallelism (the threshold spans ranks).
+``bias`` (merge_bias): log_weight_t <- log(exp(log_weight_t) + sum_{e -> t, merged} exp(log_weight_e)).
+
+Not here (D2O keeps its general path for them): merge_protect > 0, merge_weighting="score" and tensor parallelism
+(the threshold spans ranks).
 """
 
 from __future__ import annotations
@@ -70,10 +72,11 @@ def _put(t: Tensor, flat: Tensor, values: Tensor) -> None:
 def evict_many_in_place(k: Tensor, v: Tensor, score: Tensor, position: Tensor, log_weight: Tensor, length: Tensor,
                         tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: int | Tensor, due: int | Tensor,
                         m: int, sinks: int | Tensor, recent: int | Tensor, target_from: int | Tensor, beta: float,
-                        variant: str, min_cos: float) -> None:
+                        variant: str, min_cos: float, bias: bool = False) -> None:
     """The module docstring's step (plain torch; on CUDA the nearest keys by ``torch.ops.kvpass.cosine_match``).
     A (b, g) row evicts iff its batch row b holds at least ``due`` entries in some head and it holds more than
-    ``keep``; callers ensure its length - keep <= ``m``."""
+    ``keep``; callers ensure its length - keep <= ``m``. ``bias`` (D2O's merge_bias): a target's log_weight becomes
+    the log of its size plus the sizes of the entries merged into it (log_weight: the log-size)."""
     b, h, c, d = k.shape
     if m <= 0:
         return
@@ -124,6 +127,11 @@ def evict_many_in_place(k: Tensor, v: Tensor, score: Tensor, position: Tensor, l
         acc = w_self * into.float() + assign @ (w_e[..., None] * src.float())
         new = torch.where(absorbed, (acc / norm).to(buf.dtype), into)
         _put(buf, flat_t, new.reshape(b * h * m, d))
+    if bias:                                # sizes add, before anything moves (fp32, as the general path)
+        into = _take(log_weight, flat_t).view(b, h, m)
+        size_e = torch.where(merged, _take(log_weight, flat_e).view(b, h, m).exp(), 0.0)
+        size = into.exp() + (assign @ size_e[..., None])[..., 0]
+        _put(log_weight, flat_t, torch.where(absorbed[..., 0], size.log(), into).reshape(-1))
     # compaction: kept entries at slots >= new length fill the evicted slots below it, both ascending
     hole = valid & (e_idx < new_length[..., None])
     holes = torch.where(hole, e_idx, c).sort(-1).values                     # [B, Hkv, m]

@@ -67,8 +67,11 @@ def assert_rows_equal(got: LayerCache, want: LayerCache, rows: list[int], msg: s
     for i, b in enumerate(rows):
         assert torch.equal(got.length[b], want.length[i]), f"{msg}: length of row {b}"
         assert (g["position"][b, :, n:] == -1).all(), f"{msg}: row {b} holds more than {n}"
-        for name in ("position", "log_weight", *want.slot_meta):
+        for name in ("position", *want.slot_meta):
             assert torch.equal(g[name][b, :, :n], w[name][i]), f"{msg}: {name} of row {b}"
+        # merge_bias: the general path writes log(exp(x)) for every live entry, this step only a target's
+        torch.testing.assert_close(g["log_weight"][b, :, :n], w["log_weight"][i], rtol=1e-6, atol=1e-6,
+                                   msg=f"{msg}: log_weight of row {b}")
         rtol = 1e-6 if want.k.dtype == torch.float32 else 1e-9
         for name in ("k", "v"):   # the general path merges in fp32 (fp64 caches too); the sums' order differs
             torch.testing.assert_close(g[name][b, :, :n].double(), w[name][i].double(), rtol=rtol, atol=1e-6,
@@ -84,7 +87,8 @@ def assert_rows_equal(got: LayerCache, want: LayerCache, rows: list[int], msg: s
 
 OPTIONS = [dict(), dict(d2o_variant="code"), dict(scores="window"), dict(merge_into_sinks=False),
            dict(merge_into_sinks=False, d2o_variant="code", merge_floor=0.2), dict(merge=False),
-           dict(sinks=0, n_m_ratio=(1, 0))]
+           dict(sinks=0, n_m_ratio=(1, 0)), dict(merge_bias=True), dict(merge_bias=True, d2o_variant="code")]
+BIASED = [o for o in OPTIONS if o.get("merge_bias")]
 
 
 @pytest.mark.parametrize("interval", [4, 16])
@@ -106,10 +110,12 @@ def test_compress_into_equals_the_general_path(interval: int, options: dict, dty
         if seed == 0 and options.get("merge", True):
             merged = (by_position(got)["k"][:, :, :keep] != by_position(cache)["k"][:, :, :keep])
             assert merged.any(), "no merge happened"
+            if options.get("merge_bias"):
+                assert (got.log_weight > 0.5).any(), "no entry stands for several tokens"
 
 
 @pytest.mark.parametrize("interval", [4, 16])
-@pytest.mark.parametrize("options", OPTIONS[:5], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+@pytest.mark.parametrize("options", OPTIONS[:5] + BIASED, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
 def test_rows_of_their_own_budgets_in_one_call(interval: int, options: dict) -> None:
     """Per-row budgets (``compress_rows_into``): a due row (budget + interval entries in some head) is what
     ``compress`` gives it alone at its own budget and capacity; a row not due (fewer entries, even above its
@@ -141,13 +147,14 @@ def test_rows_in_one_call_accepts_interval_rows() -> None:
     assert policy.rows_in_one_call([10, 12], [14, 16])
     assert policy.rows_in_one_call([10, 30], [14, 20])           # a short row that never compresses
     assert not policy.rows_in_one_call([10, 12], [14, 15])        # a row due below budget + interval
-    assert not D2O(interval=4, merge_bias=True).rows_in_one_call([10, 12], [14, 16])
+    assert D2O(interval=4, merge_bias=True).rows_in_one_call([10, 12], [14, 16])
+    assert not D2O(interval=4, merge_weighting="score").rows_in_one_call([10, 12], [14, 16])
     assert not D2O(interval=4, merge_protect=0.5).rows_in_one_call([10, 12], [14, 16])
     assert D2O().rows_in_one_call([10, 12], [11, 13])
 
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(allocation="uniform"), dict(scores="window", merge_into_sinks=False),
-                                    dict(d2o_variant="code")])
+                                    dict(d2o_variant="code"), dict(merge_bias=True)])
 def test_generation_equals_the_general_path(kwargs: dict, prompt_ids: torch.Tensor, monkeypatch) -> None:
     """Through the runtime on a tiny Llama (batch of 2, per-row layer budgets unless uniform): the in-place step
     generates the same tokens as the general path, and it is the one that ran."""
