@@ -36,9 +36,12 @@ more slot metadata [B, Hkv, C, ...]. keep, due, sinks, recent, target_from: ints
 row its own budget); m: a static int >= every evicting row's length - keep (C - min keep). All updated in place.
 
 ``bias`` (merge_bias): log_weight_t <- log(exp(log_weight_t) + sum_{e -> t, merged} exp(log_weight_e)).
+``protect`` (merge_protect): the floor(protect * keep) kept entries of highest score (ties: the lower slot) are no
+targets; an evicted entry with no target left is evicted without merging and does not enter the threshold.
+``score_weights`` (merge_weighting="score"): w_e = score_e + SCORE_EPS, w_self = score_t + SCORE_EPS, norm =
+w_self + sum w_e.
 
-Not here (D2O keeps its general path for them): merge_protect > 0, merge_weighting="score" and tensor parallelism
-(the threshold spans ranks).
+Not here (D2O keeps its general path): tensor parallelism (the threshold spans ranks).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from torch import Tensor
 
 from kvpass.cache import EMPTY
 from kvpass.kernels.cosine_match import cosine_match_reference
-from kvpass.kernels.d2o_evict_one import _rows, ema_threshold, merge_weights
+from kvpass.kernels.d2o_evict_one import SCORE_EPS, _rows, ema_threshold, merge_weights, protected_count, unprotected
 
 
 def _flat(idx: Tensor, c: int) -> Tensor:
@@ -72,11 +75,13 @@ def _put(t: Tensor, flat: Tensor, values: Tensor) -> None:
 def evict_many_in_place(k: Tensor, v: Tensor, score: Tensor, position: Tensor, log_weight: Tensor, length: Tensor,
                         tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: int | Tensor, due: int | Tensor,
                         m: int, sinks: int | Tensor, recent: int | Tensor, target_from: int | Tensor, beta: float,
-                        variant: str, min_cos: float, bias: bool = False) -> None:
+                        variant: str, min_cos: float, bias: bool = False, protect: float = 0.0,
+                        score_weights: bool = False) -> None:
     """The module docstring's step (plain torch; on CUDA the nearest keys by ``torch.ops.kvpass.cosine_match``).
     A (b, g) row evicts iff its batch row b holds at least ``due`` entries in some head and it holds more than
     ``keep``; callers ensure its length - keep <= ``m``. ``bias`` (D2O's merge_bias): a target's log_weight becomes
-    the log of its size plus the sizes of the entries merged into it (log_weight: the log-size)."""
+    the log of its size plus the sizes of the entries merged into it (log_weight: the log-size). ``protect`` and
+    ``score_weights``: D2O's merge_protect and merge_weighting="score" (the module docstring)."""
     b, h, c, d = k.shape
     if m <= 0:
         return
@@ -105,21 +110,28 @@ def evict_many_in_place(k: Tensor, v: Tensor, score: Tensor, position: Tensor, l
     k_e = _take(k, flat_e).view(b, h, m, d)
     v_e = _take(v, flat_e).view(b, h, m, d)
     # nearest kept key per evicted entry, against the cache in place
-    targets = live & ~evicted & (rank >= _rows(target_from, b, 2))
+    kept = live & ~evicted
+    targets = kept & (rank >= _rows(target_from, b, 2))
+    if protect > 0:
+        targets = targets & unprotected(score, kept, protected_count(protect, keep))
     match = torch.ops.kvpass.cosine_match if k.is_cuda else cosine_match_reference
     nearest, u_star = match(k_e, k, targets)                                # [B, Hkv, m]
+    matched = valid & (nearest >= 0) if protect > 0 else valid              # no target left: evicted without trace
     nearest = nearest.clamp(min=0)
-    u_star = torch.where(valid, u_star, 0.0)
-    new_tau, new_set = ema_threshold(u_star, valid, tau, tau_set, beta)
+    u_star = torch.where(matched, u_star, 0.0)
+    new_tau, new_set = ema_threshold(u_star, matched, tau, tau_set, beta)
     tau.copy_(new_tau)
     tau_set.copy_(new_set)
-    merged, w_e, w_self = merge_weights(u_star, valid, new_tau, variant, min_cos)
+    merged, w_e, w_self = merge_weights(u_star, matched, new_tau, variant, min_cos)
+    if score_weights:                       # each entry weighs its score + SCORE_EPS (the target's: per evicted f)
+        w_e = torch.where(merged, torch.gather(score.float(), 2, e_idx) + SCORE_EPS, 0.0)
+        w_self = (torch.gather(score.float(), 2, nearest) + SCORE_EPS)[..., None]          # [B, Hkv, m, 1]
     # assign[f, e] = evicted e merges into the target of evicted f: each f computes its target's final value,
     # so every write of one target slot carries the same value
     assign = ((nearest[..., :, None] == nearest[..., None, :]) & merged[..., None, :]).float()   # [B, Hkv, m, m]
     count = assign @ merged.float()[..., None]                              # [B, Hkv, m, 1]
     w_sum = assign @ w_e[..., None]
-    norm = w_self + (w_sum if variant == "paper" else count)
+    norm = w_self + (w_sum if variant == "paper" or score_weights else count)
     flat_t = _flat(nearest, c)
     absorbed = count > 0
     for buf, src in ((k, k_e), (v, v_e)):

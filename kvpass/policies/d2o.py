@@ -76,8 +76,8 @@ class D2O(Policy):
         paid for by the other layers, so the default is none [OURS].
     interval: decode steps between compressions; 1 = the paper's one-in-one-out. Above 1 a layer holds up to
         budget + interval entries and a due row evicts interval of them in place (``compress_into``,
-        ``kvpass.kernels.d2o_evict_many``), except with merge_protect, merge_weighting="score" or tensor
-        parallelism (the general path: sort, copy, copy back).
+        ``kvpass.kernels.d2o_evict_many``), except under tensor parallelism (the general path: sort, copy,
+        copy back).
 
     Options, off by default (docs/d2o-official.md says which are the paper's, which the code's, and why):
     scores: "accumulated" (the paper: prompt column sums + every decode row) or "window": the first
@@ -376,8 +376,8 @@ class D2O(Policy):
         (``kvpass.kernels.d2o_evict_many.evict_many_in_place``: O(C) metadata, the evicted entries, their targets
         and the moved entries; no whole-cache copy, no host sync): the same entries and values as ``compress``
         (tests/kernels/test_d2o_evict_many.py). The runtime's one call for a layer whose rows may be due at steps
-        of their own is ``compress_rows_into``, which leaves the rows that are not due. Not for merge_protect,
-        merge_weighting="score" or tensor parallelism (``_many_applies``). Any other capacity:
+        of their own is ``compress_rows_into``, which leaves the rows that are not due. Every option; not under
+        tensor parallelism (``_many_applies``). Any other capacity:
         ``compress`` and a copy back."""
         if self._many_applies() and keep + 1 < cache.capacity <= keep + self.interval:
             sinks, _, recent = self.split(keep)
@@ -385,7 +385,8 @@ class D2O(Policy):
             evict_many_in_place(cache.k, cache.v, cache.slot_meta[score], cache.position, cache.log_weight,
                                 cache.length, cache.state[TAU], cache.state[TAU_SET], others, keep, keep + 1,
                                 cache.capacity - keep, sinks, recent, self._target_from(keep), self.beta,
-                                self.d2o_variant, self._min_cos(), self.merge_bias)
+                                self.d2o_variant, self._min_cos(), self.merge_bias, self._protect(),
+                                self.merge_weighting == "score")
             return
         if cache.capacity != keep + 1 or self.heads.world > 1:
             # tensor parallel: the threshold spans ranks
@@ -431,10 +432,9 @@ class D2O(Policy):
                                             for keep, cap in zip(budgets, capacities, strict=True))
 
     def _many_applies(self) -> bool:
-        """Whether ``interval`` > 1 compresses in place (``evict_many_in_place``): one process, and neither
-        merge_protect nor merge_weighting="score" (which it lacks: the general path)."""
-        return (self.in_place_many and self.interval > 1 and self.heads.world == 1 and not self._protecting()
-                and self.merge_weighting == "similarity")
+        """Whether ``interval`` > 1 compresses in place (``evict_many_in_place``): one process (tensor parallel:
+        the general path; the threshold spans ranks)."""
+        return self.in_place_many and self.interval > 1 and self.heads.world == 1
 
     def split_rows(self, keep: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``split`` per batch row: keep [B] int64 -> (sinks, important N incl. sinks, recent M), each [B]."""
@@ -457,9 +457,6 @@ class D2O(Policy):
         and capturable all the same (tests/kernels/test_d2o_evict_ragged.py: each row as ``_compress_one`` alone)."""
         if self.heads.world > 1:
             raise NotImplementedError("d2o: per-row budgets in one call need one process (rows_in_one_call)")
-        if self.interval > 1 and not self._many_applies():
-            raise NotImplementedError("d2o: per-row budgets in one call with interval > 1 need neither merge_protect "
-                                      "nor merge_weighting='score' (rows_in_one_call)")
         keep = keep.to(device=cache.k.device, dtype=torch.long).contiguous()
         sinks, _, recent = self.split_rows(keep)
         target_from = torch.zeros_like(keep) if self.merge_into_sinks else sinks
@@ -468,11 +465,13 @@ class D2O(Policy):
                  cache.state[TAU], cache.state[TAU_SET], others)
         if self.interval > 1:                   # the due rows (budget + interval entries) evict interval entries
             evict_many_in_place(*layer, keep, keep + self.interval, self.interval, sinks, recent, target_from,
-                                self.beta, self.d2o_variant, self._min_cos(), self.merge_bias)
+                                self.beta, self.d2o_variant, self._min_cos(), self.merge_bias, self._protect(),
+                                self.merge_weighting == "score")
             return
         if self._triton_step(cache):
             torch.ops.kvpass.d2o_evict_one_ragged(*layer, keep, sinks, recent, target_from, self.beta,
-                                                  self.d2o_variant, self._min_cos(), self.merge_bias)
+                                                  self.d2o_variant, self._min_cos(), self.merge_bias, self._protect(),
+                                self.merge_weighting == "score")
         else:
             evict_one_in_place(*layer, keep, sinks, recent, target_from, self.beta, self.d2o_variant,
                                self._min_cos(), self.merge_bias, self._protect(), self.merge_weighting == "score")

@@ -87,8 +87,10 @@ def assert_rows_equal(got: LayerCache, want: LayerCache, rows: list[int], msg: s
 
 OPTIONS = [dict(), dict(d2o_variant="code"), dict(scores="window"), dict(merge_into_sinks=False),
            dict(merge_into_sinks=False, d2o_variant="code", merge_floor=0.2), dict(merge=False),
-           dict(sinks=0, n_m_ratio=(1, 0)), dict(merge_bias=True), dict(merge_bias=True, d2o_variant="code")]
-BIASED = [o for o in OPTIONS if o.get("merge_bias")]
+           dict(sinks=0, n_m_ratio=(1, 0)), dict(merge_bias=True), dict(merge_bias=True, d2o_variant="code"),
+           dict(merge_protect=0.5), dict(merge_protect=0.9, merge_into_sinks=False, d2o_variant="code"),
+           dict(merge_weighting="score"), dict(merge_weighting="score", merge_protect=0.3, scores="window")]
+BIASED = [o for o in OPTIONS if o.get("merge_bias") or o.get("merge_protect") or o.get("merge_weighting")]
 
 
 @pytest.mark.parametrize("interval", [4, 16])
@@ -142,19 +144,21 @@ def test_rows_of_their_own_budgets_in_one_call(interval: int, options: dict) -> 
             assert torch.equal(got.state[TAU][b], cache.state[TAU][b])
 
 
-def test_rows_in_one_call_accepts_interval_rows() -> None:
+def test_rows_in_one_call_accepts_interval_rows(monkeypatch) -> None:
     policy = D2O(interval=4)
     assert policy.rows_in_one_call([10, 12], [14, 16])
     assert policy.rows_in_one_call([10, 30], [14, 20])           # a short row that never compresses
     assert not policy.rows_in_one_call([10, 12], [14, 15])        # a row due below budget + interval
     assert D2O(interval=4, merge_bias=True).rows_in_one_call([10, 12], [14, 16])
-    assert not D2O(interval=4, merge_weighting="score").rows_in_one_call([10, 12], [14, 16])
-    assert not D2O(interval=4, merge_protect=0.5).rows_in_one_call([10, 12], [14, 16])
+    assert D2O(interval=4, merge_weighting="score", merge_protect=0.5).rows_in_one_call([10, 12], [14, 16])
+    monkeypatch.setattr(D2O, "in_place_many", False)             # the general path: per-row copies
+    assert not D2O(interval=4).rows_in_one_call([10, 12], [14, 16])
     assert D2O().rows_in_one_call([10, 12], [11, 13])
 
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(allocation="uniform"), dict(scores="window", merge_into_sinks=False),
-                                    dict(d2o_variant="code"), dict(merge_bias=True)])
+                                    dict(d2o_variant="code"), dict(merge_bias=True),
+                                    dict(merge_protect=0.5, merge_weighting="score")])
 def test_generation_equals_the_general_path(kwargs: dict, prompt_ids: torch.Tensor, monkeypatch) -> None:
     """Through the runtime on a tiny Llama (batch of 2, per-row layer budgets unless uniform): the in-place step
     generates the same tokens as the general path, and it is the one that ran."""

@@ -85,7 +85,7 @@ def test_rows_in_one_call_accepts_one_in_one_out_and_full_intervals():
     assert not d2o.rows_in_one_call([20, 18], [21, 20])          # two entries at a time: interval 2
     assert D2O(interval=2).rows_in_one_call([20, 18], [22, 20])
     assert not D2O(interval=2).rows_in_one_call([20, 18], [21, 20])   # a row due below budget + interval
-    assert not D2O(interval=2, merge_protect=0.5).rows_in_one_call([20, 18], [22, 20])
+    assert D2O(interval=2, merge_protect=0.5, merge_weighting="score").rows_in_one_call([20, 18], [22, 20])
     keep = torch.tensor([20, 7, 4, 1])
     sinks, important, recent = d2o.split_rows(keep)
     for b, k in enumerate(keep.tolist()):
