@@ -51,7 +51,14 @@ from torch import Tensor
 
 from kvpass.cache import EMPTY
 from kvpass.kernels.cosine_match import cosine_match_reference
-from kvpass.kernels.d2o_evict_one import SCORE_EPS, _rows, ema_threshold, merge_weights, protected_count, unprotected
+from kvpass.kernels.d2o_evict_one import (
+    SCORE_EPS,
+    _rows,
+    ema_threshold,
+    merge_weights,
+    protected_count,
+    unprotected,
+)
 
 
 def _flat(idx: Tensor, c: int) -> Tensor:
