@@ -25,8 +25,9 @@ Then compaction: the kept live entries at slots >= new length move into the evic
 ascending), for k, v, position, log_weight, score and every tensor of ``others``; the freed slots
 [new length, length) are emptied (position -1, log_weight -inf, score and others 0; K, V left) and length is set.
 
-What it touches: O(C) per-slot metadata (one sort of the positions, one top-m of the scores, masks), the m
-evicted keys and values, their merge targets (m rows, each written once with its final value) and the moved
+What it touches: O(C) per-slot metadata (one sort of the positions, one top-m of the scores, masks), a read of
+every live key for the nearest-key search (as the one-in-one-out op), the m evicted keys and values, their merge
+targets (m rows, each written once with its final value) and the moved
 entries (at most m rows). No whole-cache copy, no fp32 copy of K or V, no host synchronisation: a CUDA graph
 captures it. The [m, m] assignment (evicted e -> the target of evicted f) sums the merges without a scatter.
 
@@ -37,7 +38,8 @@ row its own budget); m: a static int >= every evicting row's length - keep (C - 
 
 ``bias`` (merge_bias): log_weight_t <- log(exp(log_weight_t) + sum_{e -> t, merged} exp(log_weight_e)).
 ``protect`` (merge_protect): the floor(protect * keep) kept entries of highest score (ties: the lower slot) are no
-targets; an evicted entry with no target left is evicted without merging and does not enter the threshold.
+targets (equal scores may break ties otherwise than the general path, whose slots are in sequence order);
+an evicted entry with no target left is evicted without merging and does not enter the threshold.
 ``score_weights`` (merge_weighting="score"): w_e = score_e + SCORE_EPS, w_self = score_t + SCORE_EPS, norm =
 w_self + sum w_e.
 
