@@ -12,6 +12,7 @@ from torch import Tensor
 import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
 from kvpass.cache import LayerCache, gather_slots, keep_slots, put_slots
 from kvpass.kernels.cosine_match import cosine_match_reference
+from kvpass.kernels.d2o_evict_many import evict_many_in_place
 from kvpass.kernels.d2o_evict_one import (
     NO_FLOOR,
     NO_MERGE,
@@ -73,7 +74,10 @@ class D2O(Policy):
     skip_layers: indices among the compressed layers (negative from the end) that are not compressed
         at prefill (budget = prompt length); the code skips 0, 1, L-1 at extra memory, here they are
         paid for by the other layers, so the default is none [OURS].
-    interval: decode steps between compressions; 1 = the paper's one-in-one-out.
+    interval: decode steps between compressions; 1 = the paper's one-in-one-out. Above 1 a layer holds up to
+        budget + interval entries and a due row evicts interval of them in place (``compress_into``,
+        ``kvpass.kernels.d2o_evict_many``), except under tensor parallelism (the general path: sort, copy,
+        copy back).
 
     Options, off by default (docs/d2o-official.md says which are the paper's, which the code's, and why):
     scores: "accumulated" (the paper: prompt column sums + every decode row) or "window": the first
@@ -119,6 +123,9 @@ class D2O(Policy):
     name: ClassVar[str] = "d2o"
     section: ClassVar[str] = "§5"
     summary: ClassVar[str] = "variance layer budgets + H2O eviction + EMA-threshold merging"
+    # interval > 1: decode compressions in place (``evict_many_in_place``); False: the general path and a copy
+    # back (the before/after of tests and benchmarks)
+    in_place_many: ClassVar[bool] = True
     sinks: int = 4
     n_m_ratio: tuple[int, int] = (3, 1)
     beta: float = 0.7
@@ -362,7 +369,25 @@ class D2O(Policy):
         position (``pick_one``). Same entries and values as ``compress`` (tested as sets). On CUDA one
         op of three Triton kernels (``torch.ops.kvpass.d2o_evict_one``), elsewhere, under export and for
         merge_protect or merge_weighting="score" (which the kernels lack) its plain-torch step
-        ``evict_one_in_place``. Any other capacity: ``compress`` and a copy back."""
+        ``evict_one_in_place``.
+
+        ``interval`` m > 1, capacity C in (keep + 1, keep + m] (the runtime's layer of capacity keep + m, or a
+        row's copy of capacity min(keep + m, its tokens)): every row over keep evicts down to keep in place
+        (``kvpass.kernels.d2o_evict_many.evict_many_in_place``: O(C) metadata, the evicted entries, their targets
+        and the moved entries; no whole-cache copy, no host sync): the same entries and values as ``compress``
+        (tests/kernels/test_d2o_evict_many.py). The runtime's one call for a layer whose rows may be due at steps
+        of their own is ``compress_rows_into``, which leaves the rows that are not due. Every option; not under
+        tensor parallelism (``_many_applies``). Any other capacity:
+        ``compress`` and a copy back."""
+        if self._many_applies() and keep + 1 < cache.capacity <= keep + self.interval:
+            sinks, _, recent = self.split(keep)
+            score, others = self._in_place_inputs(cache)
+            evict_many_in_place(cache.k, cache.v, cache.slot_meta[score], cache.position, cache.log_weight,
+                                cache.length, cache.state[TAU], cache.state[TAU_SET], others, keep, keep + 1,
+                                cache.capacity - keep, sinks, recent, self._target_from(keep), self.beta,
+                                self.d2o_variant, self._min_cos(), self.merge_bias, self._protect(),
+                                self.merge_weighting == "score")
+            return
         if cache.capacity != keep + 1 or self.heads.world > 1:
             # tensor parallel: the threshold spans ranks
             super().compress_into(cache, keep)
@@ -394,8 +419,22 @@ class D2O(Policy):
         budget + 1 (the one-in-one-out step, ``interval`` 1): a row is due exactly when it holds budget + 1
         entries, so compressing every row of the layer at its own budget evicts one entry from each due row
         and nothing from the others. Not under tensor parallelism (the threshold spans ranks: the general path).
-        Every option: merge_protect and merge_weighting="score" take the plain-torch step (``compress_rows_into``)."""
-        return self.heads.world == 1 and all(1 <= cap <= keep + 1 for keep, cap in zip(budgets, capacities, strict=True))
+        Every option: merge_protect and merge_weighting="score" take the plain-torch step (``compress_rows_into``).
+        ``interval`` m > 1 (``_many_applies``): where every row's capacity is its budget + m (or at most its budget:
+        it never compresses), ``compress_rows_into`` evicts in place from the rows holding budget + m entries, the
+        due rows, and leaves the others as they are (rows of one budget too: the runtime then calls
+        ``compress_rows_into``, not ``compress_into``, which compresses every row over the budget)."""
+        if self.heads.world != 1:
+            return False
+        if self.interval == 1:
+            return all(1 <= cap <= keep + 1 for keep, cap in zip(budgets, capacities, strict=True))
+        return self._many_applies() and all(1 <= cap <= keep or cap == keep + self.interval
+                                            for keep, cap in zip(budgets, capacities, strict=True))
+
+    def _many_applies(self) -> bool:
+        """Whether ``interval`` > 1 compresses in place (``evict_many_in_place``): one process (tensor parallel:
+        the general path; the threshold spans ranks)."""
+        return self.in_place_many and self.interval > 1 and self.heads.world == 1
 
     def split_rows(self, keep: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``split`` per batch row: keep [B] int64 -> (sinks, important N incl. sinks, recent M), each [B]."""
@@ -424,9 +463,15 @@ class D2O(Policy):
         score, others = self._in_place_inputs(cache)
         layer = (cache.k, cache.v, cache.slot_meta[score], cache.position, cache.log_weight, cache.length,
                  cache.state[TAU], cache.state[TAU_SET], others)
+        if self.interval > 1:                   # the due rows (budget + interval entries) evict interval entries
+            evict_many_in_place(*layer, keep, keep + self.interval, self.interval, sinks, recent, target_from,
+                                self.beta, self.d2o_variant, self._min_cos(), self.merge_bias, self._protect(),
+                                self.merge_weighting == "score")
+            return
         if self._triton_step(cache):
             torch.ops.kvpass.d2o_evict_one_ragged(*layer, keep, sinks, recent, target_from, self.beta,
-                                                  self.d2o_variant, self._min_cos(), self.merge_bias)
+                                                  self.d2o_variant, self._min_cos(), self.merge_bias, self._protect(),
+                                self.merge_weighting == "score")
         else:
             evict_one_in_place(*layer, keep, sinks, recent, target_from, self.beta, self.d2o_variant,
                                self._min_cos(), self.merge_bias, self._protect(), self.merge_weighting == "score")

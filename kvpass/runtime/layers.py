@@ -368,11 +368,16 @@ def check_within_budget(model: RuntimeModel, lay: Layer) -> None:
     (more only where the policy splits a layer's budget unevenly over heads, ``row_extra``). Then the
     host-side counts are clamped to the budgets (see ``Layer.due_rows``)."""
     extra = lay.row_extra or [0] * len(lay.row_len)
+    # a row not due (interval > 1: above its budget, below its capacity; the others' compression leaves it as it
+    # is) keeps its count
+    waiting = [e == 0 and keep < n < cap for n, keep, cap, e in zip(lay.row_len, lay.row_budgets, lay.row_caps, extra,
+                                                                     strict=True)]
     for b, (n, keep, e) in enumerate(zip(lay.row_len, lay.row_budgets, extra, strict=True)):
-        if n > keep + e:
+        if n > keep + e and not waiting[b]:
             raise RuntimeError(f"policy {model.policy.name} left {n} entries in a KV head of batch row {b} for a "
                                f"budget of {keep}" + (f" (at most {keep + e} in one head)" if e else ""))
-    lay.set_row_len([min(n, keep) for n, keep in zip(lay.row_len, lay.row_budgets, strict=True)])
+    lay.set_row_len([n if wait else min(n, keep)
+                     for n, keep, wait in zip(lay.row_len, lay.row_budgets, waiting, strict=True)])
 
 
 def check_min_budget(model: RuntimeModel, total: int) -> int:

@@ -140,12 +140,14 @@ class DecodeSession:
         start = time.perf_counter()
         self._deferred_prompt_compression()
         whole: list[int] = []
+        due_rows: dict[int, set[int]] = {}
         for i, lay in enumerate(self.layers):
             rows = lay.due_rows() if lay.compressible and not self._still_wide(lay) else []
             if not rows:
                 continue
             if lay.whole(rows) or self._rows_in_one_call(lay):    # the whole layer in its own buffers
                 whole.append(i)
+                due_rows[i] = set(rows)
             else:                                 # some rows, or rows of their own budgets: each as if alone
                 compress_rows_into(self.owner, lay, rows)
                 self.compressions += 1
@@ -161,9 +163,11 @@ class DecodeSession:
             due_in_step = due                     # graphed: compression is part of the replayed step
         self.logits = self._device_step(tokens, due_in_step)
         for i in due:
-            # the policy contract: a compressed row holds at most `budget` entries (checked when eager)
+            # the policy contract: a compressed row holds at most `budget` entries (checked when eager); a row
+            # that was not due is left as it is (``Policy.rows_in_one_call``: it may hold more, below its capacity)
             lay = self.layers[i]
-            lay.set_row_len([min(n, b) for n, b in zip(lay.row_len, lay.row_budgets, strict=True)])
+            lay.set_row_len([min(n, b) if r in due_rows[i] else n
+                             for r, (n, b) in enumerate(zip(lay.row_len, lay.row_budgets, strict=True))])
             self.compressions += 1
         for lay in self.layers:
             self._advance_host(lay)
@@ -185,15 +189,22 @@ class DecodeSession:
         if not (self.owner.rows_in_one_call and not any(lay.row_extra)
                 and self.policy.rows_in_one_call(lay.row_budgets, lay.row_caps)):
             return False
-        if not lay.one_budget:
+        if self._per_row_due(lay):
             lay.keep_rows()
         return True
 
+    def _per_row_due(self, lay: Layer) -> bool:
+        """Whether a one-call compression of the layer must leave the rows that are not due as they are: rows of
+        budgets or capacities of their own, or (``interval`` > 1) rows that may fill their buffers at steps of
+        their own, which ``compress_into`` (every row over the budget) would compress early. Static per layer:
+        the CUDA-graphed step takes the same call whichever rows are due."""
+        return not lay.one_budget or getattr(self.policy, "interval", 1) > 1
+
     def _compress_layer(self, lay: Layer) -> None:
-        """The whole layer in its own buffers: ``compress_rows_into`` at each row's own budget where the rows'
-        budgets or capacities differ and ``_rows_in_one_call``, else ``compress_into`` at the layer's budget.
+        """The whole layer in its own buffers: ``compress_rows_into`` at each row's own budget (only the due rows
+        evict) where ``_per_row_due`` and ``_rows_in_one_call``, else ``compress_into`` at the layer's budget.
         No host sync."""
-        if not lay.one_budget and self._rows_in_one_call(lay):
+        if self._per_row_due(lay) and self._rows_in_one_call(lay):
             self.policy.compress_rows_into(lay.cache, lay.keep_rows())
         else:
             self.policy.compress_into(lay.cache, lay.budget)

@@ -58,26 +58,34 @@ def test_d2o_rows_of_their_own_budgets_compress_in_one_call(monkeypatch, lengths
         torch.testing.assert_close(logits[row:row + 1], alone_logits, rtol=1e-4, atol=1e-4)
 
 
-def test_interval_above_one_keeps_the_per_row_path(monkeypatch):
-    """D2O with interval > 1 evicts several entries at a time, each row at its own steps: not one call
-    (``D2O.rows_in_one_call`` False), the per-row path, still equal to each row alone."""
+@pytest.mark.parametrize("lengths", [[40, 23, 31], [40, 9, 31]], ids=["padded", "short-row"])
+def test_interval_above_one_compresses_in_one_call(monkeypatch, lengths):
+    """D2O with interval > 1 evicts several entries at a time, each row when it holds its budget + interval
+    entries (``kvpass.kernels.d2o_evict_many``; a row not due is left as it is): one call per layer, no per-row
+    path, the same tokens as the per-row path and as each row alone."""
     kv = apply_cached("llama", "d2o", 0.4, interval=3)
-    ids, mask = padded_batch([40, 23, 31], seed=2)
+    ids, mask = padded_batch(lengths, seed=2)
     per_row = _count(monkeypatch, session_steps, "compress_rows_into")
     in_one = _count(monkeypatch, D2O, "compress_rows_into")
     tokens, _ = _greedy(kv, ids, mask)
-    assert in_one == [] and per_row
-    for row, n in enumerate([40, 23, 31]):
+    assert per_row == [] and in_one
+    monkeypatch.setattr(kv, "rows_in_one_call", False)
+    assert torch.equal(tokens, _greedy(kv, ids, mask)[0]) and per_row
+    monkeypatch.setattr(kv, "rows_in_one_call", True)
+    for row, n in enumerate(lengths):
         assert torch.equal(tokens[row:row + 1], _greedy(kv, ids[row:row + 1, ids.shape[1] - n:], None)[0]), row
 
 
-def test_rows_in_one_call_accepts_one_in_one_out_only():
-    """The policy's host-side decision: every row's capacity at most its budget + 1; one process."""
+def test_rows_in_one_call_accepts_one_in_one_out_and_full_intervals():
+    """The policy's host-side decision: every row's capacity at most its budget + 1, or (interval > 1) its
+    budget + interval or at most its budget; one process."""
     d2o = D2O()
     assert d2o.rows_in_one_call([20, 18, 23], [21, 19, 24])
     assert d2o.rows_in_one_call([20, 18], [21, 10])              # a short row: never due before its end
     assert not d2o.rows_in_one_call([20, 18], [21, 20])          # two entries at a time: interval 2
-    assert not D2O(interval=2).rows_in_one_call([20, 18], [22, 20])
+    assert D2O(interval=2).rows_in_one_call([20, 18], [22, 20])
+    assert not D2O(interval=2).rows_in_one_call([20, 18], [21, 20])   # a row due below budget + interval
+    assert D2O(interval=2, merge_protect=0.5, merge_weighting="score").rows_in_one_call([20, 18], [22, 20])
     keep = torch.tensor([20, 7, 4, 1])
     sinks, important, recent = d2o.split_rows(keep)
     for b, k in enumerate(keep.tolist()):
