@@ -51,7 +51,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvpass.cache import EMPTY
+from kvpass.cache import EMPTY, gather_slots, put_slots
 from kvpass.kernels.cosine_match import cosine_match_reference
 from kvpass.kernels.d2o_evict_one import (
     SCORE_EPS,
@@ -61,24 +61,6 @@ from kvpass.kernels.d2o_evict_one import (
     protected_count,
     unprotected,
 )
-
-
-def _flat(idx: Tensor, c: int) -> Tensor:
-    """Slot indices idx [B, Hkv, K] as indices into the B * Hkv * C flattened slots."""
-    b, h = idx.shape[:2]
-    return (idx + torch.arange(b * h, device=idx.device).view(b, h, 1) * c).reshape(-1)
-
-
-def _take(t: Tensor, flat: Tensor) -> Tensor:
-    """Rows ``flat`` of t [B, Hkv, C, ...] viewed as B * Hkv * C slots -> [len(flat), ...]."""
-    b, h, c = t.shape[:3]
-    return t.reshape(b * h * c, *t.shape[3:]).index_select(0, flat)
-
-
-def _put(t: Tensor, flat: Tensor, values: Tensor) -> None:
-    """In place: slots ``flat`` of t [B, Hkv, C, ...] (contiguous) <- values [len(flat), ...]."""
-    b, h, c = t.shape[:3]
-    t.view(b * h * c, *t.shape[3:]).index_copy_(0, flat, values)
 
 
 def evict_many_in_place(k: Tensor, v: Tensor, score: Tensor, position: Tensor, log_weight: Tensor, length: Tensor,
@@ -91,7 +73,7 @@ def evict_many_in_place(k: Tensor, v: Tensor, score: Tensor, position: Tensor, l
     ``keep``; callers ensure its length - keep <= ``m``. ``bias`` (D2O's merge_bias): a target's log_weight becomes
     the log of its size plus the sizes of the entries merged into it (log_weight: the log-size). ``protect`` and
     ``score_weights``: D2O's merge_protect and merge_weighting="score" (the module docstring)."""
-    b, h, c, d = k.shape
+    b, c = k.shape[0], k.shape[2]
     if m <= 0:
         return
     m = min(m, c)
@@ -115,9 +97,7 @@ def evict_many_in_place(k: Tensor, v: Tensor, score: Tensor, position: Tensor, l
     by_pos = torch.where(valid, torch.gather(position, 2, cand), big).argsort(dim=-1, stable=True)
     e_idx = torch.gather(cand, 2, by_pos)
     evicted = torch.zeros_like(live).scatter_(2, e_idx, valid)              # [B, Hkv, C]
-    flat_e = _flat(e_idx, c)
-    k_e = _take(k, flat_e).view(b, h, m, d)
-    v_e = _take(v, flat_e).view(b, h, m, d)
+    k_e, v_e = gather_slots(k, e_idx), gather_slots(v, e_idx)              # [B, Hkv, m, D]
     # nearest kept key per evicted entry, against the cache in place
     kept = live & ~evicted
     targets = kept & (rank >= _rows(target_from, b, 2))
@@ -141,18 +121,16 @@ def evict_many_in_place(k: Tensor, v: Tensor, score: Tensor, position: Tensor, l
     count = assign @ merged.float()[..., None]                              # [B, Hkv, m, 1]
     w_sum = assign @ w_e[..., None]
     norm = w_self + (w_sum if variant == "paper" or score_weights else count)
-    flat_t = _flat(nearest, c)
     absorbed = count > 0
     for buf, src in ((k, k_e), (v, v_e)):
-        into = _take(buf, flat_t).view(b, h, m, d)
+        into = gather_slots(buf, nearest)
         acc = w_self * into.float() + assign @ (w_e[..., None] * src.float())
-        new = torch.where(absorbed, (acc / norm).to(buf.dtype), into)
-        _put(buf, flat_t, new.reshape(b * h * m, d))
+        put_slots(buf, nearest, torch.where(absorbed, (acc / norm).to(buf.dtype), into))
     if bias:                                # sizes add, before anything moves (fp32, as the general path)
-        into = _take(log_weight, flat_t).view(b, h, m)
-        size_e = torch.where(merged, _take(log_weight, flat_e).view(b, h, m).exp(), 0.0)
+        into = gather_slots(log_weight, nearest)
+        size_e = torch.where(merged, gather_slots(log_weight, e_idx).exp(), 0.0)
         size = into.exp() + (assign @ size_e[..., None])[..., 0]
-        _put(log_weight, flat_t, torch.where(absorbed[..., 0], size.log(), into).reshape(-1))
+        put_slots(log_weight, nearest, torch.where(absorbed[..., 0], size.log(), into))
     # compaction: kept entries at slots >= new length fill the evicted slots below it, both ascending
     hole = valid & (e_idx < new_length[..., None])
     holes = torch.where(hole, e_idx, c).sort(-1).values                     # [B, Hkv, m]
@@ -162,10 +140,10 @@ def evict_many_in_place(k: Tensor, v: Tensor, score: Tensor, position: Tensor, l
     movers = torch.where(mover, above_c, c).sort(-1).values
     pair = holes < c                                                        # as many holes as movers per row
     # unpaired: slot C - 1 onto itself (never a hole: holes lie below new length <= C - 1)
-    dst = _flat(torch.where(pair, holes, c - 1), c)
-    src_slots = _flat(torch.where(pair, movers.clamp(max=c - 1), c - 1), c)
+    dst = torch.where(pair, holes, c - 1)
+    src_slots = torch.where(pair, movers.clamp(max=c - 1), c - 1)
     for t in (k, v, log_weight, position, score, *others):
-        _put(t, dst, _take(t, src_slots))
+        put_slots(t, dst, gather_slots(t, src_slots))
     freed = (j >= new_length[..., None]) & live                             # [B, Hkv, C]
     for t, empty in ((log_weight, EMPTY), (position, -1), (score, 0), *((x, 0) for x in others)):
         t.masked_fill_(freed.view(*freed.shape, *([1] * (t.dim() - 3))), empty)
