@@ -470,8 +470,7 @@ class D2O(Policy):
             return
         if self._triton_step(cache):
             torch.ops.kvpass.d2o_evict_one_ragged(*layer, keep, sinks, recent, target_from, self.beta,
-                                                  self.d2o_variant, self._min_cos(), self.merge_bias, self._protect(),
-                                self.merge_weighting == "score")
+                                                  self.d2o_variant, self._min_cos(), self.merge_bias)
         else:
             evict_one_in_place(*layer, keep, sinks, recent, target_from, self.beta, self.d2o_variant,
                                self._min_cos(), self.merge_bias, self._protect(), self.merge_weighting == "score")

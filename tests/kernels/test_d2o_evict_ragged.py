@@ -349,3 +349,19 @@ def test_cuda_guarded_rows_in_one_call_equal_each_row_alone_and_replay(options: 
     for name, t in layer.items():
         assert torch.equal(t[3], start[name][3]), name
     assert_replay_equals(lambda x: policy.compress_rows_into(_cache(x, with_tau=True), keep), start, layer)
+
+
+@pytest.mark.parametrize("options", [{}, {"d2o_variant": "code", "merge_bias": True}], ids=["paper", "code-bias"])
+def test_compress_rows_into_calls_the_ragged_op_with_its_signature(options: dict, monkeypatch) -> None:
+    """The branch CUDA takes (``torch.ops.kvpass.d2o_evict_one_ragged``, whose CPU kernel is the ragged reference),
+    forced on the CPU: the op accepts the call and gives what the plain-torch step gives. The Triton branch never
+    runs on a CPU otherwise, so a call the op's schema refuses would first fail on a GPU."""
+    policy = D2O(**options)
+    keep = torch.tensor([6, 13, 9, 13, NEVER])
+    want = ragged_layer(keep.tolist(), 2, 8, seed=11, dtype=torch.float32, near=0.5)
+    got = copied(want, "cpu")
+    policy.compress_rows_into(_cache(want, True), keep)
+    monkeypatch.setattr(D2O, "_triton_step", lambda self, cache: True)
+    policy.compress_rows_into(_cache(got, True), keep)
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
