@@ -379,40 +379,41 @@ class D2O(Policy):
         of their own is ``compress_rows_into``, which leaves the rows that are not due. Every option; not under
         tensor parallelism (``_many_applies``). Any other capacity:
         ``compress`` and a copy back."""
-        if self._many_applies() and keep + 1 < cache.capacity <= keep + self.interval:
-            sinks, _, recent = self.split(keep)
-            score, others = self._in_place_inputs(cache)
-            evict_many_in_place(cache.k, cache.v, cache.slot_meta[score], cache.position, cache.log_weight,
-                                cache.length, cache.state[TAU], cache.state[TAU_SET], others, keep, keep + 1,
-                                cache.capacity - keep, sinks, recent, self._target_from(keep), self.beta,
-                                self.d2o_variant, self._min_cos(), self.merge_bias, self._protect(),
-                                self.merge_weighting == "score")
-            return
-        if cache.capacity != keep + 1 or self.heads.world > 1:
+        many = self._many_applies() and keep + 1 < cache.capacity <= keep + self.interval
+        if not many and (cache.capacity != keep + 1 or self.heads.world > 1):
             # tensor parallel: the threshold spans ranks
             super().compress_into(cache, keep)
             return
         sinks, _, recent = self.split(keep)
-        score, others = self._in_place_inputs(cache)
-        layer = (cache.k, cache.v, cache.slot_meta[score], cache.position, cache.log_weight, cache.length,
-                 cache.state[TAU], cache.state[TAU_SET], others)
-        if self._triton_step(cache):
+        layer = self._in_place_layer(cache)
+        if many:
+            evict_many_in_place(*layer, keep, keep + 1, cache.capacity - keep, sinks, recent, self._target_from(keep),
+                                *self._step_options())
+        elif self._triton_step(cache):
             torch.ops.kvpass.d2o_evict_one(*layer, keep, sinks, recent, self.beta, self.d2o_variant, self._min_cos(),
                                            self._target_from(keep), self.merge_bias)
         else:
-            evict_one_in_place(*layer, keep, sinks, recent, self._target_from(keep), self.beta, self.d2o_variant,
-                               self._min_cos(), self.merge_bias, self._protect(), self.merge_weighting == "score")
+            evict_one_in_place(*layer, keep, sinks, recent, self._target_from(keep), *self._step_options())
 
-    def _in_place_inputs(self, cache: LayerCache) -> tuple[str, list[Tensor]]:
-        """What the in-place one-in-one-out ops need beyond the cache's tensors: the EMA threshold state
-        (TAU, TAU_SET [B], created here where missing: the ops mutate existing tensors), and (the name of the
-        ranked slot metadata, every other slot metadata tensor, which follows the entries' moves)."""
+    def _in_place_layer(self, cache: LayerCache) -> tuple:
+        """The layer's tensors the in-place steps mutate, in their argument order: (k, v, the ranked slot metadata,
+        position, log_weight, length, TAU, TAU_SET, every other slot metadata tensor, which follows the entries'
+        moves). The EMA threshold state (TAU, TAU_SET [B]) is created here where missing: the ops mutate existing
+        tensors."""
         b, device = cache.k.shape[0], cache.k.device
         for name, dtype in ((TAU, torch.float32), (TAU_SET, torch.bool)):
             if name not in cache.state:
                 cache.state[name] = torch.zeros(b, dtype=dtype, device=device)
         score = self._score_name(cache)
-        return score, [t for n, t in cache.slot_meta.items() if n != score]
+        others = [t for n, t in cache.slot_meta.items() if n != score]
+        return (cache.k, cache.v, cache.slot_meta[score], cache.position, cache.log_weight, cache.length,
+                cache.state[TAU], cache.state[TAU_SET], others)
+
+    def _step_options(self) -> tuple[float, str, float, bool, float, bool]:
+        """The plain-torch in-place steps' trailing arguments (``evict_one_in_place``, ``evict_many_in_place``):
+        (beta, variant, min_cos, bias, protect, score_weights)."""
+        return (self.beta, self.d2o_variant, self._min_cos(), self.merge_bias, self._protect(),
+                self.merge_weighting == "score")
 
     def rows_in_one_call(self, budgets: Sequence[int], capacities: Sequence[int]) -> bool:
         """Rows of their own budgets in one call (``compress_rows_into``) where no row's capacity exceeds its
@@ -460,20 +461,15 @@ class D2O(Policy):
         keep = keep.to(device=cache.k.device, dtype=torch.long).contiguous()
         sinks, _, recent = self.split_rows(keep)
         target_from = torch.zeros_like(keep) if self.merge_into_sinks else sinks
-        score, others = self._in_place_inputs(cache)
-        layer = (cache.k, cache.v, cache.slot_meta[score], cache.position, cache.log_weight, cache.length,
-                 cache.state[TAU], cache.state[TAU_SET], others)
+        layer = self._in_place_layer(cache)
         if self.interval > 1:                   # the due rows (budget + interval entries) evict interval entries
             evict_many_in_place(*layer, keep, keep + self.interval, self.interval, sinks, recent, target_from,
-                                self.beta, self.d2o_variant, self._min_cos(), self.merge_bias, self._protect(),
-                                self.merge_weighting == "score")
-            return
-        if self._triton_step(cache):
+                                *self._step_options())
+        elif self._triton_step(cache):
             torch.ops.kvpass.d2o_evict_one_ragged(*layer, keep, sinks, recent, target_from, self.beta,
                                                   self.d2o_variant, self._min_cos(), self.merge_bias)
         else:
-            evict_one_in_place(*layer, keep, sinks, recent, target_from, self.beta, self.d2o_variant,
-                               self._min_cos(), self.merge_bias, self._protect(), self.merge_weighting == "score")
+            evict_one_in_place(*layer, keep, sinks, recent, target_from, *self._step_options())
 
     def _pick_one(self, cache: LayerCache, keep: int) -> OneEviction:
         """``pick_one`` (§5.5-5.6 for rows of at most keep + 1 entries) on this layer's cache; merge_protect:
