@@ -62,7 +62,7 @@ def main() -> int:
                        {"X": f"*{dt}", "Y": f"*{dt}", "YNORM": "*fp32", "VALID": "*i8", "IDX": "*i64", "BEST": "*fp32",
                         "eps": "fp32"},
                        dict(HEAD_DIM=128, BLOCK_S=32, BLOCK_N=64, BLOCK_D=128, HAS_VALID=True, CHUNKED=True,
-                            DOT=0), ("sxd", "syd")))
+                            DOT=0, NORM_HERE=False), ("sxd", "syd")))
         for gate in (False, True):
             for even in (True, False):
                 checks.append((f"gemv {dt} silu_gate={gate} even={even}", gv._gemv_kernel,

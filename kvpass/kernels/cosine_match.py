@@ -52,7 +52,8 @@ def cosine_match_reference(src: Tensor, dst: Tensor, dst_valid: Tensor | None = 
 
 
 # --------------------------------------------------------------------------------------- Triton
-# Program (b, g, sources i in [i0, i0 + BLOCK_S)), the candidates' norms |y_j| given (one pass before):
+# Program (b, g, sources i in [i0, i0 + BLOCK_S)), the candidates' norms |y_j| given (one pass before), or
+# computed from each tile as it is loaded (NORM_HERE: one program per (b, g) reads each candidate once anyway):
 # candidate range: [first chunk of the block * dst_chunk, (last chunk + 1) * dst_chunk) or [0, N).
 # For each tile of BLOCK_N candidates: t_ij = (x_i . y_j) / max(|y_j|, eps), -inf unless valid and same
 # chunk; (m_i, index_i) = running (max, first argmax), a later tile wins only if strictly greater.
@@ -98,7 +99,7 @@ def _cosine_match_kernel(
     sxb, sxh, sxs, sxd, syb, syh, syn, syd,
     HKV, S, N, SRC_CHUNK, DST_CHUNK, eps,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_VALID: tl.constexpr, CHUNKED: tl.constexpr, DOT: tl.constexpr,
+    HAS_VALID: tl.constexpr, CHUNKED: tl.constexpr, DOT: tl.constexpr, NORM_HERE: tl.constexpr,
 ):
     pid_bg = tl.program_id(0)
     b = (pid_bg // HKV).to(tl.int64)
@@ -131,7 +132,11 @@ def _cosine_match_kernel(
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)
         if DOT == 1:
             y = y.to(tl.float32)
-        y_inv = 1.0 / tl.maximum(tl.load(YNORM + pid_bg.to(tl.int64) * N + offs_n, mask=n_mask, other=1.0), eps)
+        if NORM_HERE:
+            yf = y.to(tl.float32)
+            y_inv = 1.0 / tl.maximum(tl.sqrt(tl.sum(yf * yf, 1)), eps)
+        else:
+            y_inv = 1.0 / tl.maximum(tl.load(YNORM + pid_bg.to(tl.int64) * N + offs_n, mask=n_mask, other=1.0), eps)
         ok = n_mask
         if HAS_VALID:
             ok = ok & (tl.load(VALID + pid_bg.to(tl.int64) * N + offs_n, mask=n_mask, other=0) != 0)
@@ -166,33 +171,40 @@ def check_cosine_match_inputs(src: Tensor, dst: Tensor, dst_valid: Tensor | None
 
 def cosine_match_triton(src: Tensor, dst: Tensor, dst_valid: Tensor | None = None, src_chunk: int = 0,
                         dst_chunk: int = 0, *, block_s: int | None = None, block_n: int | None = None, num_warps: int = 4,
-                        num_stages: int | None = None) -> tuple[Tensor, Tensor]:
+                        num_stages: int | None = None, norm_here: bool | None = None) -> tuple[Tensor, Tensor]:
     """The Triton matcher (same contract as ``cosine_match_reference``); the keywords set the launch.
-    Unchunked on CUDA (D2O's evicted-to-kept matching) 128 sources a program, 128 candidates a tile and
+    Unchunked on CUDA (D2O's evicted-to-kept matching) up to 128 sources a program (16 for D2O's decode-time
+    evictions of up to 16 entries: the tile is no taller than the sources), 128 candidates a tile and
     2 stages: 1.13 ms at D2O's 32k prefill shape on an H100 (benchmarks/probes/cosine_match_sweep.py; 1.46
     with 64-candidate tiles; 2.4 before the tiles were multiplied unnormalised in bf16); chunked (Chelsea),
-    32 sources and 64 candidates, so a program's candidates span few chunks."""
+    32 sources and 64 candidates, so a program's candidates span few chunks. ``norm_here`` (default: when
+    one program covers every source of a (b, g), so each candidate is read once): the candidates' norms from
+    the loaded tiles instead of a pass of their own over ``dst`` (at D2O's decode shape, B 32, 16 sources,
+    6.5k candidates, that pass took 430 of the 640 us on an H200: d2o-evict-many-profile-nvidia-h200.json)."""
     require_triton()
     check_cosine_match_inputs(src, dst, dst_valid, src_chunk, dst_chunk)
+    b, hkv, s, d = src.shape
     wide = src_chunk == 0 and src.device.type == "cuda"
-    block_s = block_s or (128 if wide else 32)
+    block_s = block_s or (min(128, max(16, next_pow2(s))) if wide else 32)
     block_n = block_n or (128 if wide else 64)
     if num_stages is None and wide:
         num_stages = 2
-    b, hkv, s, d = src.shape
     n = dst.shape[2]
     index = torch.empty(b, hkv, s, device=src.device, dtype=torch.int64)
     best = torch.empty(b, hkv, s, device=src.device, dtype=torch.float32)
     if s == 0:
         return index, best
     valid = dst_valid.contiguous().to(torch.int8) if dst_valid is not None else index
-    dst_norm = torch.linalg.vector_norm(dst, dim=-1, dtype=torch.float32).contiguous()     # [B, Hkv, N]
+    if norm_here is None:
+        norm_here = src_chunk == 0 and s <= block_s
+    # [B, Hkv, N] (a placeholder the kernel never reads when the norms are computed in it)
+    dst_norm = best if norm_here else torch.linalg.vector_norm(dst, dim=-1, dtype=torch.float32).contiguous()
     dot = 1 if src.dtype == torch.float64 else dot_mode(src)      # float64 rows are multiplied in fp32 (DOT 1)
     _cosine_match_kernel[(b * hkv, triton.cdiv(s, block_s))](
         src, dst, dst_norm, valid, index, best, *src.stride(), *dst.stride(),
         hkv, s, n, max(src_chunk, 1), max(dst_chunk, 1), _EPS,
         HEAD_DIM=d, BLOCK_S=block_s, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
-        HAS_VALID=dst_valid is not None, CHUNKED=src_chunk > 0, DOT=dot, num_warps=num_warps,
+        HAS_VALID=dst_valid is not None, CHUNKED=src_chunk > 0, DOT=dot, NORM_HERE=norm_here, num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}))
     return index, best
 

@@ -86,7 +86,10 @@ def evict_many_in_place(k: Tensor, v: Tensor, score: Tensor, position: Tensor, l
     new_length = length - n_evict
     # position ranks among the live slots (0 = oldest): the sinks and the recent window, wherever their slots are
     big = torch.iinfo(torch.long).max
-    order = torch.sort(torch.where(live, position, big), dim=-1, stable=True).indices
+    # sorted as int32 (positions < 2^31 - 1: half the radix passes of int64; live positions are distinct, so
+    # the ranks below length are those of the int64 sort)
+    top = torch.iinfo(torch.int32).max
+    order = torch.sort(torch.where(live, position, top).to(torch.int32), dim=-1, stable=True).indices
     rank = torch.empty_like(order).scatter_(-1, order, j.expand_as(order).contiguous())
     forced = (rank < _rows(sinks, b, 2)) | (rank >= length[..., None] - _rows(recent, b, 2))
     prio = torch.where(live & ~forced, score.double(), float("inf"))

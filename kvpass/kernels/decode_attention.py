@@ -250,8 +250,13 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-# Rows b * hkv from which the launch uses two pipeline stages, not three (the best of a sweep on an H200 at
-# B = 16-32, Hkv 8, C 1k-64k: benchmarks/probes/decode_attention_batch_sweep.py).
+# The launch for one 16-row query tile (G*T <= 16) and D <= 128: 128-slot tiles, 4 warps, 3 stages. An H200
+# sweep with and without the scores (benchmarks/probes/decode_scores_sweep.py, B 1-64, C 6.5k and 26k, Hq 32,
+# Hkv 8, bf16: decode-scores-sweep-nvidia-h200.json) put it within 1.7% of the best of 18 launches at every
+# point; the launch before it (64-slot tiles, 2 stages from 128 rows b * Hkv) was up to 14% slower without the
+# scores (B 16) and 27% slower with them (B 32: 315 against 259 us at C 6.5k). Wider query tiles and D > 128 keep
+# that launch (not swept).
+WIDE_TILE_ROWS = 16
 MANY_ROWS = 128
 # Fewest slots per split (rounded to BLOCK_N); 128-slot splits were 8-10% slower on an H100 at B = 1 (C = 6.5k,
 # 13k) and at 1k x 8 (decode-attention-batch-sweep-nvidia-h100-80gb-hbm3.json).
@@ -317,13 +322,14 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor,
     rows = group * t
     block_m = max(16, next_pow2(rows))
     block_d = max(16, next_pow2(d))
+    wide = block_m <= WIDE_TILE_ROWS and block_d <= 128
     if block_n is None:
-        block_n = 64 if block_d <= 128 else 32
+        block_n = 128 if wide else (64 if block_d <= 128 else 32)
     on_gpu = q.device.type == "cuda"
     if num_warps is None:
         num_warps = 4
     if num_stages is None:
-        num_stages = (2 if b * hkv >= MANY_ROWS else 3) if on_gpu else 1
+        num_stages = (3 if wide or b * hkv < MANY_ROWS else 2) if on_gpu else 1
     splits = num_splits if num_splits is not None else decode_splits(b, hkv, c, block_n, q.device)
     split_len = triton.cdiv(triton.cdiv(c, max(1, splits)), block_n) * block_n   # ceil(C / splits), whole tiles
     splits = triton.cdiv(c, split_len)

@@ -45,6 +45,19 @@ def test_cosine_match_matches_reference(s, n, chunks, with_valid, triton_device)
     _check(got, want, src, dst, 1e-5)
 
 
+@pytest.mark.parametrize("norm_here", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cosine_match_norms_in_kernel_or_before(norm_here, dtype, triton_device):
+    """The candidates' norms computed from the loaded tiles (one program per (b, g), D2O's decode-time
+    evictions) or by a pass before the kernel: both match the reference, zero-norm candidates included."""
+    src, dst, valid = _case(2, 3, 16, 45, 32, seed=11 + norm_here, dtype=dtype)
+    dst[0, 1, 5] = 0.0                                                   # |y| = 0: eps in the denominator
+    want = cosine_match_reference(src.double(), dst.double(), valid)
+    dev = torch.device(triton_device)
+    got = cosine_match_triton(src.to(dev), dst.to(dev), valid.to(dev), block_n=16, norm_here=norm_here)
+    _check(got, want, src, dst, 1e-5 if dtype == torch.float32 else 1e-2)
+
+
 def test_cosine_match_bf16_and_no_candidates(triton_device):
     src, dst, valid = _case(1, 2, 20, 9, 16, seed=3, dtype=torch.bfloat16)
     valid[0, 1] = False                                                  # a head with no valid candidate
