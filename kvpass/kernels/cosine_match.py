@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
-from kvpass.kernels.decode_attention import _dot, dot_mode
+from kvpass.kernels.decode_attention import _dot, _sm_count, dot_mode
 
 _EPS = 1e-12
 
@@ -97,14 +97,15 @@ def cosine_tile_argmax(xn, y, ok, best, index, first, eps, EXACT: tl.constexpr):
 def _cosine_match_kernel(
     X, Y, YNORM, VALID, IDX, BEST,
     sxb, sxh, sxs, sxd, syb, syh, syn, syd,
-    HKV, S, N, SRC_CHUNK, DST_CHUNK, eps,
+    HKV, S, N, SRC_CHUNK, DST_CHUNK, N_SPLITS, SPLIT_LEN, eps,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_VALID: tl.constexpr, CHUNKED: tl.constexpr, DOT: tl.constexpr, NORM_HERE: tl.constexpr,
 ):
     pid_bg = tl.program_id(0)
     b = (pid_bg // HKV).to(tl.int64)
     g = pid_bg % HKV
-    i0 = tl.program_id(1) * BLOCK_S
+    split = tl.program_id(1) % N_SPLITS               # unchunked: candidates [split * SPLIT_LEN, ...) only
+    i0 = (tl.program_id(1) // N_SPLITS) * BLOCK_S
     offs_i = i0 + tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     i_mask = offs_i < S
@@ -121,8 +122,8 @@ def _cosine_match_kernel(
         hi = tl.minimum((i_last // SRC_CHUNK + 1) * DST_CHUNK, N)
         chunk_i = offs_i // SRC_CHUNK
     else:
-        lo = 0
-        hi = N
+        lo = split * SPLIT_LEN
+        hi = tl.minimum(lo + SPLIT_LEN, N)
     best = tl.full([BLOCK_S], float("-inf"), tl.float32)
     index = tl.full([BLOCK_S], -1, tl.int64)
     for n0 in range(lo, hi, BLOCK_N):
@@ -145,7 +146,7 @@ def _cosine_match_kernel(
             ok2 = ok2 & (chunk_i[:, None] == (offs_n // DST_CHUNK)[None, :])
         s = _dot(x, tl.trans(y), DOT) * y_inv[None, :]
         best, index = tile_argmax(s, ok2, best, index, n0)
-    out = pid_bg.to(tl.int64) * S + offs_i
+    out = (pid_bg.to(tl.int64) * N_SPLITS + split) * S + offs_i
     tl.store(IDX + out, index, mask=i_mask)
     tl.store(BEST + out, best * x_inv, mask=i_mask)
 
@@ -171,7 +172,8 @@ def check_cosine_match_inputs(src: Tensor, dst: Tensor, dst_valid: Tensor | None
 
 def cosine_match_triton(src: Tensor, dst: Tensor, dst_valid: Tensor | None = None, src_chunk: int = 0,
                         dst_chunk: int = 0, *, block_s: int | None = None, block_n: int | None = None, num_warps: int = 4,
-                        num_stages: int | None = None, norm_here: bool | None = None) -> tuple[Tensor, Tensor]:
+                        num_stages: int | None = None, norm_here: bool | None = None,
+                        n_splits: int | None = None) -> tuple[Tensor, Tensor]:
     """The Triton matcher (same contract as ``cosine_match_reference``); the keywords set the launch.
     Unchunked on CUDA (D2O's evicted-to-kept matching) up to 128 sources a program (16 for D2O's decode-time
     evictions of up to 16 entries: the tile is no taller than the sources), 128 candidates a tile and
@@ -180,7 +182,10 @@ def cosine_match_triton(src: Tensor, dst: Tensor, dst_valid: Tensor | None = Non
     32 sources and 64 candidates, so a program's candidates span few chunks. ``norm_here`` (default: when
     one program covers every source of a (b, g), so each candidate is read once): the candidates' norms from
     the loaded tiles instead of a pass of their own over ``dst`` (at D2O's decode shape, B 32, 16 sources,
-    6.5k candidates, that pass took 430 of the 640 us on an H200: d2o-evict-many-profile-nvidia-h200.json)."""
+    6.5k candidates, that pass took 430 of the 640 us on an H200: d2o-evict-many-profile-nvidia-h200.json).
+    ``n_splits`` (default: about 4 programs a multiprocessor when one source block covers the sources, else 1;
+    always 1 chunked): the candidates split among programs, each writing its (best, index), then the first
+    maximum over the splits (one program per (b, g) streamed D2O's 6.5k keys at 40% of the copy rate)."""
     require_triton()
     check_cosine_match_inputs(src, dst, dst_valid, src_chunk, dst_chunk)
     b, hkv, s, d = src.shape
@@ -190,23 +195,33 @@ def cosine_match_triton(src: Tensor, dst: Tensor, dst_valid: Tensor | None = Non
     if num_stages is None and wide:
         num_stages = 2
     n = dst.shape[2]
-    index = torch.empty(b, hkv, s, device=src.device, dtype=torch.int64)
-    best = torch.empty(b, hkv, s, device=src.device, dtype=torch.float32)
     if s == 0:
-        return index, best
-    valid = dst_valid.contiguous().to(torch.int8) if dst_valid is not None else index
+        return (torch.empty(b, hkv, 0, device=src.device, dtype=torch.int64),
+                torch.empty(b, hkv, 0, device=src.device, dtype=torch.float32))
     if norm_here is None:
         norm_here = src_chunk == 0 and s <= block_s
+    if n_splits is None:     # one source block: about 4 programs a multiprocessor, splits of >= 512 candidates
+        n_splits = max(1, min(-(-n // 512), -(-4 * _sm_count(src.device) // (b * hkv)))) if s <= block_s else 1
+    n_splits = 1 if src_chunk > 0 else max(1, min(n_splits, -(-n // block_n)))
+    split_len = -(-(-(-n // n_splits)) // block_n) * block_n                 # ceil(N / splits), whole tiles
+    n_splits = max(1, -(-n // split_len))
+    index = torch.empty(b, hkv, n_splits, s, device=src.device, dtype=torch.int64)
+    best = torch.empty(b, hkv, n_splits, s, device=src.device, dtype=torch.float32)
+    valid = dst_valid.contiguous().to(torch.int8) if dst_valid is not None else index
     # [B, Hkv, N] (a placeholder the kernel never reads when the norms are computed in it)
     dst_norm = best if norm_here else torch.linalg.vector_norm(dst, dim=-1, dtype=torch.float32).contiguous()
     dot = 1 if src.dtype == torch.float64 else dot_mode(src)      # float64 rows are multiplied in fp32 (DOT 1)
-    _cosine_match_kernel[(b * hkv, triton.cdiv(s, block_s))](
+    _cosine_match_kernel[(b * hkv, triton.cdiv(s, block_s) * n_splits)](
         src, dst, dst_norm, valid, index, best, *src.stride(), *dst.stride(),
-        hkv, s, n, max(src_chunk, 1), max(dst_chunk, 1), _EPS,
+        hkv, s, n, max(src_chunk, 1), max(dst_chunk, 1), n_splits, split_len, _EPS,
         HEAD_DIM=d, BLOCK_S=block_s, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
         HAS_VALID=dst_valid is not None, CHUNKED=src_chunk > 0, DOT=dot, NORM_HERE=norm_here, num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}))
-    return index, best
+    if n_splits == 1:
+        return index[:, :, 0], best[:, :, 0]
+    # the splits in candidate order: max over them keeps the first maximum, so ties still go to the lowest index
+    best, split = best.max(dim=2)
+    return torch.gather(index, 2, split[:, :, None])[:, :, 0], best
 
 
 @torch.library.custom_op("kvpass::cosine_match", mutates_args=())

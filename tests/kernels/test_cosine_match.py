@@ -45,17 +45,28 @@ def test_cosine_match_matches_reference(s, n, chunks, with_valid, triton_device)
     _check(got, want, src, dst, 1e-5)
 
 
+@pytest.mark.parametrize("n_splits", [1, 3])
 @pytest.mark.parametrize("norm_here", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cosine_match_norms_in_kernel_or_before(norm_here, dtype, triton_device):
-    """The candidates' norms computed from the loaded tiles (one program per (b, g), D2O's decode-time
-    evictions) or by a pass before the kernel: both match the reference, zero-norm candidates included."""
+def test_cosine_match_norms_and_candidate_splits(n_splits, norm_here, dtype, triton_device):
+    """The candidates' norms computed from the loaded tiles (D2O's decode-time evictions) or by a pass before
+    the kernel, the candidates in one program or split among 3 (then the first maximum over the splits): all
+    match the reference, zero-norm candidates included, and a candidate repeated in a later split (an exact
+    tie) loses to its first copy."""
     src, dst, valid = _case(2, 3, 16, 45, 32, seed=11 + norm_here, dtype=dtype)
     dst[0, 1, 5] = 0.0                                                   # |y| = 0: eps in the denominator
+    src[1, 2, 7] = 0.0                                                   # source 7 = e_0; e_0 twice among the
+    src[1, 2, 7, 0] = 1.0                                                # candidates, in splits 0 and 2: cosine
+    dst[1, 2, [3, 40]] = 0.0                                             # exactly 1 at both (every sum is exact)
+    dst[1, 2, [3, 40], 0] = 2.0
+    valid[1, 2, [3, 40]] = True
     want = cosine_match_reference(src.double(), dst.double(), valid)
+    assert want[0][1, 2, 7] == 3
     dev = torch.device(triton_device)
-    got = cosine_match_triton(src.to(dev), dst.to(dev), valid.to(dev), block_n=16, norm_here=norm_here)
+    got = cosine_match_triton(src.to(dev), dst.to(dev), valid.to(dev), block_n=16, norm_here=norm_here,
+                              n_splits=n_splits)
     _check(got, want, src, dst, 1e-5 if dtype == torch.float32 else 1e-2)
+    assert got[0][1, 2, 7] == 3
 
 
 def test_cosine_match_bf16_and_no_candidates(triton_device):
