@@ -49,20 +49,22 @@ def main() -> int:
         t.update(LW="*fp32", OPART="*fp32", LSE="*fp32", LOGITS="*fp32", scale="fp32", softcap="fp32")
         for scores in (False, True):
             checks.append((f"decode split {dt} scores={scores}", da._decode_attention_split_kernel, t,
-                           dict(HEAD_DIM=128, BLOCK_M=16, BLOCK_N=64, BLOCK_D=128, HAS_SOFTCAP=scores, DOT=0,
+                           dict(HEAD_DIM=128, BLOCK_M=16, BLOCK_N=128, BLOCK_D=128, HAS_SOFTCAP=scores, DOT=0,
                                 DIRECT=False, WANT_SCORES=scores), ("sqd", "skd", "svd", "slc", "sod")))
         checks.append((f"decode merge {dt}", da._decode_attention_merge_kernel,
                        {"OUT": f"*{dt}", "OPART": "*fp32", "LSE": "*fp32", "LOGITS": "*fp32", "S": "*fp32"},
                        dict(HEAD_DIM=128, BLOCK_M=16, BLOCK_D=128, BLOCK_S=16, BLOCK_N=128), ("sod",)))
         checks.append((f"merge_weighted {dt}", mw._merge_weighted_kernel,
                        {"K": f"*{dt}", "V": f"*{dt}", "W": "*fp32", "TGT": "*i64", "ORDER": "*i64", "LO": "*i64",
-                        "HI": "*i64", "KO": f"*{dt}", "VO": f"*{dt}", "LWO": "*fp32"},
-                       dict(HEAD_DIM=128, BLOCK_J=32, BLOCK_D=128), ("skd", "svd", "sod")))
-        checks.append((f"cosine_match {dt}", cm._cosine_match_kernel,
-                       {"X": f"*{dt}", "Y": f"*{dt}", "YNORM": "*fp32", "VALID": "*i8", "IDX": "*i64", "BEST": "*fp32",
-                        "eps": "fp32"},
-                       dict(HEAD_DIM=128, BLOCK_S=32, BLOCK_N=64, BLOCK_D=128, HAS_VALID=True, CHUNKED=True,
-                            DOT=0, NORM_HERE=False), ("sxd", "syd")))
+                        "HI": "*i64", "PLACE": "*i64", "KO": f"*{dt}", "VO": f"*{dt}", "LWO": "*fp32"},
+                       dict(HEAD_DIM=128, BLOCK_J=32, BLOCK_D=128, HAS_PLACE=True), ("skd", "svd", "sod")))
+        for chunked in (True, False):          # Chelsea's chunked matcher; D2O's decode-time one (norms in it)
+            checks.append((f"cosine_match {dt} chunked={chunked}", cm._cosine_match_kernel,
+                           {"X": f"*{dt}", "Y": f"*{dt}", "YNORM": "*fp32", "VALID": "*i8", "IDX": "*i64",
+                            "BEST": "*fp32", "eps": "fp32"},
+                           dict(HEAD_DIM=128, BLOCK_S=32 if chunked else 16, BLOCK_N=64 if chunked else 128,
+                                BLOCK_D=128, HAS_VALID=True, CHUNKED=chunked, DOT=0, NORM_HERE=not chunked),
+                           ("sxd", "syd")))
         for gate in (False, True):
             for even in (True, False):
                 checks.append((f"gemv {dt} silu_gate={gate} even={even}", gv._gemv_kernel,
