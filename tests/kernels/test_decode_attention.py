@@ -51,6 +51,21 @@ def test_triton_matches_float64_reference(hq, hkv, t, c, softcap, want_scores, n
         assert got_s.numel() == 0
 
 
+@pytest.mark.parametrize("want_scores", [False, True])
+@pytest.mark.parametrize("hq, t", [(8, 1), (8, 5)])     # one 16-row query tile (128-slot tiles) and a 32-row one
+def test_default_launch_matches_float64_reference(hq, t, want_scores, triton_device):
+    """The launch the heuristics choose (no overrides): 128-slot tiles for one 16-row query tile, else 64; a
+    cache of 300 slots spans partial tiles and several splits, with ragged empty tails."""
+    q, k, v, lw = random_case(2, hq, 2, t, 300, 32, seed=hq * 7 + t)
+    want_o, want_s = decode_attention_reference(q.double(), k.double(), v.double(), lw, 0.2, None, want_scores)
+    dev = torch.device(triton_device)
+    got_o, got_s = decode_attention_triton(q.to(dev), k.to(dev), v.to(dev), lw.to(dev), 0.2, None, want_scores,
+                                           num_splits=3)
+    _close(got_o.cpu(), want_o, 1e-5, "o")
+    if want_scores:
+        _close(got_s.cpu(), want_s, 1e-5, "scores")
+
+
 def test_combine_of_more_splits_than_one_block(triton_device):
     """45 splits: the combine reads them in blocks of 32 (one full, one partial), with empty splits
     (all slots of a split empty) mixed in."""
