@@ -51,3 +51,13 @@ def check_device(name: str, t, device) -> None:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def whole_tile_splits(n: int, splits: int, block: int) -> tuple[int, int]:
+    """n items in about ``splits`` parts of whole tiles of ``block``: (part length = ceil(n / splits) rounded up
+    to a multiple of block, at least one block; parts of that length that cover n, at least 1)."""
+    def cdiv(a: int, b: int) -> int:
+        return -(-a // b)
+
+    length = max(block, cdiv(cdiv(n, max(1, splits)), block) * block)
+    return length, max(1, cdiv(n, length))

@@ -26,7 +26,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
+from kvpass.kernels._triton import (
+    HAS_TRITON,
+    check_device,
+    next_pow2,
+    require_triton,
+    tl,
+    triton,
+    whole_tile_splits,
+)
 from kvpass.kernels.decode_attention import _dot, _sm_count, dot_mode
 
 _EPS = 1e-12
@@ -204,8 +212,7 @@ def cosine_match_triton(src: Tensor, dst: Tensor, dst_valid: Tensor | None = Non
     if n_splits is None:     # one source block: about 4 programs a multiprocessor, splits of >= 512 candidates
         n_splits = max(1, min(-(-n // 512), -(-4 * _sm_count(src.device) // (b * hkv)))) if s <= block_s else 1
     n_splits = 1 if src_chunk > 0 else max(1, min(n_splits, -(-n // block_n)))
-    split_len = -(-(-(-n // n_splits)) // block_n) * block_n                 # ceil(N / splits), whole tiles
-    n_splits = max(1, -(-n // split_len))
+    split_len, n_splits = whole_tile_splits(n, n_splits, block_n)     # N = 0: one empty split (index -1, best -inf)
     index = torch.empty(b, hkv, n_splits, s, device=src.device, dtype=torch.int64)
     best = torch.empty(b, hkv, n_splits, s, device=src.device, dtype=torch.float32)
     valid = dst_valid.contiguous().to(torch.int8) if dst_valid is not None else index

@@ -29,7 +29,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
+from kvpass.kernels._triton import (
+    HAS_TRITON,
+    check_device,
+    next_pow2,
+    require_triton,
+    tl,
+    triton,
+    whole_tile_splits,
+)
 
 
 def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor, scale: float,
@@ -331,8 +339,7 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor,
     if num_stages is None:
         num_stages = (3 if wide or b * hkv < MANY_ROWS else 2) if on_gpu else 1
     splits = num_splits if num_splits is not None else decode_splits(b, hkv, c, block_n, q.device)
-    split_len = triton.cdiv(triton.cdiv(c, max(1, splits)), block_n) * block_n   # ceil(C / splits), whole tiles
-    splits = triton.cdiv(c, split_len)
+    split_len, splits = whole_tile_splits(c, splits, block_n)
     direct = splits == 1
     o = torch.empty_like(q)
     lse = torch.empty(b * hkv * splits * block_m, device=q.device, dtype=torch.float32)

@@ -69,6 +69,16 @@ def test_cosine_match_norms_and_candidate_splits(n_splits, norm_here, dtype, tri
     assert got[0][1, 2, 7] == 3
 
 
+@pytest.mark.parametrize("chunks", [(0, 0), (2, 2)])
+def test_cosine_match_of_no_candidates_at_all(chunks, triton_device):
+    """A cache of N = 0 candidates: index -1 and best -inf for every source (one empty split, not a division
+    by a zero split length)."""
+    dev = torch.device(triton_device)
+    src, dst = torch.randn(1, 2, 3, 16).to(dev), torch.randn(1, 2, 0, 16).to(dev)
+    index, best = cosine_match_triton(src, dst, None, *chunks)
+    assert (index.cpu() == -1).all() and (best.cpu() == float("-inf")).all()
+
+
 def test_cosine_match_bf16_and_no_candidates(triton_device):
     src, dst, valid = _case(1, 2, 20, 9, 16, seed=3, dtype=torch.bfloat16)
     valid[0, 1] = False                                                  # a head with no valid candidate
