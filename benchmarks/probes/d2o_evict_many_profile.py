@@ -21,6 +21,27 @@ from benchmarks.d2o_evict_many_gpu import full_layer, refill
 from kvpass.policies.d2o import D2O
 
 
+def profile_one(b: int, keep: int, m: int, dev: torch.device) -> dict:
+    """One layer of capacity keep + m: the graphed call's time, cosine_match's alone, and the kernel table."""
+    policy = D2O(interval=m)
+    cache = full_layer(b, 8, keep + m, 128, torch.bfloat16, "cuda")
+    both = time_fn(lambda: (refill(cache, keep, 1), policy.compress_into(cache, keep)), dev)
+    fill = time_fn(lambda: refill(cache, keep, 1), dev)
+    e_idx = torch.randint(0, keep, (b, 8, m), device=dev)
+    k_e = torch.gather(cache.k, 2, e_idx[..., None].expand(-1, -1, -1, 128))
+    targets = torch.ones(b, 8, keep + m, dtype=torch.bool, device=dev)
+    match = time_fn(lambda: torch.ops.kvpass.cosine_match(k_e, cache.k, targets), dev)
+    row = {"m": m, "graphed_ms_per_call": (both - fill) * 1e3, "graphed_ms_per_token": (both - fill) * 1e3 / m,
+           "cosine_match_ms": match * 1e3, "refill_ms": fill * 1e3}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            refill(cache, keep, 1)
+            policy.compress_into(cache, keep)
+        torch.cuda.synchronize()
+    row["profile"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -31,25 +52,9 @@ def main() -> None:
     dev = torch.device("cuda")
     out: dict = {"gpu": torch.cuda.get_device_name(), "b": a.b, "keep": a.keep, "rows": []}
     for m in a.m:
-        policy = D2O(interval=m)
-        cache = full_layer(a.b, 8, a.keep + m, 128, torch.bfloat16, "cuda")
-        both = time_fn(lambda: (refill(cache, a.keep, 1), policy.compress_into(cache, a.keep)), dev)
-        fill = time_fn(lambda: refill(cache, a.keep, 1), dev)
-        e_idx = torch.randint(0, a.keep, (a.b, 8, m), device=dev)
-        k_e = torch.gather(cache.k, 2, e_idx[..., None].expand(-1, -1, -1, 128))
-        targets = torch.ones(a.b, 8, a.keep + m, dtype=torch.bool, device=dev)
-        match = time_fn(lambda: torch.ops.kvpass.cosine_match(k_e, cache.k, targets), dev)
-        row = {"m": m, "graphed_ms_per_call": (both - fill) * 1e3, "graphed_ms_per_token": (both - fill) * 1e3 / m,
-               "cosine_match_ms": match * 1e3, "refill_ms": fill * 1e3}
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                refill(cache, a.keep, 1)
-                policy.compress_into(cache, a.keep)
-            torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-        row["profile"] = table
+        row = profile_one(a.b, a.keep, m, dev)
         print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
-        print(table, flush=True)
+        print(row["profile"], flush=True)
         out["rows"].append(row)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "d2o-evict-many-profile.json").write_text(json.dumps(out, indent=1))

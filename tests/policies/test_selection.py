@@ -33,7 +33,7 @@ def test_sort_rank_is_each_place_in_a_stable_sort(descending: bool) -> None:
     x = torch.randint(0, 4, (2, 3, 17), generator=g).float()            # many ties
     rank = sort_rank(x, descending=descending)
     for row, got in zip(x.reshape(-1, 17).tolist(), rank.reshape(-1, 17).tolist(), strict=True):
-        key = (lambda i: (-row[i], i)) if descending else (lambda i: (row[i], i))
+        key = (lambda i, row=row: (-row[i], i)) if descending else (lambda i, row=row: (row[i], i))
         want = [0] * 17
         for place, i in enumerate(sorted(range(17), key=key)):
             want[i] = place
