@@ -44,11 +44,14 @@ def chunk_column_sums_reference(q: Tensor, k: Tensor, pad: Tensor, k_cache: Tens
 
 # Program (block of slots, (b, g)): every query row m of the group (head g*G + m // T, token m % T):
 #     col_j = (1/G) sum_m 2^(log2e (scale q_m . k_j + lw_j) - lse2_m)     (lse2 = +inf on pad rows: adds 0)
+# With MASK_POS, only over the rows whose query position qpos_m >= the slot's position kpos_j (the decode steps'
+# queries of ``recent_query_column_sums``: a slot written after a step was not in its row).
 # The tiles are added up elementwise in a [BLOCK_M, BLOCK_N] accumulator whose rows are summed once at the end.
 @triton.jit
-def _cache_column_sum_kernel(Q, K, LW, LSE, COL, sqb, sqh, sqt, sqd, skb, skh, skc, skd, slb, slh, slc,
+def _cache_column_sum_kernel(Q, K, LW, LSE, COL, QPOS, KPOS, sqb, sqh, sqt, sqd, skb, skh, skc, skd, slb, slh, slc,
                              HKV, G, T, C, scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr):
+                             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr,
+                             MASK_POS: tl.constexpr):
     pid_bg = tl.program_id(1)
     b = (pid_bg // HKV).to(tl.int64)
     g = (pid_bg % HKV).to(tl.int64)
@@ -59,6 +62,8 @@ def _cache_column_sum_kernel(Q, K, LW, LSE, COL, sqb, sqh, sqt, sqd, skb, skh, s
     kt = tl.load(K + b * skb + g * skh + j[:, None] * skc + d[None, :] * skd, mask=j_ok[:, None] & d_ok[None, :],
                  other=0.0)
     lw2 = tl.load(LW + b * slb + g * slh + j * slc, mask=j_ok, other=float("-inf")) * 1.4426950408889634
+    if MASK_POS:
+        kpos = tl.load(KPOS + (b * HKV + g) * C + j, mask=j_ok, other=0)
     col = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for m0 in range(0, G * T, BLOCK_M):
         m = m0 + tl.arange(0, BLOCK_M)
@@ -69,6 +74,9 @@ def _cache_column_sum_kernel(Q, K, LW, LSE, COL, sqb, sqh, sqt, sqd, skb, skh, s
                     mask=m_ok[:, None] & d_ok[None, :], other=0.0)
         lse = tl.load(LSE + (b * HKV * G + head) * T + tok, mask=m_ok, other=float("inf"))
         x = _dot(q, tl.trans(kt), DOT) * (scale * 1.4426950408889634) + lw2[None, :] - lse[:, None]
+        if MASK_POS:
+            qpos = tl.load(QPOS + b * T + tok, mask=m_ok, other=-1)
+            x = tl.where(kpos[None, :] <= qpos[:, None], x, float("-inf"))
         col += tl.exp2(x)
     tl.store(COL + (b * HKV + g) * C + j, tl.sum(col, axis=0) / G, mask=j_ok)
 
@@ -77,9 +85,11 @@ _CACHE_COLUMN_SUM_CONFIG = (64, 128, 4, 2)     # (BLOCK_M, BLOCK_N, num_warps, n
 
 
 def cache_column_sums_triton(q: Tensor, k_cache: Tensor, log_weight: Tensor, lse: Tensor, scale: float, *,
+                             q_position: Tensor | None = None, position: Tensor | None = None,
                              block_m: int | None = None, block_n: int | None = None) -> Tensor:
     """The cache part of the column sums: [B, Hkv, C] fp32, each query row normalised by ``lse`` [B, Hq, T]
-    (+inf rows add nothing); no mask (every live slot precedes every query; empty slots have lw = -inf)."""
+    (+inf rows add nothing); no mask (every live slot precedes every query; empty slots have lw = -inf), or,
+    given ``q_position`` [B, T] and ``position`` [B, Hkv, C] int64, only the slots of positions <= the row's."""
     require_triton()
     b, hq, t, d = q.shape
     hkv, c = k_cache.shape[1], k_cache.shape[2]
@@ -94,10 +104,18 @@ def cache_column_sums_triton(q: Tensor, k_cache: Tensor, log_weight: Tensor, lse
     bm, bn = block_m or bm, block_n or bn
     col = torch.empty(b, hkv, c, device=q.device, dtype=torch.float32)
     lw = log_weight.float()
+    lse = lse.float().contiguous()
+    masked = q_position is not None
+    if masked:
+        if position is None or tuple(q_position.shape) != (b, t) or tuple(position.shape) != (b, hkv, c):
+            raise ValueError(f"the position mask needs q_position [B, T] = {(b, t)} and position [B, Hkv, C] = "
+                             f"{(b, hkv, c)}; got {None if q_position is None else tuple(q_position.shape)}, "
+                             f"{None if position is None else tuple(position.shape)}")
+        q_position, position = q_position.long().contiguous(), position.long().contiguous()
     _cache_column_sum_kernel[(triton.cdiv(c, bn), b * hkv)](
-        q, k_cache, lw, lse.float().contiguous(), col, *q.stride(), *k_cache.stride(), *lw.stride(),
-        hkv, hq // hkv, t, c, float(scale),
-        HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, next_pow2(d)), DOT=dot_mode(q),
+        q, k_cache, lw, lse, col, q_position if masked else lse, position if masked else lse,
+        *q.stride(), *k_cache.stride(), *lw.stride(), hkv, hq // hkv, t, c, float(scale),
+        HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, next_pow2(d)), DOT=dot_mode(q), MASK_POS=masked,
         num_warps=warps, num_stages=stages)
     return col
 
