@@ -33,6 +33,7 @@ from kvpass.export.graphs import (
     to_flat,
 )
 from kvpass.export.tensorrt_check import check_tensorrt
+from kvpass.rewrites import RewrittenGraphs, compile_model
 from kvpass.rewrites.functional_graphs import functional_decode, functional_prefill
 from kvpass.runtime import KVPassModel
 
@@ -129,6 +130,17 @@ class ExportPlan:
     seeds: dict[int, dict[str, dict]] = field(default_factory=dict)          # budget -> state compress creates
 
 
+def per_step_graphs(model: KVPassModel) -> RewrittenGraphs:
+    """The model's graphs with a decode step that returns its scores: where the policy defers them
+    (``RewrittenGraphs.deferred_scores``, a ring of queries the runtime reads), built again without deferral,
+    since the exported step is run by callers that know nothing of that ring (the runner adds the returned
+    scores every step, as the compress graph expects)."""
+    graphs = model.graphs
+    if not graphs.deferred_scores:
+        return graphs
+    return compile_model(model.captured, model.policy, sites=graphs.sites, defer_scores=False)
+
+
 def graph_specs(model: KVPassModel, max_length: int, budget: int | None = None,
                 example_length: int = 8) -> ExportPlan:
     """Build the prefill, decode and compress modules of ``model`` with example inputs (on its device)."""
@@ -172,7 +184,7 @@ def graph_specs(model: KVPassModel, max_length: int, budget: int | None = None,
     else:
         budgets, capacities = [max_length] * n, [max_length] * n
 
-    decode = DecodeGraph(functional_decode(model.graphs, policy, meta))
+    decode = DecodeGraph(functional_decode(per_step_graphs(model), policy, meta))
     state = [x for layer in range(n) for x in to_flat(to_capacity(caches[layer], capacities[layer]), m[layer])]
     specs.append(GraphSpec("decode", "decode.onnx", decode, (ids[:, :1], pos[:, -1:] + 1, *state),
                            ["input_ids", "position_ids", *past], ["logits", *present],

@@ -40,7 +40,10 @@ from kvpass.kernels.merge_weighted import merge_weighted, merge_weighted_referen
 from kvpass.kernels.page_recall_attention import page_recall_attention, page_recall_attention_reference
 from kvpass.kernels.prefill_attention import prefill_attention, prefill_attention_reference, prefill_mask
 from kvpass.kernels.prefill_attention_lse import prefill_attention_lse, prefill_attention_lse_reference
-from kvpass.kernels.recent_query_column_sums import recent_query_column_sums, recent_query_column_sums_reference
+from kvpass.kernels.recent_query_column_sums import (
+    recent_query_column_sums,
+    recent_query_column_sums_reference,
+)
 from kvpass.kernels.write_kv import write_kv, write_kv_reference
 from kvpass.kernels.write_query import write_query, write_query_reference
 

@@ -187,6 +187,15 @@ class Policy:
         two as sets of entries)."""
         load_into(cache, self.compress(cache, keep))
 
+    def deferred_scores(self) -> int:
+        """The decode steps whose attention rows may wait for the layer's next compression: a policy that only
+        adds each step's row into ``col_sum`` (``Stat.COLUMN_SUM``) and reads it only when it compresses need not
+        have the decode attention compute it every step. The decode graph then keeps each step's query in a ring
+        of this many per layer (``kvpass::write_query``) and the runtime adds their rows at once before every
+        compression of the layer, and whenever the ring is full (``kvpass/runtime/recent_queries.py``): the
+        same ``col_sum`` up to rounding. Default 0: every step returns its row."""
+        return 0
+
     def rows_in_one_call(self, budgets: Sequence[int], capacities: Sequence[int]) -> bool:
         """Whether a layer whose batch row b has budget ``budgets[b]`` and is compressed when it holds
         ``capacities[b]`` entries (its own budget + interval, or fewer for a short row) can be compressed

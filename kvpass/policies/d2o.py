@@ -78,6 +78,10 @@ class D2O(Policy):
         budget + interval entries and a due row evicts interval of them in place (``compress_into``,
         ``kvpass.kernels.d2o_evict_many``), except under tensor parallelism (the general path: sort, copy,
         copy back).
+    defer_scores: with ``interval`` > 1, compute the decode steps' attention rows once per compression from
+        their kept queries instead of at every step (``deferred_scores``: the same scores up to rounding, a
+        step without the per-slot scores pass). False: every step's attention returns its row (the
+        before/after of tests and benchmarks).
 
     Options, off by default (docs/d2o-official.md says which are the paper's, which the code's, and why):
     scores: "accumulated" (the paper: prompt column sums + every decode row) or "window": the first
@@ -133,6 +137,7 @@ class D2O(Policy):
     allocation: str = "code"
     skip_layers: tuple[int, ...] = ()
     interval: int = 1
+    defer_scores: bool = True
     scores: str = "accumulated"
     window: int = 32
     window_kernel: int = 7
@@ -168,7 +173,7 @@ class D2O(Policy):
         require(isinstance(self.window_kernel, int) and self.window_kernel >= 1 and self.window_kernel % 2 == 1,
                 f"d2o: window_kernel must be an odd int >= 1, got {self.window_kernel!r}")
         require(self.window_pool in ("avg", "max"), f"d2o: window_pool must be 'avg' or 'max', got {self.window_pool!r}")
-        for name in ("merge", "merge_into_sinks", "merge_bias"):
+        for name in ("merge", "merge_into_sinks", "merge_bias", "defer_scores"):
             require(isinstance(getattr(self, name), bool), f"d2o: {name} must be True or False, got {getattr(self, name)!r}")
         protect = self.merge_protect
         require(isinstance(protect, (int, float)) and not isinstance(protect, bool) and 0.0 <= protect < 1.0,
@@ -198,6 +203,12 @@ class D2O(Policy):
 
     def prompt_compression_deferred(self) -> bool:
         return self.first_compression == "decode"
+
+    def deferred_scores(self) -> int:
+        """``interval`` m > 1 with ``defer_scores``: the accumulated scores are read only when a layer compresses
+        (every m steps), so the steps' rows are computed then, from the last m queries (``Policy.deferred_scores``);
+        the steps in between attend without scores. ``defer_scores=False``: every step returns its row."""
+        return self.interval if self.defer_scores and self.interval > 1 else 0
 
     def uncompressed_layers(self, n_layers: int) -> frozenset[int]:
         if self.skip_memory != "extra":

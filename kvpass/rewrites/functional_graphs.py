@@ -170,6 +170,9 @@ def functional_decode(graphs: RewrittenGraphs, policy: Policy, meta: dict[int, t
         raise NotImplementedError("functional decode does not support sliding-window layers yet")
     if graphs.full_heads:
         raise NotImplementedError("functional decode does not support full-cache KV heads (split groups) yet")
+    if graphs.deferred_scores:
+        raise ValueError(f"functional decode needs a decode graph that returns its scores; layers "
+                         f"{list(graphs.deferred_scores)} defer them: build it with compile_model(..., defer_scores=False)")
     decode = graphs.decode
     old = iter(n for n in decode.graph.nodes if n.op == "placeholder")
     graph = Graph()

@@ -13,7 +13,11 @@ decode(input_ids [B, 1], position_ids [B, 1], then per layer: k_cache_l, v_cache
     -> (logits [B, 1, V], *scores)
     writes the step's K, V (and its position) into slot_l of the cache buffers in place, then attends over the cache with
     the policy's decode op (sliding-window layers always with the dense op: a ring is never recalled);
-    scores: [B, Hkv, C_l] fp32 per compressible layer when the policy accumulates attention.
+    scores: [B, Hkv, C_l] fp32 per compressible layer when the policy accumulates attention, except the layers
+    whose scores are deferred (``Policy.deferred_scores`` m > 0, ``deferred_scores`` below): their inputs end
+    with recent_query_l [B, Hq, m, D] and recent_position_l [B, m] int64, a ring the step writes its query and
+    position into (``kvpass::write_query``), and their attention returns no scores (the runtime computes the
+    kept queries' rows before the layer's next compression, kvpass/runtime/recent_queries.py).
     A layer some of whose KV heads keep every token (``Policy.full_kv_heads``, Chelsea's outlier heads)
     is split into two dense sub-groups (docs/policies.md §0.6 b): k_cache_l, v_cache_l, log_weight_l, slot_l,
     position_l (and the scores) cover its other heads, in order, [B, Hkv - F, C_l, ...], and the inputs
@@ -86,6 +90,7 @@ class RewrittenGraphs:
     sites: tuple[AttentionSite, ...]
     prefill_stats: tuple[tuple[int, Stat], ...]    # (layer, stat) of each stats output, in order
     decode_scores: tuple[int, ...]                 # layers whose step scores the decode graph returns
+    deferred_scores: tuple[int, ...] = ()          # layers whose step queries the decode graph keeps instead
     full_heads: dict[int, tuple[int, ...]] = field(default_factory=dict)   # layer -> KV heads kept full
     fused_linears: bool = False                    # fuse_sibling_linears ran on both graphs
 
@@ -299,8 +304,25 @@ def _split_attend(graph: Graph, site: AttentionSite, attend, cache: list[Node], 
     return _take(graph, order), results["compressed"]
 
 
+RECENT_INPUTS = ("recent_query", "recent_position")     # a deferred-score layer's ring (Policy.deferred_scores)
+
+
+def deferred_score_layers(sites: list[AttentionSite], policy: Policy, split: dict[int, tuple[int, ...]],
+                          defer_scores: bool = True) -> frozenset[int]:
+    """The layers whose decode step keeps its query instead of returning its scores: where ``defer_scores``,
+    the policy defers them (``Policy.deferred_scores`` > 0), its only decode statistic is the accumulated
+    ``col_sum`` (added, never replaced), the layer is compressed, full-attention, one dense group."""
+    if not (defer_scores and policy.compresses and policy.deferred_scores() > 0 and policy.attention is Attention.DENSE
+            and policy.stats & DECODE_STATS == {Stat.COLUMN_SUM}):
+        return frozenset()
+    return frozenset(s.layer for s in sites if s.window is None and s.layer not in split)
+
+
 def build_decode(gm: GraphModule, sites: list[AttentionSite], policy: Policy,
-                 full_heads: dict[int, tuple[int, ...]] | None = None) -> tuple[GraphModule, tuple[int, ...]]:
+                 full_heads: dict[int, tuple[int, ...]] | None = None, defer_scores: bool = True
+                 ) -> tuple[GraphModule, tuple[int, ...], tuple[int, ...]]:
+    """The decode-step graph; returns it, the layers whose scores it returns and those whose queries it keeps
+    (``deferred_score_layers``; ``defer_scores=False``: none, every step returns its scores)."""
     if policy.attention not in DECODE_ATTENTION_OPS:
         raise NotImplementedError(f"decode attention variant {policy.attention.value} has no op yet")
     split = split_heads(full_heads or {}, sites)
@@ -312,8 +334,10 @@ def build_decode(gm: GraphModule, sites: list[AttentionSite], policy: Policy,
     base, policy_inputs = ("k_cache", "v_cache", "log_weight", "slot", "position"), tuple(policy.decode_inputs)
     full_base = ("k_full", "v_full", "log_weight_full", "slot_full", "position_full")
     pos = [n for n in graph.nodes if n.op == "placeholder"][1]            # position_ids [B, 1]
+    deferred = deferred_score_layers(sites, policy, split, defer_scores)
     names = [f"{what}_{s.layer}" for s in sites
-             for what in base + (policy_inputs if s.window is None else ()) + (full_base if s.layer in split else ())]
+             for what in base + (policy_inputs if s.window is None else ()) + (full_base if s.layer in split else ())
+             + (RECENT_INPUTS if s.layer in deferred else ())]
     inputs = iter(_add_inputs(graph, names))
     scores, score_layers = [], []
     for site in sites:
@@ -321,7 +345,8 @@ def build_decode(gm: GraphModule, sites: list[AttentionSite], policy: Policy,
         cache = [next(inputs) for _ in base]
         extra = [next(inputs) for _ in policy_inputs] if site.window is None else []
         target = env[site.output]
-        want = bool(policy.stats & DECODE_STATS) and site.window is None and policy.compresses
+        want = (bool(policy.stats & DECODE_STATS) and site.window is None and policy.compresses
+                and site.layer not in deferred)
         with graph.inserting_before(target):
             q, k, v = env[site.q], repeat_cached_kv(graph, site, env[site.k]), repeat_cached_kv(graph, site, env[site.v])
             if policy.compresses and site.window is None:   # this layer's compression, forked at the step's start
@@ -331,28 +356,35 @@ def build_decode(gm: GraphModule, sites: list[AttentionSite], policy: Policy,
                 attn, res = _split_attend(graph, site, attend, cache, extra, want, split[site.layer], full_cache,
                                           q, k, v, pos)
             else:
+                if site.layer in deferred:
+                    recent = [next(inputs) for _ in RECENT_INPUTS]
+                    graph.call_function(ops.write_query.default, (*recent, pos, q))
                 res = _write_and_attend(graph, site, attend, q, k, v, pos, cache, extra, want)
                 attn = graph.call_function(operator.getitem, (res, 0))
             if want:
                 scores.append(graph.call_function(operator.getitem, (res, 1)))
                 score_layers.append(site.layer)
         target.replace_all_uses_with(attn)
-    return _finish(graph, gm, [_logits_node(out)] + scores, "KVPassDecode"), tuple(score_layers)
+    return (_finish(graph, gm, [_logits_node(out)] + scores, "KVPassDecode"), tuple(score_layers),
+            tuple(s.layer for s in sites if s.layer in deferred))
 
 
-def insert_compressed_cache(gm: GraphModule, sites: list[AttentionSite], policy: Policy) -> RewrittenGraphs:
+def insert_compressed_cache(gm: GraphModule, sites: list[AttentionSite], policy: Policy,
+                            defer_scores: bool = True) -> RewrittenGraphs:
     """Build the prefill and decode graphs of ``policy`` over the captured graph ``gm``. With
     ``policy.expand_kv_heads`` the sites are expanded first (the returned ``sites`` say so); a policy's
-    full-cache KV heads (named in the model's KV heads) then keep all their G copies."""
+    full-cache KV heads (named in the model's KV heads) then keep all their G copies. ``defer_scores=False``:
+    every decode step returns its scores even where the policy defers them (the exporters' per-step graphs)."""
     if policy.expand_kv_heads:
         sites = expand_kv_heads(sites)
     full_heads = {}
     if policy.compresses:
         full_heads = expanded_head_indices(policy.full_kv_heads(per_model_kv_head(sites)), sites)
     prefill, stat_keys = build_prefill(gm, sites, policy)
-    decode, score_layers = build_decode(gm, sites, policy, full_heads)
+    decode, score_layers, deferred = build_decode(gm, sites, policy, full_heads, defer_scores)
     log.info("insert_compressed_cache: rewrote %d attention sites (%s)%s%s", len(sites), policy.name,
              ", KV heads expanded per query head" if any(s.kv_repeat > 1 for s in sites) else "",
              f", full-cache KV heads {full_heads}" if full_heads else "")
     return RewrittenGraphs(prefill=prefill, decode=decode, sites=tuple(sites),
-                           prefill_stats=stat_keys, decode_scores=score_layers, full_heads=full_heads)
+                           prefill_stats=stat_keys, decode_scores=score_layers, deferred_scores=deferred,
+                           full_heads=full_heads)

@@ -32,6 +32,7 @@ from kvpass.head_group import HeadGroup
 from kvpass.policies.base import Policy
 from kvpass.rewrites import RewrittenGraphs
 from kvpass.rewrites.insert_compressed_cache import prompt_cache
+from kvpass.runtime.recent_queries import add_recent_queries
 from kvpass.validation import refuse
 
 
@@ -88,6 +89,8 @@ class Layer:
     row_extra: list[int] = field(default_factory=list)    # head_capacity(budget) - budget per row (adakv)
     _keep_rows: tuple[tuple[int, ...], Tensor] | None = field(default=None, repr=False)
     peak: int = 0                # the most live entries (host_len) the layer held at any time, prefill included
+    # deferred scores (kvpass/runtime/recent_queries.py): the decode steps whose queries wait in the cache's ring
+    queries_waiting: int = 0
 
     def caches(self) -> list[LayerCache]:
         return [self.cache] if self.full is None else [self.cache, self.full]
@@ -278,6 +281,8 @@ def build_layers(model: RuntimeModel, kv: Sequence[Tensor] | None, stats: dict[i
         lay.cache = model.policy.prepare(lay.cache, site.layer, budget_of)
         for name in model.policy.host_resident if on_host else ():
             setattr(lay.cache, name, getattr(lay.cache, name).to("cpu").pin_memory())
+        if site.layer in model.graphs.deferred_scores:
+            add_recent_queries(lay.cache, site.n_heads, model.policy.deferred_scores())
     return layers, compressions
 
 

@@ -23,6 +23,7 @@ from kvpass.cache import (
 from kvpass.decode_step import fork_side_by_side, join_pending
 from kvpass.rewrites.insert_compressed_cache import DECODE_STATS
 from kvpass.runtime.layers import Layer, RuntimeModel, check_within_budget, compress_rows_into
+from kvpass.runtime.recent_queries import RECENT_INPUTS, add_recent_rows, has_recent_queries, recent_capacity
 from kvpass.sampling import next_token
 
 
@@ -138,6 +139,7 @@ class DecodeSession:
     def step(self, tokens: Tensor) -> Tensor:
         """tokens: [B] int64 -> logits [B, V] for the position after them."""
         start = time.perf_counter()
+        self._add_waiting_rows()
         self._deferred_prompt_compression()
         whole: list[int] = []
         due_rows: dict[int, set[int]] = {}
@@ -171,6 +173,8 @@ class DecodeSession:
             self.compressions += 1
         for lay in self.layers:
             self._advance_host(lay)
+            if has_recent_queries(lay.cache):
+                lay.queries_waiting += 1
         self.pos = self.pos + 1
         self.steps += 1
         if self.policy.maintenance_due(self.steps):
@@ -179,6 +183,18 @@ class DecodeSession:
                     load_into(lay.cache, self.policy.maintain(lay.cache, site.layer))
         self.decode_seconds += time.perf_counter() - start
         return self.logits
+
+    def _add_waiting_rows(self) -> None:
+        """Deferred scores (kvpass/runtime/recent_queries.py): the rows of a layer's waiting queries go into its
+        ``col_sum`` before anything compresses it this step, and when its ring is full. Eager, before the step
+        (replayed or not) on the same stream: no host sync."""
+        for site, lay in zip(self.owner.graphs.sites, self.layers, strict=True):
+            if not (lay.queries_waiting and has_recent_queries(lay.cache)):
+                continue
+            compresses = lay.compressible and (self._still_wide(lay) or bool(lay.due_rows()))
+            if compresses or lay.queries_waiting >= recent_capacity(lay.cache):
+                add_recent_rows(lay.cache, site)
+                lay.queries_waiting = 0
 
     def _rows_in_one_call(self, lay: Layer) -> bool:
         """Whether the layer's rows, of budgets of their own, are compressed by one call of the policy
@@ -276,7 +292,8 @@ class DecodeSession:
         extra = [cache.slot_meta[n] if n in cache.slot_meta else cache.state[n] for n in self.policy.decode_inputs]
         full = ([] if lay.full is None else
                 [lay.full.k, lay.full.v, lay.full.log_weight, lay.full.length.clone(), lay.full.position])
-        return [cache.k, cache.v, cache.log_weight, slot, cache.position, *extra, *full]
+        recent = [cache.state[n] for n in RECENT_INPUTS] if has_recent_queries(cache) else []
+        return [cache.k, cache.v, cache.log_weight, slot, cache.position, *extra, *full, *recent]
 
     def _device_step(self, tokens: Tensor, compress: tuple[int, ...] = ()) -> Tensor:
         """The device work of one step: compression of the layers ``compress`` names, slots, the decode
