@@ -19,10 +19,14 @@ and replays it every step.
   is a different tensor (a new ``generate`` call, a policy that replaced a buffer) or a step input
   changes shape, the step re-captures (``capture_key``).
 
-Capture first runs ``fn`` once eagerly (warm-up: Triton compilation, library handles). That run
-writes this step's K, V into their slots, which the replay rewrites identically; the tensors it
-advances (``restore``: lengths, positions, log-weights, accumulated scores) are saved before the
-warm-up and put back after it, so the step is applied exactly once.
+Capture first runs ``fn`` eagerly (warm-up: Triton compilation, library handles), and that run is the
+step itself: its outputs are returned and the graph, recorded after it (recording runs nothing), first
+replays at the next step. So nothing is saved or put back for it; a step that compresses, which moves
+entries, would otherwise need a copy of every cache tensor, K and V included, for that moment (the decode
+peak of a 128k prompt at budget 0.2 was weights + 2x the compressed cache, issue 29). Only with
+``warmup`` > 1 do the extra runs, before the step's, save and put back the tensors they advance
+(``restore``: every cache tensor when the step compresses, else lengths, positions, log-weights,
+accumulated scores and the like; K and V are rewritten identically).
 
 The returned first output (the logits) is a copy; later outputs are the graph's static tensors,
 overwritten by the next replay. On CPU, with ``KVPASS_CUDA_GRAPH=0``, with ``enabled = False``, or if
@@ -106,42 +110,51 @@ class StaticDecodeStep:
             self._state_key = state
         key = (variant, steps)
         if key not in self._graphs:
-            try:
-                self._capture(fn, step_inputs, restore, key)
-            except Exception as exc:    # noqa: BLE001  (any capture failure: stay correct, run eagerly)
-                log.warning("CUDA graph capture of the decode step %s failed (%s); running it eagerly", variant, exc)
-                self._graphs.pop(key, None)
-                self._eager.add(variant)
-                torch.cuda.synchronize()
-                return tuple(fn(*step_inputs))
+            return self._capture(fn, step_inputs, restore, key)
         graph, static, outs = self._graphs[key]
         for s, x in zip(static, step_inputs, strict=True):
             s.copy_(x)
         graph.replay()
         return (outs[0].clone(), *outs[1:])
 
-    def _capture(self, fn, step_inputs: Sequence[Tensor], restore: Sequence[Tensor], key: Key) -> None:
+    def _capture(self, fn, step_inputs: Sequence[Tensor], restore: Sequence[Tensor], key: Key) -> tuple[Tensor, ...]:
+        """Warm up (the last run is this step: its outputs are returned), then record the graph the next steps
+        replay. A recording that fails leaves the variant eager from then on (the step already happened)."""
         static = [x.clone(memory_format=torch.contiguous_format) for x in step_inputs]
-        self._warm_up(fn, static, restore)
-        graph, outs = self._record(fn, static)
-        self._graphs[key] = (graph, static, outs)
+        outs = self._warm_up(fn, static, restore)
+        try:
+            graph, graph_outs = self._record(fn, static)
+        except Exception as exc:    # noqa: BLE001  (any capture failure: stay correct, run eagerly)
+            log.warning("CUDA graph capture of the decode step %s failed (%s); running it eagerly", key[0], exc)
+            self._eager.add(key[0])
+            if static[0].is_cuda:
+                torch.cuda.synchronize()
+            return outs
+        self._graphs[key] = (graph, static, graph_outs)
         self.captures += 1
+        return outs
 
-    def _warm_up(self, fn, static: Sequence[Tensor], restore: Sequence[Tensor]) -> None:
-        """Run ``fn`` ``warmup`` times (on a side stream on CUDA, as capture wants), then put back the
-        tensors it advanced, so that the step still happens exactly once (at the first replay)."""
-        saved = [t.clone() for t in restore]
+    def _warm_up(self, fn, static: Sequence[Tensor], restore: Sequence[Tensor]) -> tuple[Tensor, ...]:
+        """Run ``fn`` ``warmup`` times on a side stream on CUDA (as capture wants): the runs before the last put
+        back the tensors they advanced (``restore``); the last is the step itself, whose outputs are returned."""
         cuda = static[0].device.type == "cuda"
         side = torch.cuda.Stream() if cuda else None
         if cuda:
             side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side) if cuda else _null():
-            for _ in range(self.warmup):
+            for _ in range(self.warmup - 1):
+                saved = [t.clone() for t in restore]
                 fn(*static)
                 for t, s in zip(restore, saved, strict=True):
                     t.copy_(s)
+                del saved
+            outs = tuple(fn(*static))
         if cuda:
-            torch.cuda.current_stream().wait_stream(side)
+            main = torch.cuda.current_stream()
+            main.wait_stream(side)
+            for t in outs:                      # made on the side stream, used on this one from now on
+                t.record_stream(main)
+        return outs
 
     def _record(self, fn, static: Sequence[Tensor]):
         """Capture ``fn(*static)``: returns the graph (``.replay()``) and its static outputs."""

@@ -47,17 +47,52 @@ class CpuReplay(StaticDecodeStep):
         return Graph, outs
 
 
-def test_warm_up_restores_what_the_step_advances():
+@pytest.mark.parametrize("warmup", [1, 3])
+def test_warm_up_applies_the_step_exactly_once(warmup):
+    """The warm-up's last run is the step (its outputs returned); runs before it put back what they advanced.
+    With one run (the default) nothing is saved: no copy of the cache exists at any moment."""
     length = torch.zeros(2, dtype=torch.long)
     written = torch.zeros(4)
 
     def fn(x):
         written[length] = x            # idempotent write at the current slot
-        length.add_(1)                 # advanced: must be restored after the warm-up
+        length.add_(1)                 # advanced: put back after every run but the step's
         return (written.sum()[None],)
 
-    CpuReplay(warmup=2)._warm_up(fn, [torch.tensor(5.0)], [length])
-    assert length.tolist() == [0, 0] and written.tolist() == [5.0, 0, 0, 0]
+    clones = []
+    original = torch.Tensor.clone
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "clone", lambda t, *a, **k: clones.append(1) or original(t, *a, **k))
+        outs = CpuReplay(warmup=warmup)._warm_up(fn, [torch.tensor(5.0)], [length])
+    assert length.tolist() == [1, 1] and written.tolist() == [5.0, 0, 0, 0] and outs[0].item() == 5.0
+    assert len(clones) == warmup - 1
+
+
+@pytest.mark.parametrize("policy, options", [("d2o", {}), ("streamingllm", {}), ("d2o", {"interval": 4})])
+def test_replayed_steps_equal_eager_steps(monkeypatch, policy, options):
+    """With the step's capture warm-up as the step itself, replayed steps (CPU stand-in of the graphs) give the
+    same logits and caches as eager steps, compressing steps included (d2o every step, streamingllm every 16,
+    d2o[interval=4] with deferred scores every 4)."""
+    torch.manual_seed(0)
+    model = build_model(TINY_LLAMA, torch.device("cpu"), torch.float32)
+    ids = torch.randint(1, TINY_LLAMA["vocab_size"], (1, 40))
+    kv = kvpass.apply(model, policy=policy, budget=24, **options)
+
+    def run() -> list[torch.Tensor]:
+        session = kv.start(ids, max_new_tokens=24)
+        tok, logits = session.logits.argmax(-1), []
+        for _ in range(24):
+            logits.append(session.step(tok))
+            tok = logits[-1].argmax(-1)
+        return logits + [t.clone() for lay in session.layers for c in lay.caches() for t in c.tensors()]
+
+    want = run()
+    monkeypatch.setattr(ds, "graphs_enabled", lambda device: True)
+    kv.decode_step = CpuReplay()
+    got = run()
+    assert kv.decode_step.captures == 2                              # the plain and the compressing step
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
 
 
 # Chelsea compressing every 4 steps by one CSM step (its in-graph form: r_min * middle > interval)
