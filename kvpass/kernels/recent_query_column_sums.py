@@ -98,7 +98,7 @@ def _recent_lse_kernel(Q, QPOS, K, LW, KPOS, LSE, sqb, sqh, sqt, sqd, skb, skh, 
     tl.store(LSE + (b * HKV * G + head) * T + tok, lse, mask=r_ok)
 
 
-_LSE_CONFIG = (64, 64, 4, 3)     # (BLOCK_M, BLOCK_N, num_warps, num_stages) on CUDA
+_LSE_CONFIG = (64, 128, 4, 3)    # (BLOCK_M, BLOCK_N, num_warps, num_stages) on CUDA: recent-query-column-sums-sweep-nvidia-h200.json
 
 
 def recent_query_column_sums_triton(q: Tensor, q_position: Tensor, k_cache: Tensor, log_weight: Tensor,
