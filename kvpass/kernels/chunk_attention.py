@@ -97,12 +97,13 @@ def chunk_attention_reference(q: Tensor, k: Tensor, v: Tensor, pad: Tensor, k_ca
 #     online softmax over the slots: o_m = sum_j 2^(s2_mj - lse2_m) v_j,  lse2_m = log2 sum_j 2^(s2_mj)
 # A row without a live slot gets o = 0 and lse2 = -inf (it weighs nothing in the merge).
 @triton.jit
-def _cache_attention_kernel(Q, K, V, LW, OUT, LSE, sqb, sqh, sqt, sqd, skb, skh, skc, skd, svb, svh, svc, svd,
-                            slb, slh, slc, sob, soh, sot, sod, HKV, G, T, C, scale,
-                            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_D: tl.constexpr, DOT: tl.constexpr):
+def group_query_rows(Q, sqb, sqh, sqt, sqd, HKV, G, T, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+    """This program's (block program_id(0) of the G*T query rows of (b, g) = program_id(1)): b, g (64-bit offsets:
+    B*Hkv*C*D may pass 2^31), each row m's head g*G + m // T and token m % T, which rows are real, the head
+    dimension's lanes and which are real, and the rows' queries [BLOCK_M, BLOCK_D] (0 where not real)."""
     pid_bg = tl.program_id(1)
-    b = (pid_bg // HKV).to(tl.int64)                  # 64-bit offsets: B*Hkv*C*D may pass 2^31
+    b = (pid_bg // HKV).to(tl.int64)
     g = (pid_bg % HKV).to(tl.int64)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < G * T
@@ -112,6 +113,15 @@ def _cache_attention_kernel(Q, K, V, LW, OUT, LSE, sqb, sqh, sqt, sqd, skb, skh,
     d_ok = d < HEAD_DIM
     q = tl.load(Q + b * sqb + head[:, None] * sqh + tok[:, None] * sqt + d[None, :] * sqd,
                 mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    return b, g, head, tok, m_ok, d, d_ok, q
+
+
+@triton.jit
+def _cache_attention_kernel(Q, K, V, LW, OUT, LSE, sqb, sqh, sqt, sqd, skb, skh, skc, skd, svb, svh, svc, svd,
+                            slb, slh, slc, sob, soh, sot, sod, HKV, G, T, C, scale,
+                            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_D: tl.constexpr, DOT: tl.constexpr):
+    b, g, head, tok, m_ok, d, d_ok, q = group_query_rows(Q, sqb, sqh, sqt, sqd, HKV, G, T, HEAD_DIM, BLOCK_M, BLOCK_D)
     mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
+from kvpass.kernels.chunk_attention import group_query_rows
 from kvpass.kernels.chunk_column_sums import cache_column_sums_triton
 from kvpass.kernels.decode_attention import _dot, dot_mode
 
@@ -66,17 +67,7 @@ def recent_query_column_sums_reference(q: Tensor, q_position: Tensor, k_cache: T
 def _recent_lse_kernel(Q, QPOS, K, LW, KPOS, LSE, sqb, sqh, sqt, sqd, skb, skh, skc, skd, HKV, G, T, C, scale,
                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_D: tl.constexpr, DOT: tl.constexpr):
-    pid_bg = tl.program_id(1)
-    b = (pid_bg // HKV).to(tl.int64)
-    g = (pid_bg % HKV).to(tl.int64)
-    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    r_ok = r < G * T
-    head = g * G + r // T
-    tok = r % T
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    q = tl.load(Q + b * sqb + head[:, None] * sqh + tok[:, None] * sqt + d[None, :] * sqd,
-                mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+    b, g, head, tok, r_ok, d, d_ok, q = group_query_rows(Q, sqb, sqh, sqt, sqd, HKV, G, T, HEAD_DIM, BLOCK_M, BLOCK_D)
     qpos = tl.load(QPOS + b * T + tok, mask=r_ok, other=-1)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
