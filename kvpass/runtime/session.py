@@ -21,6 +21,7 @@ from kvpass.cache import (
     with_capacity,
 )
 from kvpass.decode_step import fork_side_by_side, join_pending
+from kvpass.rewrites.attention_sites import AttentionSite
 from kvpass.rewrites.insert_compressed_cache import DECODE_STATS
 from kvpass.runtime.layers import Layer, RuntimeModel, check_within_budget, compress_rows_into
 from kvpass.runtime.recent_queries import RECENT_INPUTS, add_recent_rows, has_recent_queries, recent_capacity
@@ -139,12 +140,12 @@ class DecodeSession:
     def step(self, tokens: Tensor) -> Tensor:
         """tokens: [B] int64 -> logits [B, V] for the position after them."""
         start = time.perf_counter()
-        self._add_waiting_rows()
         self._deferred_prompt_compression()
         whole: list[int] = []
         due_rows: dict[int, set[int]] = {}
-        for i, lay in enumerate(self.layers):
+        for i, (site, lay) in enumerate(zip(self.owner.graphs.sites, self.layers, strict=True)):
             rows = lay.due_rows() if lay.compressible and not self._still_wide(lay) else []
+            self._add_waiting_rows(site, lay, compressing=bool(rows))
             if not rows:
                 continue
             if lay.whole(rows) or self._rows_in_one_call(lay):    # the whole layer in its own buffers
@@ -184,17 +185,16 @@ class DecodeSession:
         self.decode_seconds += time.perf_counter() - start
         return self.logits
 
-    def _add_waiting_rows(self) -> None:
-        """Deferred scores (kvpass/runtime/recent_queries.py): the rows of a layer's waiting queries go into its
-        ``col_sum`` before anything compresses it this step, and when its ring is full. Eager, before the step
+    @staticmethod
+    def _add_waiting_rows(site: AttentionSite, lay: Layer, compressing: bool) -> None:
+        """Deferred scores (kvpass/runtime/recent_queries.py): the rows of the layer's waiting queries go into its
+        ``col_sum`` before it is compressed (``compressing``), and when its ring is full. Eager, before the step
         (replayed or not) on the same stream: no host sync."""
-        for site, lay in zip(self.owner.graphs.sites, self.layers, strict=True):
-            if not (lay.queries_waiting and has_recent_queries(lay.cache)):
-                continue
-            compresses = lay.compressible and (self._still_wide(lay) or bool(lay.due_rows()))
-            if compresses or lay.queries_waiting >= recent_capacity(lay.cache):
-                add_recent_rows(lay.cache, site)
-                lay.queries_waiting = 0
+        if not (lay.queries_waiting and has_recent_queries(lay.cache)):
+            return
+        if compressing or lay.queries_waiting >= recent_capacity(lay.cache):
+            add_recent_rows(lay.cache, site)
+            lay.queries_waiting = 0
 
     def _rows_in_one_call(self, lay: Layer) -> bool:
         """Whether the layer's rows, of budgets of their own, are compressed by one call of the policy
@@ -237,9 +237,10 @@ class DecodeSession:
         step re-captures)."""
         if not self.policy.prompt_compression_deferred():
             return
-        for lay in self.layers:
+        for site, lay in zip(self.owner.graphs.sites, self.layers, strict=True):
             if not (lay.compressible and self._still_wide(lay) and lay.host_len >= lay.cache.capacity):
                 continue
+            self._add_waiting_rows(site, lay, compressing=True)
             groups: dict[int, list[int]] = {}
             for b, keep in enumerate(lay.row_budgets):
                 groups.setdefault(keep, []).append(b)

@@ -39,8 +39,9 @@ def _count_row_additions(monkeypatch) -> list[int]:
 
 @pytest.mark.parametrize("lengths, budget, options", [([40, 40, 40], 0.4, {}), ([40, 23, 31], 0.4, {}),
                                                       ([40, 23, 31], 0.4, {"expand_kv_heads": True}),
-                                                      ([30, 17], 28, {})],
-                         ids=["equal", "padded", "expanded", "under-budget"])
+                                                      ([30, 17], 28, {}),
+                                                      ([40, 23, 31], 0.4, {"first_compression": "decode"})],
+                         ids=["equal", "padded", "expanded", "under-budget", "prompt-at-first-step"])
 def test_same_tokens_and_logits_as_per_step_scores(monkeypatch, lengths, budget, options):
     """``under-budget``: a budget of 28 tokens keeps the 17-token row's prompt whole, so it waits 14 steps (more
     than the ring's 3) before its first compression: its rows are added when the ring is full."""
