@@ -70,8 +70,7 @@ def main() -> int:
             for even in (True, False):
                 checks.append((f"gemv {dt} silu_gate={gate} even={even}", gv._gemv_kernel,
                                {"X": f"*{dt}", "W": f"*{dt}", "B": f"*{dt}", "Y": f"*{dt}"},
-                               dict(ACC=triton.language.float32, HAS_BIAS=False, EVEN=even, SILU_GATE=gate, PDL=even,
-                                    GDC_WAIT=even, BLOCK_N=4, BLOCK_K=2048),
+                               dict(ACC=triton.language.float32, HAS_BIAS=False, EVEN=even, SILU_GATE=gate, PDL=even, BLOCK_N=4, BLOCK_K=2048),
                                ()))
         checks.append((f"write_kv {dt}", wk._write_kv_kernel,
                        {"KC": f"*{dt}", "VC": f"*{dt}", "LW": "*fp32", "SLOT": "*i64", "POSITION": "*i64",

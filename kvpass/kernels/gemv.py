@@ -30,6 +30,7 @@ from kvpass.kernels._triton import (
     require_triton,
     tl,
     triton,
+    wait_for_previous_kernel,
 )
 
 
@@ -76,22 +77,16 @@ def _load_w(w_rows, n, k, N, K, EVEN: tl.constexpr):
 
 
 # PDL (launched as a programmatic dependent launch): the program may start while the kernel that writes X
-# drains. W does not depend on that kernel, so the first W tile is loaded before gdc_wait, and X only after.
+# drains; it waits for it before its first load.
 @triton.jit
 def _gemv_kernel(X, W, B, Y, N, K, swn, ACC: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
-                 SILU_GATE: tl.constexpr, PDL: tl.constexpr, GDC_WAIT: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 SILU_GATE: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
     w_rows = W + n[:, None].to(tl.int64) * swn
     acc = tl.zeros([BLOCK_N, BLOCK_K], ACC)
-    if PDL:
-        w = _load_w(w_rows, n, kk, N, K, EVEN)
-        if GDC_WAIT:                                    # False only under the interpreter (no grid dependencies)
-            tl.extra.cuda.gdc_wait()
-        x = _load_x(X, kk, K, None if EVEN else kk < K, ACC, SILU_GATE)
-        acc += w.to(ACC) * x.to(ACC)[None, :]
-    for k0 in range(BLOCK_K if PDL else 0, K, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         k = k0 + kk
         w = _load_w(w_rows, n, k, N, K, EVEN)
         x = _load_x(X, k, K, None if EVEN else k < K, ACC, SILU_GATE)
@@ -137,8 +132,8 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_gate
     pdl = dependent_launch(x.device) if pdl is None else pdl
     _gemv_kernel[(triton.cdiv(n, bn),)](
         xc, weight, bias if bias is not None else xc, y, n, k, weight.stride(0), ACC=acc, HAS_BIAS=bias is not None,
-        EVEN=n % bn == 0 and k % bk == 0, SILU_GATE=silu_gate, PDL=pdl,
-        GDC_WAIT=pdl and not interpreting(), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+        EVEN=n % bn == 0 and k % bk == 0, SILU_GATE=silu_gate, PDL=pdl and not interpreting(),
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
         **({"launch_pdl": True} if pdl and not interpreting() else {}))
     return y
 
