@@ -7,8 +7,7 @@ compiler rejects, and it says nothing about load widths.
 The launch-time specialisations Triton applies on a real GPU are imitated: unit strides are constants,
 pointers and the other strides are divisible by 16. Uses ``triton.compiler.ASTSource`` (checked with
 triton 3.9); K/V loads should show as ``cp.async.cg`` (16-byte, pipelined) and there should be no
-``.local`` (spills). Kernels compiled with ``PDL=True`` (a programmatic dependent launch) show one
-``griddepcontrol.wait``.
+``.local`` (spills).
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ mw = sys.modules["kvpass.kernels.merge_weighted"]
 cm = sys.modules["kvpass.kernels.cosine_match"]
 gv = sys.modules["kvpass.kernels.gemv"]
 wk = sys.modules["kvpass.kernels.write_kv"]
-PATTERN = re.compile(r"(ld\.global[.\w]*|st\.global[.\w]*|cp\.async\.cg[.\w]*|\.local|griddepcontrol\.wait)")
+PATTERN = re.compile(r"(ld\.global[.\w]*|st\.global[.\w]*|cp\.async\.cg[.\w]*|\.local)")
 
 
 def compile_for_sm90(fn, types: dict[str, str], const: dict, unit: tuple[str, ...] = (), num_warps: int = 4,
@@ -51,10 +50,10 @@ def main() -> int:
         for scores in (False, True):
             checks.append((f"decode split {dt} scores={scores}", da._decode_attention_split_kernel, t,
                            dict(HEAD_DIM=128, BLOCK_M=16, BLOCK_N=128, BLOCK_D=128, HAS_SOFTCAP=scores, DOT=0,
-                                DIRECT=False, WANT_SCORES=scores, PDL=scores), ("sqd", "skd", "svd", "slc", "sod")))
+                                DIRECT=False, WANT_SCORES=scores), ("sqd", "skd", "svd", "slc", "sod")))
         checks.append((f"decode merge {dt}", da._decode_attention_merge_kernel,
                        {"OUT": f"*{dt}", "OPART": "*fp32", "LSE": "*fp32", "LOGITS": "*fp32", "S": "*fp32"},
-                       dict(HEAD_DIM=128, BLOCK_M=16, BLOCK_D=128, BLOCK_S=16, BLOCK_N=128, PDL=True), ("sod",)))
+                       dict(HEAD_DIM=128, BLOCK_M=16, BLOCK_D=128, BLOCK_S=16, BLOCK_N=128), ("sod",)))
         checks.append((f"merge_weighted {dt}", mw._merge_weighted_kernel,
                        {"K": f"*{dt}", "V": f"*{dt}", "W": "*fp32", "TGT": "*i64", "ORDER": "*i64", "LO": "*i64",
                         "HI": "*i64", "PLACE": "*i64", "KO": f"*{dt}", "VO": f"*{dt}", "LWO": "*fp32"},
@@ -70,12 +69,12 @@ def main() -> int:
             for even in (True, False):
                 checks.append((f"gemv {dt} silu_gate={gate} even={even}", gv._gemv_kernel,
                                {"X": f"*{dt}", "W": f"*{dt}", "B": f"*{dt}", "Y": f"*{dt}"},
-                               dict(ACC=triton.language.float32, HAS_BIAS=False, EVEN=even, SILU_GATE=gate, PDL=even, BLOCK_N=4, BLOCK_K=2048),
+                               dict(ACC=triton.language.float32, HAS_BIAS=False, EVEN=even, SILU_GATE=gate, BLOCK_N=4, BLOCK_K=2048),
                                ()))
         checks.append((f"write_kv {dt}", wk._write_kv_kernel,
                        {"KC": f"*{dt}", "VC": f"*{dt}", "LW": "*fp32", "SLOT": "*i64", "POSITION": "*i64",
                         "POS": "*i64", "KN": f"*{dt}", "VN": f"*{dt}"},
-                       dict(HEAD_DIM=128, BLOCK_D=128, PDL=True), ("skcd", "svcd", "sknd", "svnd")))
+                       dict(HEAD_DIM=128, BLOCK_D=128), ("skcd", "svcd", "sknd", "svnd")))
     failed = 0
     for name, fn, types, const, unit in checks:
         try:

@@ -9,9 +9,7 @@ graph, so launch gaps count as in the replayed decode step; ``time_fn`` (do_benc
 over reps gives the time per call. F.linear (cuBLAS) and every Triton config of the grid; the copy
 bandwidth of the same run gives each call's floor. Then --layers blocks chained (qkv, o, gate/up,
 silu * up, down), cuBLAS against the GEMV with each shape's fastest config and with its default; one
-block's error against float64 for each. On Hopper and later the default launch also runs as a programmatic
-dependent launch (``pdl=True``: its programs start while the kernel before drains), per shape and chained.
-``--out NAME.json`` writes that file, a folder gemv-sweep-<gpu>.json in it.
+block's error against float64 for each. Writes gemv-sweep-<gpu>.json.
 """
 
 from __future__ import annotations
@@ -43,7 +41,6 @@ def main() -> None:
     dev, dt = torch.device("cuda"), torch.bfloat16
     copy_bw = copy_bandwidth(dev, 1 << 30)
     grid = list(itertools.product(*[[int(v) for v in s.split(",")] for s in (a.block_n, a.block_k, a.warps)]))
-    pdl_ok = torch.cuda.get_device_capability(dev)[0] >= 9
     result: dict = {"gpu": torch.cuda.get_device_name(), "copy_GBps": copy_bw / 1e9, "shapes": {}}
     best: dict[str, dict] = {}
     for name, (n, k) in SHAPES.items():
@@ -58,9 +55,6 @@ def main() -> None:
             return time_fn(lambda: [fn(ws[i % copies]) for i in range(reps)], dev) / reps * 1e6
 
         row = {"n": n, "k": k, "floor_us": floor_us, "cublas_us": per_call(lambda w, x=x: F.linear(x, w)), "configs": []}
-        if pdl_ok:                    # the default launch, as a plain and as a programmatic dependent launch
-            row["default_us"] = per_call(lambda w, x=x: gemv_triton(x, w, pdl=False))
-            row["default_pdl_us"] = per_call(lambda w, x=x: gemv_triton(x, w, pdl=True))
         row["cublas_err"] = float((F.linear(x, ws[0]).double() - want).abs().max())
         for bn, bk, warps in grid:
             kw = dict(block_n=bn, block_k=bk, num_warps=warps)
@@ -93,10 +87,8 @@ def main() -> None:
         return x
 
     paths = {"cublas": lambda x, w, name: F.linear(x, w),
-             "gemv_best": lambda x, w, name: gemv_triton(x, w, **best[name], pdl=False),
-             "gemv_default": lambda x, w, name: gemv_triton(x, w, pdl=False)}
-    if pdl_ok:
-        paths["gemv_default_pdl"] = lambda x, w, name: gemv_triton(x, w, pdl=True)
+             "gemv_best": lambda x, w, name: gemv_triton(x, w, **best[name]),
+             "gemv_default": lambda x, w, name: gemv_triton(x, w)}
     x = torch.randn(1, h, device=dev, dtype=dt)
     chain = {f"{label}_ms": time_fn(lambda lin=lin: block(x, lin, layers), dev) * 1e3 for label, lin in paths.items()}
     weight_bytes = sum(w.numel() * 2 for lay in layers for w in lay.values())
@@ -108,9 +100,9 @@ def main() -> None:
         chain[f"{label}_one_block_rel_err"] = float((got - want).norm() / want.norm())
     result["chain"] = {"layers": a.layers, "best_configs": best, **chain}
     print("chain", result["chain"], flush=True)
-    out = a.out if a.out.suffix == ".json" else a.out / f"gemv-sweep-{torch.cuda.get_device_name().lower().replace(' ', '-')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / f"gemv-sweep-{torch.cuda.get_device_name().lower().replace(' ', '-')}.json").write_text(
+        json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -41,36 +41,6 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def dependent_launch(device) -> bool:
-    """Whether to launch a kernel on ``device`` as a programmatic dependent launch (PDL, Hopper and later):
-    the GPU may start its programs while the kernel before it in the stream drains, and each program waits
-    (``griddepcontrol.wait``, ``tl.extra.cuda.gdc_wait``) before it reads what that kernel wrote. Off under the
-    interpreter, off CUDA, before compute capability 9.0, and with ``KVPASS_PDL=0``."""
-    if interpreting() or not HAS_TRITON or getattr(device, "type", None) != "cuda":
-        return False
-    if os.environ.get("KVPASS_PDL", "1") == "0":
-        return False
-    import torch
-
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def dependent_launch_options(device) -> dict:
-    """The launch keywords of a kernel that calls ``wait_for_previous_kernel(PDL)``: ``PDL`` (whether it waits)
-    and, when launched as a dependent launch, ``launch_pdl``."""
-    pdl = dependent_launch(device)
-    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
-
-
-@triton.jit
-def wait_for_previous_kernel(PDL: tl.constexpr):
-    """In a kernel launched as a programmatic dependent launch: block until the kernel before it in the stream
-    has finished and its writes are visible (griddepcontrol.wait). Call it before reading anything that kernel
-    may write, and before writing anything. Nothing without PDL."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-
-
 def check_device(name: str, t, device) -> None:
     """Triton runs on CUDA, or anywhere under the interpreter. ValueError otherwise."""
     if t.device != device:

@@ -32,12 +32,10 @@ from torch import Tensor
 from kvpass.kernels._triton import (
     HAS_TRITON,
     check_device,
-    dependent_launch_options,
     next_pow2,
     require_triton,
     tl,
     triton,
-    wait_for_previous_kernel,
     whole_tile_splits,
 )
 
@@ -115,9 +113,7 @@ def _decode_attention_split_kernel(
     HKV, C, T, G, SPLIT_LEN, NUM_SPLITS, scale, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, DOT: tl.constexpr, DIRECT: tl.constexpr, WANT_SCORES: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    wait_for_previous_kernel(PDL)                     # q and the new token's slot come from the kernels before
     pid_bg = tl.program_id(0)
     pid_s = tl.program_id(1)
     b = (pid_bg // HKV).to(tl.int64)                  # 64-bit offsets: B*Hkv*C*D may pass 2^31
@@ -233,9 +229,8 @@ def _scores_block(LOGITS, LSE, S, pid_bg, n0, C, T, G, NUM_SPLITS,
 def _decode_attention_merge_kernel(
     OUT, OPART, LSE, LOGITS, S, sob, soh, sot, sod, HKV, C, T, G, NUM_SPLITS, COMBINE_ROWS,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    wait_for_previous_kernel(PDL)
     # Program (b, g, i): i < COMBINE_ROWS merges the splits of row m = i (COMBINE_ROWS = G*T, 0 when the split
     # kernel wrote o itself); a later i computes the scores of slot block i - COMBINE_ROWS. One launch for both:
     # at batch 1 the step is launch-bound, and the scores need only the splits' lse's, not the combine.
@@ -350,7 +345,6 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor,
     lse = torch.empty(b * hkv * splits * block_m, device=q.device, dtype=torch.float32)
     part = o if direct else torch.empty(b * hkv * splits * block_m * block_d, device=q.device, dtype=torch.float32)
     dot = dot_mode(q)
-    pdl = dependent_launch_options(q.device)
     cap = float(softcap) if softcap is not None else 1.0
     logits = torch.empty(b * hkv * rows * c if want_scores else 1, device=q.device, dtype=torch.float32)
     _decode_attention_split_kernel[(b * hkv, splits)](
@@ -359,7 +353,7 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor,
         hkv, c, t, group, split_len, splits, float(scale), cap,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_SOFTCAP=softcap is not None, DOT=dot, DIRECT=direct, WANT_SCORES=want_scores,
-        num_warps=num_warps, num_stages=num_stages, **pdl)
+        num_warps=num_warps, num_stages=num_stages)
     scores = torch.empty((b, hkv, c) if want_scores else (0,), device=q.device, dtype=torch.float32)
     combine_rows = 0 if direct else rows
     score_blocks = triton.cdiv(c, SCORE_BLOCK) if want_scores else 0
@@ -367,7 +361,7 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor,
         _decode_attention_merge_kernel[(b * hkv, combine_rows + score_blocks)](
             o, part, lse, logits, scores, *o.stride(), hkv, c, t, group, splits, combine_rows,
             HEAD_DIM=d, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_S=min(32, next_pow2(splits)), BLOCK_N=SCORE_BLOCK,
-            num_warps=4, **pdl)
+            num_warps=4)
     return o, scores
 
 

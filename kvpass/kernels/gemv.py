@@ -21,17 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvpass.kernels._triton import (
-    HAS_TRITON,
-    check_device,
-    dependent_launch,
-    interpreting,
-    next_pow2,
-    require_triton,
-    tl,
-    triton,
-    wait_for_previous_kernel,
-)
+from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
 
 
 def gemv_reference(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_gate: bool = False) -> Tensor:
@@ -68,28 +58,21 @@ def _load_x(X, k, K, mask, ACC: tl.constexpr, SILU_GATE: tl.constexpr):
 
 
 @triton.jit
-def _load_w(w_rows, n, k, N, K, EVEN: tl.constexpr):
-    """The [BLOCK_N, BLOCK_K] tile of W at rows n, columns k (zeros outside [N, K])."""
-    if EVEN:
-        return tl.load(w_rows + k[None, :], eviction_policy="evict_first")
-    return tl.load(w_rows + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0,
-                   eviction_policy="evict_first")
-
-
-# PDL (launched as a programmatic dependent launch): the program may start while the kernel that writes X
-# drains; it waits for it before its first load.
-@triton.jit
 def _gemv_kernel(X, W, B, Y, N, K, swn, ACC: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
-                 SILU_GATE: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    wait_for_previous_kernel(PDL)
+                 SILU_GATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
     w_rows = W + n[:, None].to(tl.int64) * swn
     acc = tl.zeros([BLOCK_N, BLOCK_K], ACC)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + kk
-        w = _load_w(w_rows, n, k, N, K, EVEN)
-        x = _load_x(X, k, K, None if EVEN else k < K, ACC, SILU_GATE)
+        if EVEN:
+            w = tl.load(w_rows + k[None, :], eviction_policy="evict_first")
+            x = _load_x(X, k, K, None, ACC, SILU_GATE)
+        else:
+            w = tl.load(w_rows + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0,
+                        eviction_policy="evict_first")
+            x = _load_x(X, k, K, k < K, ACC, SILU_GATE)
         acc += w.to(ACC) * x.to(ACC)[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
@@ -109,10 +92,8 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int]:
 
 
 def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_gate: bool = False, *,
-                block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                pdl: bool | None = None) -> Tensor:
-    """One row of x (x.numel() == K, or 2K with ``silu_gate``): y [..., N] from one launch; ``pdl``: launch it
-    as a programmatic dependent launch (default: ``dependent_launch``, on Hopper and later)."""
+                block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None) -> Tensor:
+    """One row of x (x.numel() == K, or 2K with ``silu_gate``): y [..., N] from one launch."""
     require_triton()
     n, k = weight.shape
     width = 2 * k if silu_gate else k
@@ -129,12 +110,9 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_gate
     xc = x.reshape(width).contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     acc = tl.float64 if x.dtype == torch.float64 else tl.float32
-    pdl = dependent_launch(x.device) if pdl is None else pdl
     _gemv_kernel[(triton.cdiv(n, bn),)](
         xc, weight, bias if bias is not None else xc, y, n, k, weight.stride(0), ACC=acc, HAS_BIAS=bias is not None,
-        EVEN=n % bn == 0 and k % bk == 0, SILU_GATE=silu_gate, PDL=pdl and not interpreting(),
-        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-        **({"launch_pdl": True} if pdl and not interpreting() else {}))
+        EVEN=n % bn == 0 and k % bk == 0, SILU_GATE=silu_gate, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
     return y
 
 

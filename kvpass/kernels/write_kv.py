@@ -19,16 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvpass.kernels._triton import (
-    HAS_TRITON,
-    check_device,
-    dependent_launch_options,
-    next_pow2,
-    require_triton,
-    tl,
-    triton,
-    wait_for_previous_kernel,
-)
+from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
 
 
 def write_kv_reference(k_cache: Tensor, v_cache: Tensor, log_weight: Tensor, slot: Tensor, position: Tensor,
@@ -47,8 +38,7 @@ def write_kv_reference(k_cache: Tensor, v_cache: Tensor, log_weight: Tensor, slo
 def _write_kv_kernel(KC, VC, LW, SLOT, POSITION, POS, KN, VN, HKV, C, spb,
                      skcb, skch, skcc, skcd, svcb, svch, svcc, svcd,
                      sknb, sknh, sknd, svnb, svnh, svnd,
-                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL)
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0)
     b = (row // HKV).to(tl.int64)
     g = (row % HKV).to(tl.int64)
@@ -85,8 +75,7 @@ def write_kv_triton(k_cache: Tensor, v_cache: Tensor, log_weight: Tensor, slot: 
         k_cache, v_cache, log_weight, slot.to(torch.int64).contiguous(), position, pos, k_new,
         v_new, h, c, pos.stride(0),
         *k_cache.stride(), *v_cache.stride(), k_new.stride(0), k_new.stride(1), k_new.stride(3),
-        v_new.stride(0), v_new.stride(1), v_new.stride(3), HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), num_warps=1,
-        **dependent_launch_options(k_cache.device))
+        v_new.stride(0), v_new.stride(1), v_new.stride(3), HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), num_warps=1)
 
 
 @torch.library.custom_op("kvpass::write_kv", mutates_args=("k_cache", "v_cache", "log_weight", "position"))

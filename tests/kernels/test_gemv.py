@@ -60,21 +60,6 @@ def test_triton_blocks_smaller_than_the_problem_cover_it(triton_device):
                                **TOL[torch.float32])
 
 
-@pytest.mark.parametrize("n, k, silu_gate", [(37, 200, False), (16, 128, True), (8, 64, False)])
-def test_dependent_launch_form_matches_the_definition(n, k, silu_gate, triton_device):
-    """``pdl=True`` loads the first W tile before waiting for the kernel that wrote x (one tile: k = 64; several,
-    ragged: k = 200), then the rest; the same sums as the plain form. (Under the interpreter the wait itself is
-    left out: it has no grid dependencies.)"""
-    gen = torch.Generator().manual_seed(n * k)
-    x = torch.randn(1, 2 * k if silu_gate else k, generator=gen, dtype=torch.float64)
-    _, w, b = _inputs(n, k, torch.float64, True, seed=k)
-    want = gemv_reference(x, w, b, silu_gate=silu_gate)
-    dev = [t.to(triton_device) for t in (x, w, b)]
-    for pdl in (True, False):
-        got = gemv_triton(*dev, silu_gate=silu_gate, pdl=pdl, block_n=8, block_k=64)
-        torch.testing.assert_close(got.cpu(), want, **TOL[torch.float64])
-
-
 def test_triton_refuses_more_rows_and_strided_weights(triton_device):
     x, w, _ = _inputs(16, 32, torch.float32, False, seed=0, lead=(2,))
     with pytest.raises(ValueError, match="one row"):
@@ -112,31 +97,3 @@ def test_cuda_op_takes_the_kernel_for_one_row_at_real_shapes(n, k, monkeypatch):
     torch.testing.assert_close(torch.ops.kvpass.gemv(gu, w, None, True).double(),
                                gemv_reference(act.double(), w.double()), **TOL[torch.bfloat16])
     assert calls == [1, 1]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_dependent_launches_in_a_cuda_graph_read_what_the_kernel_before_wrote():
-    """A chain x -> W1 x -> (a norm kernel) -> W2 (...) -> ... launched with PDL inside a CUDA graph: each GEMV waits
-    for the kernel that wrote its input, so replaying the graph gives the stream-ordered result (bf16 rounding)."""
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("programmatic dependent launch needs compute capability 9.0")
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    ws = [torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, generator=gen) / 64 for _ in range(8)]
-    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
-
-    def chain(pdl: bool) -> torch.Tensor:
-        y = x
-        for w in ws:
-            y = gemv_triton(y, w, pdl=pdl)
-            y = y * torch.rsqrt(y.float().pow(2).mean() + 1e-6).to(y.dtype)
-        return y
-
-    want = chain(False)
-    chain(True)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = chain(True)
-    for _ in range(3):
-        g.replay()
-        torch.testing.assert_close(out, want, rtol=0, atol=0)
