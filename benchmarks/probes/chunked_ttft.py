@@ -1,7 +1,9 @@
 """Where chunked prefill's TTFT goes at one prompt length: ``KVPassModel.start`` with ``prefill_chunk`` timed
 --repeats times in a row at the same prompt (so a one-time cost of a new shape shows as a slow first run), per
 policy, the host's profile of one more run (cProfile, top functions by cumulative time) and, with
-``--kernels``, the GPU's: torch.profiler's CUDA time per kernel name over one more run (top 30).
+``--kernels``, the GPU's: torch.profiler's CUDA time per kernel name over one more run (top 30). ``--pad-reads``:
+the same starts (chunked and whole, interleaved, after one of each) with the prefill attention reading its pad
+tensor once per forward (``has_pads``, the default) and once per layer (the code before it), in one process.
 
     PYTHONUNBUFFERED=1 python benchmarks/probes/chunked_ttft.py --out $OUT/chunked-ttft-<gpu>.json [--prompt 32768]
 
@@ -38,6 +40,27 @@ def timed_start(kv, ids, chunk):
     return time.perf_counter() - t0
 
 
+def pad_reads_ab(kv, ids, chunk: int, repeats: int) -> dict:
+    """Starts (chunked, whole) with the pad read once per forward and once a layer, interleaved, medians."""
+    import statistics
+
+    pa = sys.modules["kvpass.kernels.prefill_attention"]
+    once = pa.has_pads
+    every_layer = lambda pad: bool(pad.any())            # noqa: E731  (the code before has_pads)
+    timed_start(kv, ids, chunk), timed_start(kv, ids, None)             # one-time costs of these shapes
+    got: dict = {f"{how}_{mode}_s": [] for how in ("once", "every_layer") for mode in ("chunked", "whole")}
+    try:
+        for _ in range(repeats):
+            for how, fn in (("once", once), ("every_layer", every_layer)):
+                pa.has_pads = fn
+                got[f"{how}_chunked_s"].append(timed_start(kv, ids, chunk))
+                got[f"{how}_whole_s"].append(timed_start(kv, ids, None))
+    finally:
+        pa.has_pads = once
+    got.update({k.replace("_s", "_median_s"): statistics.median(v) for k, v in list(got.items())})
+    return got
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -46,13 +69,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--policies", default="d2o,streamingllm")
     ap.add_argument("--kernels", action="store_true", help="also torch.profiler's CUDA time per kernel")
+    ap.add_argument("--pad-reads", action="store_true", help="A/B: pad read once per forward against once a layer")
     a = ap.parse_args()
     dev = torch.device("cuda")
     model = build_model(dict(LLAMA_8B), dev, torch.bfloat16, a.prompt + 64)
     ids = torch.randint(1, model.config.vocab_size, (1, a.prompt), generator=torch.Generator().manual_seed(0)).to(dev)
     result: dict = {"gpu": torch.cuda.get_device_name(), "prompt": a.prompt, "chunk": a.chunk, "policies": {}}
     for name in a.policies.split(","):
-        kv = kvpass.apply(model, name, 0.2)
+        kv = kvpass.apply(model, name, 1.0 if name == "full" else 0.2)
+        if a.pad_reads:
+            result["policies"][name] = pad_reads_ab(kv, ids, a.chunk, a.repeats)
+            print(name, result["policies"][name], flush=True)
+            continue
         row: dict = {"chunked_s": [], "unchunked_s": []}
         for _ in range(a.repeats):
             row["chunked_s"].append(timed_start(kv, ids, a.chunk))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 def prefill_mask(pad: Tensor, t: int, window: int | None) -> Tensor:
@@ -46,10 +47,26 @@ def _softcapped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: 
     return out
 
 
+# pad tensor -> (its version, whether any row has pads) while the tensor lives
+_HAS_PADS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def has_pads(pad: Tensor) -> bool:
+    """``bool(pad.any())``, read on the host once per pad tensor (and in-place version). Every layer's attention
+    of one forward gets the same ``pad``: reading it once, not once a layer, lets the host queue the layers ahead
+    of the GPU instead of waiting for each (on CUDA each read is a device sync)."""
+    seen = _HAS_PADS.get(pad)
+    if seen is not None and seen[0] == pad._version:
+        return seen[1]
+    got = bool(pad.any())
+    _HAS_PADS[pad] = (pad._version, got)
+    return got
+
+
 def plain_causal(pad: Tensor, window: int | None, softcap: float | None) -> bool:
     """No pads, window or softcap: the mask is plain causal, which fused attention kernels (SDPA's
-    flash kernels, cuDNN) apply themselves, without a T x T mask. Reads ``pad`` on the host."""
-    return window is None and softcap is None and not bool(pad.any())
+    flash kernels, cuDNN) apply themselves, without a T x T mask. Reads ``pad`` on the host (``has_pads``)."""
+    return window is None and softcap is None and not has_pads(pad)
 
 
 def in_q_layout(o: Tensor, q: Tensor) -> Tensor:
