@@ -153,9 +153,11 @@ _CACHE_ATTENTION_CONFIG = (64, 64, 4, 2)
 
 
 def cache_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, log_weight: Tensor, scale: float, *,
-                           block_m: int | None = None, block_n: int | None = None) -> tuple[Tensor, Tensor]:
+                           block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+                           num_stages: int | None = None) -> tuple[Tensor, Tensor]:
     """The cache part: (o [B, Hq, T, D], lse2 [B, Hq, T] fp32) of every query row over the live cache slots,
-    with the log-weight bias and no mask (-inf and o = 0 for a row of a KV head without a live slot)."""
+    with the log-weight bias and no mask (-inf and o = 0 for a row of a KV head without a live slot). The keywords
+    override the launch (benchmarks/probes/chunk_kernels_sweep.py)."""
     require_triton()
     b, hq, t, d = q.shape
     hkv, c = k_cache.shape[1], k_cache.shape[2]
@@ -168,7 +170,7 @@ def cache_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, log_weig
         check_device(name, x, q.device)
     on_gpu = q.device.type == "cuda"
     bm, bn, warps, stages = _CACHE_ATTENTION_CONFIG if on_gpu else (16, 16, 4, 1)
-    bm, bn = block_m or bm, block_n or bn
+    bm, bn, warps, stages = block_m or bm, block_n or bn, num_warps or warps, num_stages or stages
     o = torch.empty_like(q)
     lse = torch.empty(b, hq, t, device=q.device, dtype=torch.float32)
     group = hq // hkv

@@ -86,7 +86,8 @@ _CACHE_COLUMN_SUM_CONFIG = (64, 128, 4, 2)     # (BLOCK_M, BLOCK_N, num_warps, n
 
 def cache_column_sums_triton(q: Tensor, k_cache: Tensor, log_weight: Tensor, lse: Tensor, scale: float, *,
                              q_position: Tensor | None = None, position: Tensor | None = None,
-                             block_m: int | None = None, block_n: int | None = None) -> Tensor:
+                             block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+                             num_stages: int | None = None) -> Tensor:
     """The cache part of the column sums: [B, Hkv, C] fp32, each query row normalised by ``lse`` [B, Hq, T]
     (+inf rows add nothing); no mask (every live slot precedes every query; empty slots have lw = -inf), or,
     given ``q_position`` [B, T] and ``position`` [B, Hkv, C] int64, only the slots of positions <= the row's."""
@@ -101,7 +102,7 @@ def cache_column_sums_triton(q: Tensor, k_cache: Tensor, log_weight: Tensor, lse
         check_device(name, x, q.device)
     on_gpu = q.device.type == "cuda"
     bm, bn, warps, stages = _CACHE_COLUMN_SUM_CONFIG if on_gpu else (16, 16, 4, 1)
-    bm, bn = block_m or bm, block_n or bn
+    bm, bn, warps, stages = block_m or bm, block_n or bn, num_warps or warps, num_stages or stages
     col = torch.empty(b, hkv, c, device=q.device, dtype=torch.float32)
     lw = log_weight.float()
     lse = lse.float().contiguous()
