@@ -61,3 +61,12 @@ def whole_tile_splits(n: int, splits: int, block: int) -> tuple[int, int]:
 
     length = max(block, cdiv(cdiv(n, max(1, splits)), block) * block)
     return length, max(1, cdiv(n, length))
+
+
+def launch_config(default: tuple[int, int, int, int], on_gpu: bool, block_m: int | None = None,
+                  block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> dict:
+    """A two-block kernel's launch keywords (BLOCK_M, BLOCK_N, num_warps, num_stages): ``default`` on CUDA, small
+    blocks (16, 16, 4 warps, 1 stage) under the interpreter, each overridden where given (tests, sweeps)."""
+    bm, bn, warps, stages = default if on_gpu else (16, 16, 4, 1)
+    return dict(BLOCK_M=block_m or bm, BLOCK_N=block_n or bn, num_warps=warps if num_warps is None else num_warps,
+                num_stages=stages if num_stages is None else num_stages)

@@ -21,7 +21,15 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
+from kvpass.kernels._triton import (
+    HAS_TRITON,
+    check_device,
+    launch_config,
+    next_pow2,
+    require_triton,
+    tl,
+    triton,
+)
 from kvpass.kernels.decode_attention import _dot, _tanh, dot_mode
 from kvpass.kernels.prefill_attention import prefill_mask
 
@@ -259,18 +267,13 @@ def _launch_args(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | 
     return pad.to(torch.int64).contiguous(), args, meta
 
 
-def _config(default: tuple[int, int, int, int], on_gpu: bool, block_m: int | None, block_n: int | None) -> dict:
-    bm, bn, warps, stages = default if on_gpu else (16, 16, 4, 1)
-    return dict(BLOCK_M=block_m or bm, BLOCK_N=block_n or bn, num_warps=warps, num_stages=stages)
-
-
 def row_lse_triton(q: Tensor, k: Tensor, pad: Tensor, scale: float, window: int | None = None,
                    softcap: float | None = None, *, block_m: int | None = None, block_n: int | None = None) -> Tensor:
     """Pass 1: lse2[b, h, i] = log2 sum_{j allowed} 2^(s2_ij), +inf on pad rows: [B, Hq, T] fp32."""
     require_triton()
     pad, args, meta = _launch_args(q, k, pad, scale, window, softcap)
     b, hq, t, _ = q.shape
-    cfg = _config(_ROW_LSE_CONFIG, q.device.type == "cuda", block_m, block_n)
+    cfg = launch_config(_ROW_LSE_CONFIG, q.device.type == "cuda", block_m, block_n)
     lse = torch.empty(b, hq, t, device=q.device, dtype=torch.float32)
     _row_lse_kernel[(triton.cdiv(t, cfg["BLOCK_M"]), b * hq)](q, k, pad, lse, *args, **meta, **cfg)
     return lse
@@ -291,8 +294,7 @@ def head_column_sums_triton(q: Tensor, k: Tensor, pad: Tensor, scale: float, win
     if tuple(lse.shape) != (b, hq, t) or lse.dtype != torch.float32:
         raise ValueError(f"lse must be [B, Hq, T] = {(b, hq, t)} float32, got {tuple(lse.shape)} {lse.dtype}")
     check_device("lse", lse, q.device)
-    cfg = _config(_COLUMN_SUM_CONFIG, q.device.type == "cuda", block_m, block_n)
-    cfg.update({n: v for n, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None})
+    cfg = launch_config(_COLUMN_SUM_CONFIG, q.device.type == "cuda", block_m, block_n, num_warps, num_stages)
     col = torch.empty(b, hq, t, device=q.device, dtype=torch.float32)
     _column_sum_kernel[(triton.cdiv(t, cfg["BLOCK_N"]), b * hq)](q, k, pad, lse.contiguous(), col, *args, **meta, **cfg)
     return col

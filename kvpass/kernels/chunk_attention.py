@@ -36,7 +36,15 @@ import torch
 from torch import Tensor
 
 from kvpass.cache import EMPTY
-from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
+from kvpass.kernels._triton import (
+    HAS_TRITON,
+    check_device,
+    launch_config,
+    next_pow2,
+    require_triton,
+    tl,
+    triton,
+)
 from kvpass.kernels.decode_attention import LOG2E, _dot, dot_mode
 from kvpass.kernels.prefill_attention import prefill_mask
 
@@ -168,18 +176,15 @@ def cache_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, log_weig
                          "[B, Hkv, C], Hkv | Hq)")
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("log_weight", log_weight)):
         check_device(name, x, q.device)
-    on_gpu = q.device.type == "cuda"
-    bm, bn, warps, stages = _CACHE_ATTENTION_CONFIG if on_gpu else (16, 16, 4, 1)
-    bm, bn, warps, stages = block_m or bm, block_n or bn, num_warps or warps, num_stages or stages
+    cfg = launch_config(_CACHE_ATTENTION_CONFIG, q.device.type == "cuda", block_m, block_n, num_warps, num_stages)
     o = torch.empty_like(q)
     lse = torch.empty(b, hq, t, device=q.device, dtype=torch.float32)
     group = hq // hkv
     lw = log_weight.float()
-    _cache_attention_kernel[(triton.cdiv(group * t, bm), b * hkv)](
+    _cache_attention_kernel[(triton.cdiv(group * t, cfg["BLOCK_M"]), b * hkv)](
         q, k_cache, v_cache, lw, o, lse, *q.stride(), *k_cache.stride(), *v_cache.stride(), *lw.stride(),
         *o.stride(), hkv, group, t, c, float(scale),
-        HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, next_pow2(d)), DOT=dot_mode(q),
-        num_warps=warps, num_stages=stages)
+        HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), DOT=dot_mode(q), **cfg)
     return o, lse
 
 

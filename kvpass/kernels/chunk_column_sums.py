@@ -23,7 +23,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
+from kvpass.kernels._triton import (
+    HAS_TRITON,
+    check_device,
+    launch_config,
+    next_pow2,
+    require_triton,
+    tl,
+    triton,
+)
 from kvpass.kernels.chunk_attention import chunk_logit_blocks
 from kvpass.kernels.decode_attention import _dot, dot_mode
 
@@ -100,9 +108,7 @@ def cache_column_sums_triton(q: Tensor, k_cache: Tensor, log_weight: Tensor, lse
                          f"lse {tuple(lse.shape)} do not match ([B, Hq, T, D], [B, Hkv, C, D], [B, Hkv, C], [B, Hq, T])")
     for name, x in (("q", q), ("k_cache", k_cache), ("log_weight", log_weight), ("lse", lse)):
         check_device(name, x, q.device)
-    on_gpu = q.device.type == "cuda"
-    bm, bn, warps, stages = _CACHE_COLUMN_SUM_CONFIG if on_gpu else (16, 16, 4, 1)
-    bm, bn, warps, stages = block_m or bm, block_n or bn, num_warps or warps, num_stages or stages
+    cfg = launch_config(_CACHE_COLUMN_SUM_CONFIG, q.device.type == "cuda", block_m, block_n, num_warps, num_stages)
     col = torch.empty(b, hkv, c, device=q.device, dtype=torch.float32)
     lw = log_weight.float()
     lse = lse.float().contiguous()
@@ -113,11 +119,10 @@ def cache_column_sums_triton(q: Tensor, k_cache: Tensor, log_weight: Tensor, lse
                              f"{(b, hkv, c)}; got {None if q_position is None else tuple(q_position.shape)}, "
                              f"{None if position is None else tuple(position.shape)}")
         q_position, position = q_position.long().contiguous(), position.long().contiguous()
-    _cache_column_sum_kernel[(triton.cdiv(c, bn), b * hkv)](
+    _cache_column_sum_kernel[(triton.cdiv(c, cfg["BLOCK_N"]), b * hkv)](
         q, k_cache, lw, lse, col, q_position if masked else lse, position if masked else lse,
         *q.stride(), *k_cache.stride(), *lw.stride(), hkv, hq // hkv, t, c, float(scale),
-        HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, next_pow2(d)), DOT=dot_mode(q), MASK_POS=masked,
-        num_warps=warps, num_stages=stages)
+        HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), DOT=dot_mode(q), MASK_POS=masked, **cfg)
     return col
 
 

@@ -30,7 +30,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
+from kvpass.kernels._triton import (
+    HAS_TRITON,
+    check_device,
+    launch_config,
+    next_pow2,
+    require_triton,
+    tl,
+    triton,
+)
 from kvpass.kernels.chunk_attention import group_query_rows
 from kvpass.kernels.chunk_column_sums import cache_column_sums_triton
 from kvpass.kernels.decode_attention import _dot, dot_mode
@@ -107,16 +115,13 @@ def recent_query_column_sums_triton(q: Tensor, q_position: Tensor, k_cache: Tens
     for name, x in (("q_position", q_position), ("k_cache", k_cache), ("log_weight", log_weight),
                     ("position", position)):
         check_device(name, x, q.device)
-    on_gpu = q.device.type == "cuda"
-    bm, bn, warps, stages = _LSE_CONFIG if on_gpu else (16, 16, 4, 1)
-    bm, bn = block_m or bm, block_n or bn
+    cfg = launch_config(_LSE_CONFIG, q.device.type == "cuda", block_m, block_n)
     q_position, position = q_position.long().contiguous(), position.long().contiguous()
     lw = log_weight.float().contiguous()
     lse = torch.empty(b, hq, t, device=q.device, dtype=torch.float32)
-    _recent_lse_kernel[(triton.cdiv((hq // hkv) * t, bm), b * hkv)](
+    _recent_lse_kernel[(triton.cdiv((hq // hkv) * t, cfg["BLOCK_M"]), b * hkv)](
         q, q_position, k_cache, lw, position, lse, *q.stride(), *k_cache.stride(), hkv, hq // hkv, t, c,
-        float(scale), HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, next_pow2(d)), DOT=dot_mode(q),
-        num_warps=warps, num_stages=stages)
+        float(scale), HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), DOT=dot_mode(q), **cfg)
     return cache_column_sums_triton(q, k_cache, lw, lse, scale, q_position=q_position, position=position,
                                     block_m=block_m, block_n=block_n)
 
