@@ -1,6 +1,7 @@
 """Where a kvpass decode step's time goes: per-kernel CUDA time of decode steps of the
 Llama-3.1-8B-shaped random-weight model at a long prompt, per policy (torch.profiler, eager steps
-so every kernel is attributed; the CUDA-graph replayed step time is measured beside it).
+so every kernel is attributed, and replayed from the CUDA graph: the kernels a replay launches and the GPU's
+idle time between them).
 
     PYTHONUNBUFFERED=1 python3 benchmarks/profile_decode.py --out $OUT [--prompt 32768 --policies streamingllm,d2o]
                                                             [--compiled: the kvpass backend's Inductor graphs]
@@ -41,6 +42,41 @@ def _bucket(name: str) -> str:
     return "other"
 
 
+def kernel_table(prof, steps: int) -> dict:
+    """Per-kernel CUDA time of ``steps`` profiled steps, by family, and the GPU's idle time between kernels:
+    ``busy_us_per_step`` (the union of the kernels' intervals) against ``span_us_per_step`` (first start to
+    last end), and ``gap_after_us_per_step``: the idle time that follows each kernel, summed by its name
+    (where a replayed graph waits between launches)."""
+    events = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda ev: ev.time_range.start)
+    kernels: dict[str, list[float]] = {}
+    for ev in events:
+        kernels.setdefault(ev.name, []).append(ev.time_range.end - ev.time_range.start)
+    rows = [{"kernel": k[:140], "us_per_step": sum(v) / steps, "calls_per_step": len(v) / steps, "family": _bucket(k)}
+            for k, v in kernels.items()]
+    rows.sort(key=lambda r: -r["us_per_step"])
+    fam: dict[str, float] = {}
+    for r in rows:
+        fam[r["family"]] = fam.get(r["family"], 0.0) + r["us_per_step"]
+    busy, gaps, end, last = 0.0, {}, None, None
+    for ev in events:
+        start, stop = ev.time_range.start, ev.time_range.end
+        if end is not None and start > end and start - end < 1000:     # idle inside a step (not between steps)
+            gaps[last] = gaps.get(last, 0.0) + (start - end)
+        if end is None or start >= end:
+            busy += stop - start
+        elif stop > end:
+            busy += stop - end
+        if end is None or stop >= end:
+            end, last = stop, ev.name[:140]
+    top_gaps = sorted(gaps.items(), key=lambda kv_: -kv_[1])[:25]
+    return {"kernels": rows, "kernel_us_per_step": sum(r["us_per_step"] for r in rows),
+            "kernel_launches_per_step": sum(r["calls_per_step"] for r in rows),
+            "families_us_per_step": dict(sorted(fam.items(), key=lambda kv_: -kv_[1])),
+            "busy_us_per_step": busy / steps, "gap_us_per_step": sum(gaps.values()) / steps,
+            "gap_after_us_per_step": {k: v / steps for k, v in top_gaps}}
+
+
 def profile_policy(model, captured, name: str, budget: float, prompt: int, steps: int,
                    compiled: bool = False, batch: int = 1) -> dict:
     policy = kvpass.get_policy(name)
@@ -63,25 +99,11 @@ def profile_policy(model, captured, name: str, budget: float, prompt: int, steps
             tok = session.step(tok).argmax(-1)
         sync(ids.device)
         out["graphed_ms" if graphed else "eager_ms"] = (time.perf_counter() - t0) / steps * 1e3
-        if not graphed:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(steps):
-                    tok = session.step(tok).argmax(-1)
-                sync(ids.device)
-            kernels: dict[str, list[float]] = {}
-            for ev in prof.events():
-                if ev.device_type == torch.autograd.DeviceType.CUDA:
-                    kernels.setdefault(ev.name, []).append(ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total)
-            rows = [{"kernel": k[:140], "us_per_step": sum(v) / steps, "calls_per_step": len(v) / steps, "family": _bucket(k)}
-                    for k, v in kernels.items()]
-            rows.sort(key=lambda r: -r["us_per_step"])
-            out["kernels"] = rows
-            out["kernel_us_per_step"] = sum(r["us_per_step"] for r in rows)
-            out["kernel_launches_per_step"] = sum(r["calls_per_step"] for r in rows)
-            fam: dict[str, float] = {}
-            for r in rows:
-                fam[r["family"]] = fam.get(r["family"], 0.0) + r["us_per_step"]
-            out["families_us_per_step"] = dict(sorted(fam.items(), key=lambda kv_: -kv_[1]))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                tok = session.step(tok).argmax(-1)
+            sync(ids.device)
+        out["graphed" if graphed else "eager"] = kernel_table(prof, steps)
         del session
     return out
 
@@ -104,7 +126,7 @@ def main() -> int:
     for name in args.policies.split(","):
         res = profile_policy(model, captured, name, args.budget, args.prompt, args.steps, args.compiled, args.batch)
         results["policies"].append(res)
-        print(json.dumps({k: v for k, v in res.items() if k != "kernels"}), flush=True)
+        print(json.dumps({k: v for k, v in res.items() if k.endswith("_ms")}), flush=True)
         torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -112,13 +134,18 @@ def main() -> int:
     lines = [f"# Decode-step profile: {results['device']}, Llama-3.1-8B-shaped, prompt {args.prompt}, batch {args.batch}, "
              f"budget {args.budget}", ""]
     for res in results["policies"]:
-        lines += [f"## {res['policy']}: {res['graphed_ms']:.2f} ms/step replayed, {res['eager_ms']:.2f} ms eager, "
-                  f"kernels {res['kernel_us_per_step'] / 1e3:.2f} ms in {res['kernel_launches_per_step']:.0f} launches", "",
-                  "| family | ms/step |", "|---|---|"]
-        lines += [f"| {k} | {v / 1e3:.3f} |" for k, v in res["families_us_per_step"].items()]
-        lines += ["", "| kernel | us/step | calls/step |", "|---|---|---|"]
-        lines += [f"| `{r['kernel'][:90]}` | {r['us_per_step']:.1f} | {r['calls_per_step']:.0f} |" for r in res["kernels"][:15]]
-        lines.append("")
+        lines += [f"## {res['policy']}: {res['graphed_ms']:.2f} ms/step replayed, {res['eager_ms']:.2f} ms eager", ""]
+        for mode in ("graphed", "eager"):
+            t = res[mode]
+            lines += [f"### {mode}: kernels {t['kernel_us_per_step'] / 1e3:.3f} ms in {t['kernel_launches_per_step']:.0f} "
+                      f"launches; GPU busy {t['busy_us_per_step'] / 1e3:.3f} ms, idle between kernels "
+                      f"{t['gap_us_per_step'] / 1e3:.3f} ms a step", "", "| family | ms/step |", "|---|---|"]
+            lines += [f"| {k} | {v / 1e3:.3f} |" for k, v in t["families_us_per_step"].items()]
+            lines += ["", "| kernel | us/step | calls/step |", "|---|---|---|"]
+            lines += [f"| `{r['kernel'][:90]}` | {r['us_per_step']:.1f} | {r['calls_per_step']:.0f} |" for r in t["kernels"][:25]]
+            lines += ["", "| idle after | us/step |", "|---|---|"]
+            lines += [f"| `{k[:90]}` | {v:.1f} |" for k, v in list(t["gap_after_us_per_step"].items())[:12]]
+            lines.append("")
     (out / "profile-decode.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
