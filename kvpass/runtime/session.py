@@ -292,7 +292,7 @@ class DecodeSession:
             return [cache.k, cache.v, cache.log_weight, slot, cache.position]
         extra = [cache.slot_meta[n] if n in cache.slot_meta else cache.state[n] for n in self.policy.decode_inputs]
         full = ([] if lay.full is None else
-                [lay.full.k, lay.full.v, lay.full.log_weight, lay.full.length.clone(), lay.full.position])
+                [lay.full.k, lay.full.v, lay.full.log_weight, lay.full.length, lay.full.position])
         recent = [cache.state[n] for n in RECENT_INPUTS] if has_recent_queries(cache) else []
         return [cache.k, cache.v, cache.log_weight, slot, cache.position, *extra, *full, *recent]
 
@@ -305,10 +305,10 @@ class DecodeSession:
         decode = getattr(self.owner, "compiled_decode", None) or graphs.decode     # Inductor's (kvpass.compiled_decode) or eager
 
         def step(tokens: Tensor, pos: Tensor) -> tuple[Tensor]:
-            # a compressed layer's slot is its length after compression: written by compress_layers
-            slots = [torch.empty_like(lay.cache.length) if i in compress else self._slot(lay, pos)
-                     for i, lay in enumerate(layers)]
-            self.compress_layers(compress, join=False, slots={i: slots[i] for i in compress})
+            # a layer's slot is its length tensor itself: write_kv reads it after the layer's compression (awaited
+            # just before it) and before ``_advance`` adds 1; a copy would be a memcpy node a layer in the graph
+            slots = [self._slot(lay, pos) for lay in layers]
+            self.compress_layers(compress, join=False)
             flat = [x for lay, slot in zip(layers, slots, strict=True) for x in self._decode_inputs(lay, slot)]
             outs = decode(tokens[:, None], pos, *flat)
             join_pending()
@@ -327,18 +327,13 @@ class DecodeSession:
             restore = [t for t in persistent if id(t) not in big]
         return self.owner.decode_step(step, [tokens, self.pos], persistent, restore, variant=compress)[0]
 
-    def compress_layers(self, indices: Sequence[int], join: bool = True, slots: dict[int, Tensor] | None = None) -> None:
+    def compress_layers(self, indices: Sequence[int], join: bool = True) -> None:
         """Compress the layers ``indices`` in their own buffers (the policy's ``compress_into``, no host
-        sync), then set ``slots[i]`` [B, Hkv] (where given) to layer i's new length. On CUDA the layers run
+        sync; the length tensor stays the same tensor, so it is the decode step's slot). On CUDA the layers run
         side by side on the decode step's side streams: joined before returning (``run_side_by_side``), or
         with ``join=False`` left for the decode graph to await layer by layer (``fork_side_by_side``; the
         step joins what is left after the graph)."""
-        def compress(i: int) -> None:
-            self._compress_layer(self.layers[i])
-            if slots is not None and i in slots:
-                slots[i].copy_(self.layers[i].cache.length)
-
-        calls = [functools.partial(compress, i) for i in indices]
+        calls = [functools.partial(self._compress_layer, self.layers[i]) for i in indices]
         if self.owner.heads.world > 1:            # tensor parallel: a policy's collectives run in one order
             for call in calls:
                 call()
@@ -350,10 +345,11 @@ class DecodeSession:
 
     @staticmethod
     def _slot(lay: Layer, pos: Tensor) -> Tensor:
-        """Where this step's K, V go: [B, Hkv] int64."""
+        """Where this step's K, V go: [B, Hkv] int64. A ring's slot is position % window; any other layer's is its
+        length, the tensor itself (read by write_kv before ``_advance`` grows it)."""
         if lay.window is not None:
             return (pos % lay.window).expand_as(lay.cache.length)
-        return lay.cache.length.clone()
+        return lay.cache.length
 
     @staticmethod
     def _advance(layers: Sequence[Layer]) -> None:
