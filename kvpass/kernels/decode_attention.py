@@ -17,11 +17,8 @@ Traffic: reads 2*B*Hkv*C*D cache elements once per step; this is what bounds dec
 
 On CUDA the op runs ``decode_attention_triton``: split-K flash decoding. Each program owns one
 (batch row b, KV head g, split of the cache) and all G*T query rows of that KV head, so each K/V
-tile is read from memory once for the whole group. Without ``want_scores`` the last split of each (b, g) to
-finish merges the splits by their log-sum-exp (``split_counters``: one launch in all; at batch 1 a decode
-step is a chain of short kernels, and the launch and the wait between two cost about as much as the merge).
-With ``want_scores`` one more launch finishes the step: programs that merge the splits (one per query row)
-and programs that turn
+tile is read from memory once for the whole group. One more launch finishes the step: programs that
+merge the splits by their log-sum-exp (one per query row) and, with ``want_scores``, programs that turn
 the logits the split kernel stored (G*T fp32 per slot, a few % of the K/V bytes) into probabilities, a
 block of slots each, with the final log-sum-exp they rebuild from the splits' (a few floats), so the
 cache is still read once and the scores do not wait for the merge.
@@ -111,12 +108,11 @@ def _logits2(q, k, lw, scale, softcap, HAS_SOFTCAP: tl.constexpr, DOT: tl.conste
 
 @triton.jit
 def _decode_attention_split_kernel(
-    Q, K, V, LW, OUT, OPART, LSE, LOGITS, COUNTER,
+    Q, K, V, LW, OUT, OPART, LSE, LOGITS,
     sqb, sqh, sqt, sqd, skb, skh, skc, skd, svb, svh, svc, svd, slb, slh, slc, sob, soh, sot, sod,
     HKV, C, T, G, SPLIT_LEN, NUM_SPLITS, scale, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, DOT: tl.constexpr, DIRECT: tl.constexpr, WANT_SCORES: tl.constexpr,
-    COMBINE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     pid_bg = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -169,33 +165,19 @@ def _decode_attention_split_kernel(
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         part = OPART + ((pid_bg * NUM_SPLITS + pid_s) * BLOCK_M + offs_m[:, None]) * BLOCK_D + offs_d[None, :]
         tl.store(part, o, mask=m_mask[:, None])
-        if COMBINE:
-            # Split-K's "last one merges": every program counts itself in COUNTER[b, g] once its o_s and lse_s are
-            # stored (the barrier: all its threads' stores; acq_rel: ordered before the count, and the other
-            # splits' visible to the program that counts last). The last merges the G*T rows and sets the
-            # counter back to 0 for the next call; the merge reads through L2 (.cg), where the stores are.
-            tl.debug_barrier()
-            done = tl.atomic_add(COUNTER + pid_bg, 1, sem="acq_rel")
-            if done == NUM_SPLITS - 1:
-                for m in range(0, G * T):
-                    _combine_row(OUT, OPART, LSE, pid_bg, m, b, g, sob, soh, sot, sod, T, G, NUM_SPLITS, HEAD_DIM,
-                                 BLOCK_M, BLOCK_D, BLOCK_S)
-                tl.atomic_xchg(COUNTER + pid_bg, 0)
 
 
 @triton.jit
 def _combine_row(OUT, OPART, LSE, pid_bg, m, b, g, sob, soh, sot, sod, T, G, NUM_SPLITS,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
     """Row m of (b, g): o = sum_s 2^(lse_s - lse) o_s, the splits read BLOCK_S at a time (independent loads,
-    not a chain of NUM_SPLITS dependent steps), first for their max, then summed. Loads bypass L1 (.cg): in the
-    split kernel's own merge, other programs wrote them moments before."""
+    not a chain of NUM_SPLITS dependent steps), first for their max, then summed."""
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     mx = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
     for s0 in range(0, NUM_SPLITS, BLOCK_S):
         s = s0 + offs_s
-        lse_s = tl.load(LSE + (pid_bg * NUM_SPLITS + s) * BLOCK_M + m, mask=s < NUM_SPLITS, other=float("-inf"),
-                        cache_modifier=".cg")
+        lse_s = tl.load(LSE + (pid_bg * NUM_SPLITS + s) * BLOCK_M + m, mask=s < NUM_SPLITS, other=float("-inf"))
         mx = tl.maximum(mx, tl.max(lse_s, 0))
     mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
     l_i = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
@@ -203,10 +185,9 @@ def _combine_row(OUT, OPART, LSE, pid_bg, m, b, g, sob, soh, sot, sod, T, G, NUM
     for s0 in range(0, NUM_SPLITS, BLOCK_S):
         s = s0 + offs_s
         row = (pid_bg * NUM_SPLITS + s) * BLOCK_M + m
-        lse_s = tl.load(LSE + row, mask=s < NUM_SPLITS, other=float("-inf"), cache_modifier=".cg")
+        lse_s = tl.load(LSE + row, mask=s < NUM_SPLITS, other=float("-inf"))
         w = tl.exp2(lse_s - mx_safe)                                     # 0 for missing / empty splits
-        o_s = tl.load(OPART + row[:, None] * BLOCK_D + offs_d[None, :], mask=(s < NUM_SPLITS)[:, None], other=0.0,
-                      cache_modifier=".cg")
+        o_s = tl.load(OPART + row[:, None] * BLOCK_D + offs_d[None, :], mask=(s < NUM_SPLITS)[:, None], other=0.0)
         l_i += tl.sum(w, 0)
         acc += tl.sum(w[:, None] * o_s, 0)
     o = acc / l_i
@@ -304,22 +285,6 @@ def decode_splits(b: int, hkv: int, c: int, block_n: int, device: torch.device, 
     return max(1, min(want, -(-c // max(min_split, block_n))))
 
 
-_COUNTERS: dict[torch.device, list[Tensor]] = {}
-
-
-def split_counters(n: int, device: torch.device) -> Tensor | None:
-    """n int32 counters on ``device``, all 0 between calls (the split kernel's last program of each (b, g) sets
-    its counter back): one buffer a device, made outside CUDA-graph capture (None during one: the caller merges
-    in a second launch). A grown buffer keeps the old ones alive, since captured graphs hold their addresses.
-    Calls on one device must not overlap (kvpass runs a step's layers in order on one stream)."""
-    bufs = _COUNTERS.setdefault(device, [])
-    if not bufs or bufs[-1].numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        bufs.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
-    return bufs[-1]
-
-
 def check_decode_inputs(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor, scale: float,
                         softcap: float | None) -> None:
     """ValueError naming the tensor, the expected and the actual shape/dtype."""
@@ -354,11 +319,9 @@ def check_decode_inputs(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor, sca
 def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor, scale: float,
                             softcap: float | None = None, want_scores: bool = False, *,
                             num_splits: int | None = None, block_n: int | None = None,
-                            num_warps: int | None = None, num_stages: int | None = None,
-                            fused_merge: bool = True) -> tuple[Tensor, Tensor]:
+                            num_warps: int | None = None, num_stages: int | None = None) -> tuple[Tensor, Tensor]:
     """The Triton decode attention (same contract as ``decode_attention_reference``). The keyword
-    arguments override the launch heuristics (tests and the benchmark sweep use them); ``fused_merge=False``
-    merges the splits in a second launch even without scores."""
+    arguments override the launch heuristics (tests and the benchmark sweep use them)."""
     require_triton()
     check_decode_inputs(q, k, v, log_weight, scale, softcap)
     b, hq, t, d = q.shape
@@ -384,22 +347,20 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor,
     dot = dot_mode(q)
     cap = float(softcap) if softcap is not None else 1.0
     logits = torch.empty(b * hkv * rows * c if want_scores else 1, device=q.device, dtype=torch.float32)
-    counters = None if direct or want_scores or not fused_merge else split_counters(b * hkv, q.device)
-    block_s = min(32, next_pow2(splits))
     _decode_attention_split_kernel[(b * hkv, splits)](
-        q, k, v, log_weight, o, part, lse, logits, counters if counters is not None else lse,
+        q, k, v, log_weight, o, part, lse, logits,
         *q.stride(), *k.stride(), *v.stride(), *log_weight.stride(), *o.stride(),
         hkv, c, t, group, split_len, splits, float(scale), cap,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_SOFTCAP=softcap is not None, DOT=dot, DIRECT=direct, WANT_SCORES=want_scores,
-        COMBINE=counters is not None, BLOCK_S=block_s, num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages)
     scores = torch.empty((b, hkv, c) if want_scores else (0,), device=q.device, dtype=torch.float32)
-    combine_rows = 0 if direct or counters is not None else rows
+    combine_rows = 0 if direct else rows
     score_blocks = triton.cdiv(c, SCORE_BLOCK) if want_scores else 0
     if combine_rows + score_blocks:
         _decode_attention_merge_kernel[(b * hkv, combine_rows + score_blocks)](
             o, part, lse, logits, scores, *o.stride(), hkv, c, t, group, splits, combine_rows,
-            HEAD_DIM=d, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_N=SCORE_BLOCK,
+            HEAD_DIM=d, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_S=min(32, next_pow2(splits)), BLOCK_N=SCORE_BLOCK,
             num_warps=4)
     return o, scores
 
