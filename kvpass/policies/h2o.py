@@ -9,7 +9,7 @@ from torch import Tensor
 
 from kvpass.cache import LayerCache, keep_slots
 from kvpass.policies.base import Policy, Stat, require
-from kvpass.policies.selection import keep_priority, kept_slots, select_kept
+from kvpass.policies.selection import keep_priority, keep_top_into, kept_slots, select_kept
 
 
 @dataclass(frozen=True)
@@ -53,3 +53,12 @@ class H2O(Policy):
         """cache: k, v [B, Hkv, C, D]; slot_meta['col_sum'] [B, Hkv, C] fp32 -> capacity min(keep, C)."""
         kept = select_kept(cache.slot_meta[Stat.COLUMN_SUM.value], cache.length, keep, *self.protected(keep))
         return keep_slots(cache, kept_slots(kept, keep))
+
+    def compress_into(self, cache: LayerCache, keep: int) -> None:
+        """The runtime's call: ``compress``'s entries in the same buffers and order, evicting in place
+        (``keep_top_into``; ties of priority: the older entry leaves first). A subclass with its own ``compress``
+        takes the general path."""
+        if type(self).compress is not H2O.compress:
+            super().compress_into(cache, keep)
+            return
+        keep_top_into(cache, self.priority(cache, keep), keep)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvpass.cache import EMPTY, LayerCache, gather_slots
+
 
 def sort_rank(x: Tensor, descending: bool = False) -> Tensor:
     """[..., C] int64: each element's place in a stable sort of ``x`` [..., C] along its last dimension
@@ -75,6 +77,36 @@ def kept_slots(kept: Tensor, keep: int) -> Tensor:
     """Indices for ``keep_slots``: kept slots ascending, then empty ones. kept: [B, Hkv, C] bool whose
     rows have at most ``keep`` slots set, kept slots of a short row being all its live slots."""
     return ordered_slots(kept, min(keep, kept.shape[-1]))
+
+
+def keep_top_into(cache: LayerCache, priority: Tensor, keep: int) -> None:
+    """In place, what ``keep_slots(cache, kept_slots(kept, keep))`` + ``load_into`` do where ``kept`` is each row's
+    top ``keep`` of ``priority`` (``select_kept``'s rule): a row holding n > 0 entries over ``keep`` evicts its n
+    live entries of lowest priority (ties: the lower slot, the older entry, first) and its other entries close
+    the gaps, in sequence order, in the same buffers. No top-k over the row (one sort instead: a top-k of
+    ``keep`` of C slots took ~70 us a layer on an H200, and the out-of-place path copied the layer's K and V four
+    times), no new K, V buffers, no host sync. Empty slots keep stale K, V (never read: log-weight -inf).
+
+    cache: [B, Hkv, C, ...] with live slots [0, length); priority: [B, Hkv, C] (``keep_priority``: +inf for
+    the protected entries, at most ``keep`` of them, -inf empty)."""
+    c = cache.capacity
+    if c <= keep:
+        return
+    live = cache.live
+    n = (cache.length - keep).clamp(min=0)                                          # [B, Hkv] entries to evict
+    key = torch.where(live, priority, float("inf"))                                # empty slots sort last
+    lowest = key.sort(dim=-1, stable=True).indices[..., : c - keep]                 # [B, Hkv, C - keep]
+    evict = torch.arange(c - keep, device=key.device) < n[..., None]
+    gone = torch.zeros_like(live).scatter_(-1, lowest, evict)
+    src = ordered_slots(live & ~gone, c)               # kept slots ascending, then the evicted and empty ones
+    for t in (cache.k, cache.v, cache.log_weight, cache.position, *cache.slot_meta.values()):
+        t.copy_(gather_slots(t, src))
+    cache.length.sub_(n)
+    empty = torch.arange(c, device=key.device) >= cache.length[..., None]         # [B, Hkv, C]
+    cache.log_weight.masked_fill_(empty, EMPTY)
+    cache.position.masked_fill_(empty, -1)
+    for t in cache.slot_meta.values():
+        t.masked_fill_(empty.view(*empty.shape, *([1] * (t.dim() - 3))), 0)
 
 
 def cosine(a: Tensor, b: Tensor, eps: float = 1e-6) -> Tensor:

@@ -64,7 +64,8 @@ class StreamingLLM(Policy):
         big = torch.iinfo(torch.long).max
         n = (cache.length - keep).clamp(min=0)                               # [B, Hkv] entries to evict
         age = torch.where(cache.live, cache.position, big)
-        oldest = age.topk(min(self.sinks + extra, c), dim=-1, largest=False).indices[..., self.sinks:]
+        # a sort, not a top-k of the sinks + extra smallest: torch's top-k of a long row runs one block a row
+        oldest = age.sort(dim=-1).indices[..., self.sinks:self.sinks + extra]
         rank = torch.arange(oldest.shape[-1], device=device)
         evicted = rank < n[..., None]                                        # [B, Hkv, extra] the n oldest
         gone = torch.zeros(b, h, c, dtype=torch.bool, device=device).scatter_(2, oldest, evicted)

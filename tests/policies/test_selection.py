@@ -38,3 +38,80 @@ def test_sort_rank_is_each_place_in_a_stable_sort(descending: bool) -> None:
         for place, i in enumerate(sorted(range(17), key=key)):
             want[i] = place
         assert got == want
+
+
+def _write_step(cache, k_new, v_new, grows, scores, c: int) -> None:
+    """The decode step's write of one entry at slot ``length`` (rows where ``grows``), slot scores ``scores``."""
+    slot = cache.length.clamp(max=c - 1)[..., None]
+    pos = cache.position.amax(-1, keepdim=True) + 1
+    write = grows[..., None]
+    d = cache.k.shape[-1]
+    for name, new in (("k", k_new), ("v", v_new)):
+        t = getattr(cache, name)
+        idx = slot[..., None].expand(-1, -1, 1, d)
+        t.scatter_(2, idx, torch.where(write[..., None], new[:, :, None], t.gather(2, idx)))
+    cache.log_weight.scatter_(2, slot, torch.where(write, 0.0, cache.log_weight.gather(2, slot)))
+    cache.position.scatter_(2, slot, torch.where(write, pos, cache.position.gather(2, slot)))
+    for name, t in cache.slot_meta.items():
+        t.scatter_(2, slot, torch.where(write, scores[name], t.gather(2, slot)))
+    cache.length.add_(grows.long())
+
+
+@pytest.mark.parametrize("spec", ["snapkv[window=3,kernel=1]", "h2o[recent_ratio=0.3,sinks=2]", "pyramidkv[window=2]"])
+@pytest.mark.parametrize("interval", [1, 4])
+@pytest.mark.parametrize("seed", range(2))
+def test_keep_top_into_holds_compress_exactly(spec: str, interval: int, seed: int) -> None:
+    """SnapKV's, H2O's and PyramidKV's ``compress_into`` (``keep_top_into``) over 30 simulated decode steps: the
+    same slots, in the same order, as the out-of-place ``compress`` + ``load_into`` chain (distinct scores, so
+    no ties), in the same buffers; ragged rows, one that never fills."""
+    import kvpass
+    from kvpass.cache import LayerCache, load_into
+    from tests.policies.policy_helpers import random_cache
+
+    policy = kvpass.get_policy(spec.replace("]", f",interval={interval}]"))
+    keep, c = 10, 10 + interval
+    gen = torch.Generator().manual_seed(300 + seed)
+    pure = random_cache([[keep, 4, keep - 2], [keep, keep, 7]], c=c, seed=seed)
+    fast = LayerCache(**{f: getattr(pure, f).clone() for f in ("k", "v", "log_weight", "length", "position")},
+                      slot_meta={n: t.clone() for n, t in pure.slot_meta.items()})
+    addresses = [t.data_ptr() for t in fast.tensors()]
+    for step in range(30):
+        k_new, v_new = torch.randn(2, 2, 3, 8, generator=gen, dtype=torch.float64).unbind(0)
+        grows = torch.tensor([[True, step % 7 == 0, True], [True, True, step % 2 == 0]])
+        scores = {n: torch.rand(2, 3, 1, generator=gen) for n in pure.slot_meta}
+        for cache in (pure, fast):
+            _write_step(cache, k_new, v_new, grows, scores, c)
+        if int(pure.length.max()) == c:
+            load_into(pure, policy.compress(pure, keep))
+            policy.compress_into(fast, keep)
+        assert [t.data_ptr() for t in fast.tensors()] == addresses
+        assert torch.equal(fast.length, pure.length)
+        live = fast.log_weight > float("-inf")
+        assert torch.equal(live, pure.log_weight > float("-inf"))
+        for name in ("k", "v"):
+            assert torch.equal(getattr(fast, name) * live[..., None], getattr(pure, name) * live[..., None]), name
+        for name in ("log_weight", "position"):
+            assert torch.equal(getattr(fast, name), getattr(pure, name)), f"step {step}: {name}"
+        for name in pure.slot_meta:
+            assert torch.equal(fast.slot_meta[name], pure.slot_meta[name]), f"step {step}: {name}"
+    assert int(fast.length[0, 1]) < keep                                     # a row that never filled
+
+
+def test_keep_top_into_evicts_the_lowest_priority_older_first_on_ties() -> None:
+    """Ties of priority (SnapKV's generated tokens all score 0): the older entry, the lower slot, leaves first;
+    protected entries (+inf) stay; a row within the budget is left as it is. Against a plain loop."""
+    from kvpass.policies.selection import keep_top_into
+    from tests.policies.policy_helpers import random_cache
+
+    cache = random_cache([[9, 5]], c=9, seed=4, extra_meta=())
+    before = cache.position.clone()
+    prio = torch.tensor([[[float("inf"), 0.5, 0.0, 0.7, 0.0, 0.0, 0.2, float("inf"), float("inf")],
+                          [0.1] * 5 + [float("-inf")] * 4]], dtype=torch.float64)
+    keep_top_into(cache, prio, keep=6)
+    row = prio[0, 0].tolist()
+    order = sorted(range(9), key=lambda j: (row[j], j))                      # stable: lower slot first on ties
+    gone = set(order[:3])
+    assert cache.position[0, 0, :6].tolist() == [p for j, p in enumerate(before[0, 0].tolist()) if j not in gone]
+    assert gone == {2, 4, 5}
+    assert cache.position[0, 0, 6:].tolist() == [-1] * 3 and int(cache.length[0, 0]) == 6
+    assert torch.equal(cache.position[0, 1], before[0, 1]) and int(cache.length[0, 1]) == 5
