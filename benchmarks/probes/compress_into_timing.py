@@ -1,7 +1,7 @@
 """What one layer's decode-time compression costs on a GPU: ``compress_into`` (the runtime's in-place call)
 against the general path (``load_into(cache, compress(cache, keep))``), at a Llama-3.1-8B layer's shape after a
 32k prompt at budget 0.2 (batch 1, 8 KV heads, D 128, bf16, keep 6554, capacity keep + interval, every slot
-live), and the selection alone: a top-k of the oldest entries against a sort of the row.
+live), and the selection alone: torch's top-k and sort of the rows against ``lowest_slots``.
 
     PYTHONUNBUFFERED=1 python3 benchmarks/probes/compress_into_timing.py --out $OUT/compress-into-<gpu>.json
 
@@ -20,6 +20,7 @@ import torch
 import kvpass
 from benchmarks.bench.timing import time_fn
 from kvpass.cache import LayerCache, load_into
+from kvpass.kernels.lowest_slots import lowest_slots
 
 
 def full_layer(b: int, hkv: int, c: int, d: int, device: torch.device, names: tuple[str, ...]) -> LayerCache:
@@ -83,7 +84,10 @@ def main() -> None:
         "sort_us": time_fn(lambda: age.sort(dim=-1), dev) * 1e6,
         "sort_stable_float64_us": time_fn(lambda: age.double().sort(dim=-1, stable=True), dev) * 1e6,
         "topk_keep_float64_us": time_fn(lambda: age.double().topk(a.keep, dim=-1), dev) * 1e6,
+        "lowest_slots_20_us": time_fn(lambda: lowest_slots(age, 20), dev) * 1e6,
+        "lowest_slots_16_float32_us": time_fn(lambda: lowest_slots(age.float(), 16), dev) * 1e6,
     }
+    result["selection"]["lowest_slots_matches_sort"] = bool(torch.equal(lowest_slots(age, 20), age.sort(-1).indices[..., :20]))
     print("selection", result["selection"], flush=True)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1))

@@ -35,6 +35,7 @@ from kvpass.kernels.d2o_evict_one_ragged import d2o_evict_one_ragged, d2o_evict_
 from kvpass.kernels.decode_attention import decode_attention, decode_attention_reference
 from kvpass.kernels.ems_expansion_attention import ems_expansion_attention, ems_expansion_attention_reference
 from kvpass.kernels.gemv import gemv, gemv_reference
+from kvpass.kernels.lowest_slots import lowest_slots, lowest_slots_reference
 from kvpass.kernels.merge_entries import merge_entries, merge_entries_reference
 from kvpass.kernels.merge_weighted import merge_weighted, merge_weighted_reference
 from kvpass.kernels.page_recall_attention import page_recall_attention, page_recall_attention_reference
@@ -67,6 +68,7 @@ REFERENCES: dict[str, Callable] = {
     "decode_attention": decode_attention_reference,
     "ems_expansion_attention": ems_expansion_attention_reference,
     "gemv": gemv_reference,
+    "lowest_slots": lowest_slots_reference,
     "merge_entries": merge_entries_reference,
     "merge_weighted": merge_weighted_reference,
     "page_recall_attention": page_recall_attention_reference,
@@ -110,6 +112,7 @@ __all__ = [
     "decode_attention", "decode_attention_reference",
     "ems_expansion_attention", "ems_expansion_attention_reference",
     "gemv", "gemv_reference",
+    "lowest_slots", "lowest_slots_reference",
     "merge_entries", "merge_entries_reference",
     "merge_weighted", "merge_weighted_reference",
     "page_recall_attention", "page_recall_attention_reference",

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from kvpass.cache import EMPTY, LayerCache, gather_slots
+from kvpass.kernels.lowest_slots import lowest_slots
 
 
 def sort_rank(x: Tensor, descending: bool = False) -> Tensor:
@@ -83,9 +84,10 @@ def keep_top_into(cache: LayerCache, priority: Tensor, keep: int) -> None:
     """In place, what ``keep_slots(cache, kept_slots(kept, keep))`` + ``load_into`` do where ``kept`` is each row's
     top ``keep`` of ``priority`` (``select_kept``'s rule): a row holding n > 0 entries over ``keep`` evicts its n
     live entries of lowest priority (ties: the lower slot, the older entry, first) and its other entries close
-    the gaps, in sequence order, in the same buffers. No top-k over the row (one sort instead: a top-k of
-    ``keep`` of C slots took ~70 us a layer on an H200, and the out-of-place path copied the layer's K and V four
-    times), no new K, V buffers, no host sync. Empty slots keep stale K, V (never read: log-weight -inf).
+    the gaps, in sequence order, in the same buffers: the C - keep lowest slots of the row (``lowest_slots``, one
+    Triton launch on CUDA) instead of a top-k of ``keep`` of C (~150 us a layer on an H200), no new K, V buffers
+    (the out-of-place path copies the layer's K and V four times), no host sync. Priorities are compared in fp32
+    (exact for the fp32 statistics they come from). Empty slots keep stale K, V (never read: log-weight -inf).
 
     cache: [B, Hkv, C, ...] with live slots [0, length); priority: [B, Hkv, C] (``keep_priority``: +inf for
     the protected entries, at most ``keep`` of them, -inf empty)."""
@@ -94,8 +96,8 @@ def keep_top_into(cache: LayerCache, priority: Tensor, keep: int) -> None:
         return
     live = cache.live
     n = (cache.length - keep).clamp(min=0)                                          # [B, Hkv] entries to evict
-    key = torch.where(live, priority, float("inf"))                                # empty slots sort last
-    lowest = key.sort(dim=-1, stable=True).indices[..., : c - keep]                 # [B, Hkv, C - keep]
+    key = torch.where(live, priority, float("inf")).float()                        # empty slots sort last
+    lowest = lowest_slots(key, c - keep)                                            # [B, Hkv, C - keep]
     evict = torch.arange(c - keep, device=key.device) < n[..., None]
     gone = torch.zeros_like(live).scatter_(-1, lowest, evict)
     src = ordered_slots(live & ~gone, c)               # kept slots ascending, then the evicted and empty ones

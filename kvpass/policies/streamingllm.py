@@ -8,6 +8,7 @@ from typing import ClassVar
 import torch
 
 from kvpass.cache import EMPTY, LayerCache, gather_slots, keep_slots, put_slots
+from kvpass.kernels.lowest_slots import lowest_slots
 from kvpass.policies.base import Policy, require
 
 
@@ -64,8 +65,7 @@ class StreamingLLM(Policy):
         big = torch.iinfo(torch.long).max
         n = (cache.length - keep).clamp(min=0)                               # [B, Hkv] entries to evict
         age = torch.where(cache.live, cache.position, big)
-        # a sort, not a top-k of the sinks + extra smallest: torch's top-k of a long row runs one block a row
-        oldest = age.sort(dim=-1).indices[..., self.sinks:self.sinks + extra]
+        oldest = lowest_slots(age, min(self.sinks + extra, c))[..., self.sinks:]    # one Triton launch on CUDA
         rank = torch.arange(oldest.shape[-1], device=device)
         evicted = rank < n[..., None]                                        # [B, Hkv, extra] the n oldest
         gone = torch.zeros(b, h, c, dtype=torch.bool, device=device).scatter_(2, oldest, evicted)
