@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvpass.cache import EMPTY, LayerCache, gather_slots
+from kvpass.cache import EMPTY, LayerCache, gather_slots, load_into
 from kvpass.kernels.lowest_slots import lowest_slots
 
 
@@ -109,6 +109,16 @@ def keep_top_into(cache: LayerCache, priority: Tensor, keep: int) -> None:
     cache.position.masked_fill_(empty, -1)
     for t in cache.slot_meta.values():
         t.masked_fill_(empty.view(*empty.shape, *([1] * (t.dim() - 3))), 0)
+
+
+def compress_into_top(policy, owner: type, cache: LayerCache, keep: int) -> None:
+    """``compress_into`` of a policy whose ``owner.compress`` keeps each row's top ``keep`` of
+    ``policy.priority(cache, keep)``: in place (``keep_top_into``; ties: the older entry leaves first). A
+    subclass with a ``compress`` of its own takes the general path (``load_into(cache, compress(...))``)."""
+    if type(policy).compress is not owner.compress:
+        load_into(cache, policy.compress(cache, keep))
+    else:
+        keep_top_into(cache, policy.priority(cache, keep), keep)
 
 
 def cosine(a: Tensor, b: Tensor, eps: float = 1e-6) -> Tensor:

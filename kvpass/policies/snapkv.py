@@ -9,7 +9,7 @@ from torch import Tensor
 
 from kvpass.cache import LayerCache, keep_slots
 from kvpass.policies.base import Policy, Stat, require
-from kvpass.policies.selection import keep_priority, keep_top_into, kept_slots, select_kept
+from kvpass.policies.selection import compress_into_top, keep_priority, kept_slots, select_kept
 
 
 @dataclass(frozen=True)
@@ -64,10 +64,5 @@ class SnapKV(Policy):
         return keep_slots(cache, kept_slots(kept, keep))
 
     def compress_into(self, cache: LayerCache, keep: int) -> None:
-        """The runtime's call: ``compress``'s entries in the same buffers and order, evicting in place
-        (``keep_top_into``; ties of priority: the older entry leaves first). A subclass with its own ``compress``
-        takes the general path."""
-        if type(self).compress is not SnapKV.compress:
-            super().compress_into(cache, keep)
-            return
-        keep_top_into(cache, self.priority(cache, keep), keep)
+        """The runtime's call: ``compress``'s entries in the same buffers and order (``compress_into_top``)."""
+        compress_into_top(self, SnapKV, cache, keep)
