@@ -97,3 +97,70 @@ def test_cuda_op_takes_the_kernel_for_one_row_at_real_shapes(n, k, monkeypatch):
     torch.testing.assert_close(torch.ops.kvpass.gemv(gu, w, None, True).double(),
                                gemv_reference(act.double(), w.double()), **TOL[torch.bfloat16])
     assert calls == [1, 1]
+    g = (1 + 0.3 * torch.randn(k, device="cuda")).to(torch.bfloat16)  # the folded norm and residual (q/k/v, o)
+    r = torch.randn(1, 1, n, device="cuda", dtype=torch.bfloat16)
+    got = torch.ops.kvpass.gemv(x, w, norm_weight=g, norm_eps=1e-5, residual=r)
+    assert calls == [1, 1, 1]
+    torch.testing.assert_close(got.double(), _norm_definition(x, g, 1e-5, w, None, r), **TOL[torch.bfloat16])
+
+
+def _norm_definition(h, g, eps, w, b=None, r=None):
+    """RMSNorm, linear and residual add, all in float64: what the folded op approximates."""
+    h, g, w = h.double(), g.double(), w.double()
+    x = g * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    y = torch.nn.functional.linear(x, w, None if b is None else b.double())
+    return y if r is None else y + r.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("n, k, bias, residual", [(40, 96, True, False), (16, 2048, False, True),
+                                                  (33, 70, False, True)])
+def test_triton_rms_norm_and_residual_match_the_definition(n, k, bias, residual, dtype, triton_device):
+    """y = W rmsnorm(h) (+ b) (+ r): the norm's sum of squares gathered in the GEMV's loop and its scale applied
+    after the sum; the op's reference (Llama's norm, op for op) agrees too. (bf16 on CUDA, below.)"""
+    gen = torch.Generator().manual_seed(7 * n + k)
+    x, w, b = _inputs(n, k, dtype, bias, seed=n + k)
+    x = (3 * x.double() + 0.5).to(dtype)                               # a scale the norm must take out
+    g = (1 + 0.5 * torch.randn(k, generator=gen, dtype=torch.float64)).to(dtype)
+    r = torch.randn(1, 1, n, generator=gen, dtype=torch.float64).to(dtype) if residual else None
+    want = _norm_definition(x, g, 1e-5, w, b, r)
+    dev = [t.to(triton_device) if t is not None else None for t in (x, w, b, g, r)]
+    got = gemv_triton(dev[0], dev[1], dev[2], norm_weight=dev[3], norm_eps=1e-5, residual=dev[4])
+    assert got.shape == (1, 1, n) and got.dtype == dtype
+    tol = TOL[torch.float32]                                            # the reference's norm runs in fp32
+    torch.testing.assert_close(got.cpu().double(), want, **tol)
+    ref = gemv_reference(x, w, b, norm_weight=g, norm_eps=1e-5, residual=r)
+    torch.testing.assert_close(ref.double(), want, **tol)
+
+
+def test_triton_residual_alone_is_the_rounded_sum(triton_device):
+    """No norm: y = round(round(W x) + r), exactly eager's linear then add (fp32 here: the same sums)."""
+    x, w, _ = _inputs(24, 64, torch.float32, False, seed=11)
+    r = torch.randn(1, 1, 24, generator=torch.Generator().manual_seed(2))
+    got = gemv_triton(x.to(triton_device), w.to(triton_device), residual=r.to(triton_device))
+    torch.testing.assert_close(got.cpu(), r + gemv_triton(x.to(triton_device), w.to(triton_device)).cpu(),
+                               rtol=0, atol=0)
+
+
+def test_triton_refuses_a_norm_with_the_gate_and_misshapen_extras(triton_device):
+    x, w, _ = _inputs(16, 32, torch.float32, False, seed=0)
+    x, w = x.to(triton_device), w.to(triton_device)
+    with pytest.raises(ValueError, match="do not combine"):
+        gemv_triton(torch.cat([x, x], -1), w, silu_gate=True, norm_weight=torch.ones(32, device=triton_device))
+    with pytest.raises(ValueError, match="norm_weight must be"):
+        gemv_triton(x, w, norm_weight=torch.ones(16, device=triton_device))
+    with pytest.raises(ValueError, match="residual must be"):
+        gemv_triton(x, w, residual=torch.ones(1, 1, 32, device=triton_device))
+
+
+def test_op_with_norm_and_residual_is_eager_llama_off_cuda():
+    """Off CUDA the op is transformers' Llama norm, linear and add op for op: bit-equal."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    x, w, b = _inputs(24, 40, torch.bfloat16, True, seed=5)
+    norm = LlamaRMSNorm(40, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(1 + torch.randn(40, generator=torch.Generator().manual_seed(3)))
+    r = torch.randn(1, 1, 24).to(torch.bfloat16)
+    want = r + torch.nn.functional.linear(norm(x), w, b)
+    got = torch.ops.kvpass.gemv(x, w, b, norm_weight=norm.weight.detach(), norm_eps=1e-6, residual=r)
+    assert torch.equal(got, want)
