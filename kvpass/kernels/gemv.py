@@ -9,14 +9,6 @@ With ``silu_gate`` x is a gated MLP's fused gate/up output [..., 2K] and the lin
 silu(x[..., :K]) * x[..., K:] (each rounded to x's dtype, as eager computes it): down_proj takes the
 activation in its loads instead of from a separate elementwise launch.
 
-With ``norm_weight`` g [K] x is the pre-norm hidden state h and the linear reads Llama's RMSNorm of it,
-
-    x = g * (h32 * rsqrt(mean(h32^2) + norm_eps)).to(h.dtype)        h32 = h in fp32
-
-and with ``residual`` r [..., N] the output is r + y (rounded as eager's add of the two): the decode step's
-two norms a layer run in the q/k/v and gate/up GEMVs and its two residual adds in the o and down GEMVs, four
-launches fewer a layer (kvpass/rewrites/linears_to_gemv.py folds them).
-
 At batch 1 a decode step is weight bytes over bandwidth. cuBLAS runs o_proj and down_proj (N = 4096)
 as split-K GEMVs followed by a reduction kernel: two launches, and an fp32 partial buffer written and
 read back. Here, when x is one row on CUDA, one Triton launch streams W once with no split-K; more rows
@@ -32,20 +24,13 @@ from torch import Tensor
 from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
 
 
-def gemv_reference(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_gate: bool = False,
-                   norm_weight: Tensor | None = None, norm_eps: float = 0.0,
-                   residual: Tensor | None = None) -> Tensor:
-    """``F.linear`` (of the SiLU-gated activation with ``silu_gate``, of the RMSNorm with ``norm_weight``; plus
-    ``residual``): the definition, op for op as transformers' Llama computes it, and the path for more than one
-    row or off CUDA."""
+def gemv_reference(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_gate: bool = False) -> Tensor:
+    """``F.linear`` (of the SiLU-gated activation with ``silu_gate``): the definition, and the path for more
+    than one row or off CUDA."""
     if silu_gate:
         k = weight.shape[1]
         x = F.silu(x[..., :k]) * x[..., k:]
-    if norm_weight is not None:
-        h = x.to(torch.float32)
-        x = norm_weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm_eps)).to(x.dtype)
-    y = F.linear(x, weight, bias)
-    return y if residual is None else residual + y
+    return F.linear(x, weight, bias)
 
 
 # Program p owns rows n in [p BLOCK_N, (p + 1) BLOCK_N) of W:   y_n = sum_k W[n, k] x_k
@@ -54,11 +39,6 @@ def gemv_reference(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_g
 # No split-K: each output is complete in one program, so there is no partial buffer and no second launch.
 # SILU_GATE: x_k = silu(g_k) u_k with g = X[:K], u = X[K:2K], silu(g) = g / (1 + e^-g), each product rounded to
 # X's dtype as eager rounds it.
-# RMS_NORM: the norm's scale is one number for the row, so it is applied after the sum:
-#     y_n = rsqrt(sum_k h_k^2 / K + eps) * sum_k W[n, k] (g_k h_k)
-# with sum_k h_k^2 gathered in the same loop (eager rounds the normed h to h's dtype before g multiplies it;
-# here both products stay in fp32: a rounding of difference, not of order).
-# RESIDUAL: y_n -> round(round(y_n) + r_n), eager's bf16 linear output then its bf16 add.
 @triton.jit
 def _load_x(X, k, K, mask, ACC: tl.constexpr, SILU_GATE: tl.constexpr):
     """The chunk k of the linear's input, in X's dtype: X[k], or silu(X[k]) X[K + k] with SILU_GATE."""
@@ -78,37 +58,25 @@ def _load_x(X, k, K, mask, ACC: tl.constexpr, SILU_GATE: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(X, W, B, G, R, Y, N, K, swn, eps, ACC: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
-                 SILU_GATE: tl.constexpr, RMS_NORM: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+def _gemv_kernel(X, W, B, Y, N, K, swn, ACC: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
+                 SILU_GATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
     w_rows = W + n[:, None].to(tl.int64) * swn
     acc = tl.zeros([BLOCK_N, BLOCK_K], ACC)
-    squares = tl.zeros([BLOCK_K], ACC)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + kk
         if EVEN:
             w = tl.load(w_rows + k[None, :], eviction_policy="evict_first")
-            x = _load_x(X, k, K, None, ACC, SILU_GATE).to(ACC)
-            if RMS_NORM:
-                squares += x * x
-                x = tl.load(G + k).to(ACC) * x
+            x = _load_x(X, k, K, None, ACC, SILU_GATE)
         else:
             w = tl.load(w_rows + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0,
                         eviction_policy="evict_first")
-            x = _load_x(X, k, K, k < K, ACC, SILU_GATE).to(ACC)
-            if RMS_NORM:
-                squares += x * x
-                x = tl.load(G + k, mask=k < K, other=0.0).to(ACC) * x
-        acc += w.to(ACC) * x[None, :]
+            x = _load_x(X, k, K, k < K, ACC, SILU_GATE)
+        acc += w.to(ACC) * x.to(ACC)[None, :]
     y = tl.sum(acc, axis=1)
-    if RMS_NORM:
-        y = y / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
     if HAS_BIAS:
         y += tl.load(B + n, mask=n < N, other=0.0).to(ACC)
-    if RESIDUAL:
-        y = y.to(Y.dtype.element_ty).to(ACC) + tl.load(R + n, mask=n < N, other=0.0).to(ACC)
     tl.store(Y + n, y.to(Y.dtype.element_ty), mask=n < N)
 
 
@@ -118,16 +86,12 @@ def _gemv_kernel(X, W, B, G, R, Y, N, K, swn, eps, ACC: tl.constexpr, HAS_BIAS: 
 # 8 x 16 B loads in flight) were the fastest of 24 configs for q/k/v, o, gate/up and down and within 0.5% of
 # the best for lm_head; on an H200 (gemv-sweep-nvidia-h200.json) the fastest for every shape. Small K: one tile
 # of the next power of two.
-# With the norm folded in, 4 x 1024 tiles: at 4 x 2048 the norm's extra registers (the squares, g) cost the
-# q/k/v GEMV 3 us and gate/up 16 us (gemv-folds-timing-nvidia-h200.json); at 4 x 1024 they cost 1 and 2 us
-# against the plain kernel's best, less than the norm's own launch.
-def gemv_config(n: int, k: int, rms_norm: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for a [N, K] weight (``rms_norm``: the norm folded in)."""
-    return 4, min(1024 if rms_norm else 2048, max(64, next_pow2(k))), 4
+def gemv_config(n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for a [N, K] weight."""
+    return 4, min(2048, max(64, next_pow2(k))), 4
 
 
-def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_gate: bool = False,
-                norm_weight: Tensor | None = None, norm_eps: float = 0.0, residual: Tensor | None = None, *,
+def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_gate: bool = False, *,
                 block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None) -> Tensor:
     """One row of x (x.numel() == K, or 2K with ``silu_gate``): y [..., N] from one launch."""
     require_triton()
@@ -136,43 +100,35 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_gate
     if x.shape[-1] != width or x.numel() != width or weight.stride(1) != 1:
         raise ValueError(f"gemv: x {tuple(x.shape)} must be one row of {width} and weight [N, K] = "
                          f"{tuple(weight.shape)} contiguous along K")
-    if silu_gate and norm_weight is not None:
-        raise ValueError("gemv: silu_gate and norm_weight do not combine (a norm reads the hidden state)")
-    for name, t, shape in (("bias", bias, (n,)), ("norm_weight", norm_weight, (k,)),
-                           ("residual", residual, (*x.shape[:-1], n))):
-        if t is not None and tuple(t.shape) != shape:
-            raise ValueError(f"gemv: {name} must be {list(shape)}, got {list(t.shape)}")
-    for name, t in (("weight", weight), ("bias", bias), ("norm_weight", norm_weight), ("residual", residual)):
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"gemv: bias must be [{n}], got {tuple(bias.shape)}")
+    for name, t in (("weight", weight), ("bias", bias)):
         if t is not None:
             check_device(name, t, x.device)
-    bn, bk, warps = gemv_config(n, k, norm_weight is not None)
+    bn, bk, warps = gemv_config(n, k)
     bn, bk, warps = block_n or bn, block_k or bk, num_warps or warps
     xc = x.reshape(width).contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     acc = tl.float64 if x.dtype == torch.float64 else tl.float32
     _gemv_kernel[(triton.cdiv(n, bn),)](
-        xc, weight, xc if bias is None else bias, xc if norm_weight is None else norm_weight,
-        xc if residual is None else residual.reshape(n).contiguous(), y, n, k, weight.stride(0), float(norm_eps),
-        ACC=acc, HAS_BIAS=bias is not None, EVEN=n % bn == 0 and k % bk == 0, SILU_GATE=silu_gate,
-        RMS_NORM=norm_weight is not None, RESIDUAL=residual is not None, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+        xc, weight, bias if bias is not None else xc, y, n, k, weight.stride(0), ACC=acc, HAS_BIAS=bias is not None,
+        EVEN=n % bn == 0 and k % bk == 0, SILU_GATE=silu_gate, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
     return y
 
 
 @torch.library.custom_op("kvpass::gemv", mutates_args=())
-def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_gate: bool = False,
-         norm_weight: Tensor | None = None, norm_eps: float = 0.0, residual: Tensor | None = None) -> Tensor:
-    return gemv_reference(x, weight, bias, silu_gate, norm_weight, norm_eps, residual)
+def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_gate: bool = False) -> Tensor:
+    return gemv_reference(x, weight, bias, silu_gate)
 
 
 @gemv.register_fake
-def _(x, weight, bias=None, silu_gate=False, norm_weight=None, norm_eps=0.0, residual=None):
+def _(x, weight, bias=None, silu_gate=False):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 if HAS_TRITON:
     @gemv.register_kernel("cuda")
-    def _(x, weight, bias=None, silu_gate=False, norm_weight=None, norm_eps=0.0, residual=None):
-        same = all(t is None or t.dtype == x.dtype for t in (weight, bias, norm_weight, residual))
-        if x.numel() == x.shape[-1] and weight.stride(1) == 1 and same:
-            return gemv_triton(x, weight, bias, silu_gate, norm_weight, norm_eps, residual)
-        return gemv_reference(x, weight, bias, silu_gate, norm_weight, norm_eps, residual)
+    def _(x, weight, bias=None, silu_gate=False):
+        if x.numel() == x.shape[-1] and weight.stride(1) == 1 and x.dtype == weight.dtype:
+            return gemv_triton(x, weight, bias, silu_gate)
+        return gemv_reference(x, weight, bias, silu_gate)

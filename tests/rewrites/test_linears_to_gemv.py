@@ -1,7 +1,6 @@
 """linears_to_gemv: every linear of a decode graph becomes kvpass::gemv, down_proj reads the fused gate/up
-output with the SiLU gate folded in, q/k/v and gate/up read the hidden state with Llama's RMSNorm folded in,
-o and down add the residual, and the graph computes the same logits (off CUDA the op is F.linear and the
-norm and add op for op as eager runs them)."""
+output with the SiLU gate folded in, and the graph computes the same logits (off CUDA the op is F.linear
+itself)."""
 
 from __future__ import annotations
 
@@ -20,28 +19,21 @@ def _count(gm, target) -> int:
     return sum(n.op == "call_function" and n.target is target for n in gm.graph.nodes)
 
 
-# Gemma's gate is GELU, its norms scale by 1 + w, and a norm sits between o/down and each residual add
-@pytest.mark.parametrize("name, folded, norms, adds, dtype", [
-    ("llama", 2, 4, 4, torch.float32), ("llama", 2, 4, 4, torch.bfloat16), ("qwen2", 2, 4, 4, torch.float32),
-    ("gemma3", 0, 0, 0, torch.float32)])
-def test_decode_linears_become_gemv_and_logits_stay(name, folded, norms, adds, dtype):
+@pytest.mark.parametrize("name, folded", [("llama", 2), ("qwen2", 2), ("gemma3", 0)])   # Gemma's gate is GELU
+def test_decode_linears_become_gemv_and_logits_stay(name, folded):
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(TINY_CONFIGS[name]()).eval().to(dtype)
+    model = AutoModelForCausalLM.from_config(TINY_CONFIGS[name]()).eval()
     g = torch.Generator().manual_seed(1)
     ids, fed = torch.randint(1, 128, (1, 20), generator=g), torch.randint(1, 128, (1, 5), generator=g)
     kv = kvpass.apply(model, "d2o", 0.5, fuse_linears=True)
     want = kv.start(ids, max_new_tokens=8).feed(fed)
-    linears, rsqrts = _count(kv.graphs.decode, LINEAR), _count(kv.graphs.decode, torch.ops.aten.rsqrt.default)
+    linears = _count(kv.graphs.decode, LINEAR)
     assert linears == 9                                   # 2 layers x (qkv, o, gate_up, down) + lm_head
     assert linears_to_gemv(kv.graphs.decode) == linears
     assert (_count(kv.graphs.decode, LINEAR), _count(kv.graphs.decode, GEMV)) == (0, linears)
     gated = [n for n in kv.graphs.decode.graph.nodes if n.target is GEMV and n.kwargs.get("silu_gate")]
     assert len(gated) == folded and _count(kv.graphs.decode, torch.ops.aten.silu.default) == 0   # one a layer
     assert all(a.target is GEMV for a in (n.args[0] for n in gated))          # they read gate/up's output
-    gemvs = [n for n in kv.graphs.decode.graph.nodes if n.target is GEMV]
-    assert sum("norm_weight" in n.kwargs for n in gemvs) == norms            # the layers' two norms each
-    assert sum("residual" in n.kwargs for n in gemvs) == adds                 # o and down of each layer
-    assert _count(kv.graphs.decode, torch.ops.aten.rsqrt.default) == rsqrts - norms   # those norms' nodes gone
     assert _count(kv.graphs.prefill, GEMV) == 0
     kv.decode_step.reset()
     torch.testing.assert_close(kv.start(ids, max_new_tokens=8).feed(fed), want, rtol=0, atol=0)
