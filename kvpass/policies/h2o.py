@@ -47,13 +47,15 @@ class H2O(Policy):
     def priority(self, cache: LayerCache, keep: int) -> Tensor:
         """[B, Hkv, C] fp64: +inf protected, accumulated attention, -inf empty (``keep_priority``); what
         the head-adaptive wrapper (``adakv``) ranks across heads."""
-        return keep_priority(cache.slot_meta[Stat.COLUMN_SUM.value], cache.length, *self.protected(keep))
+        return keep_priority(cache.slot_meta[Stat.COLUMN_SUM.value], cache.length, *self.protected(keep),
+                             cache.position)
 
     def compress(self, cache: LayerCache, keep: int) -> LayerCache:
         """cache: k, v [B, Hkv, C, D]; slot_meta['col_sum'] [B, Hkv, C] fp32 -> capacity min(keep, C)."""
-        kept = select_kept(cache.slot_meta[Stat.COLUMN_SUM.value], cache.length, keep, *self.protected(keep))
+        kept = select_kept(cache.slot_meta[Stat.COLUMN_SUM.value], cache.length, keep, *self.protected(keep),
+                           cache.position)
         return keep_slots(cache, kept_slots(kept, keep))
 
     def compress_into(self, cache: LayerCache, keep: int) -> None:
-        """The runtime's call: ``compress``'s entries in the same buffers and order (``compress_into_top``)."""
+        """The runtime's call: ``compress``'s entries in the same buffers, holes filled (``compress_into_top``)."""
         compress_into_top(self, H2O, cache, keep)

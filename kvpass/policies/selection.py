@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvpass.cache import EMPTY, LayerCache, gather_slots, load_into
+from kvpass.cache import EMPTY, LayerCache, gather_slots, load_into, put_slots
 from kvpass.kernels.lowest_slots import lowest_slots
 
 
@@ -21,19 +21,21 @@ def sort_rank(x: Tensor, descending: bool = False) -> Tensor:
     return torch.empty_like(order).scatter_(-1, order, torch.arange(x.shape[-1], device=x.device).expand_as(order))
 
 
-def select_kept(score: Tensor, length: Tensor, keep: int, sinks: int, recent: int) -> Tensor:
+def select_kept(score: Tensor, length: Tensor, keep: int, sinks: int, recent: int,
+                position: Tensor | None = None) -> Tensor:
     """The slots a row keeps: every live slot when ``length <= keep``; otherwise the sinks
-    [0, sinks), the recent window [length - recent, length) and the top ``keep - sinks - recent``
+    [0, sinks), the recent window (``keep_priority``) and the top ``keep - sinks - recent``
     of ``score`` among the other live slots. Callers ensure ``sinks + recent <= keep``.
 
-    score: [B, Hkv, C] (any real dtype); length: [B, Hkv] int64. Returns kept: [B, Hkv, C] bool."""
+    score: [B, Hkv, C] (any real dtype); length: [B, Hkv] int64; position: [B, Hkv, C] int64 or None.
+    Returns kept: [B, Hkv, C] bool."""
     if sinks + recent > keep:
         raise ValueError(f"sinks ({sinks}) + recent ({recent}) exceed the budget of {keep} entries")
     c = score.shape[-1]
     j = torch.arange(c, device=score.device)
     n = length[..., None]
     live = j < n
-    prio = keep_priority(score, length, sinks, recent)
+    prio = keep_priority(score, length, sinks, recent, position)
     # `keep if keep < c else c`, not min(keep, c): exported with c >= keep + 1 slots (compress runs on more
     # slots than it keeps) the branch resolves at export time, so ONNX's TopK gets the constant K = keep
     top = prio.topk(keep if keep < c else c, dim=-1).indices
@@ -42,15 +44,23 @@ def select_kept(score: Tensor, length: Tensor, keep: int, sinks: int, recent: in
     return (short & live) | (~short & kept)
 
 
-def keep_priority(score: Tensor, length: Tensor, sinks: int, recent: int) -> Tensor:
-    """What a row keeps first: +inf for its sinks [0, sinks) and recent window [length - recent, length),
-    ``score`` for its other live slots, -inf for empty slots. A row keeps its top ``keep`` of this
+def keep_priority(score: Tensor, length: Tensor, sinks: int, recent: int, position: Tensor | None = None) -> Tensor:
+    """What a row keeps first: +inf for its sinks [0, sinks) and its recent window, ``score`` for its other
+    live slots, -inf for empty slots. The recent window is the entries of the ``recent`` newest positions
+    (position > the row's newest - recent) where ``position`` is given: the in-place compression
+    (``keep_top_into``) fills holes, so slots need not be in sequence order; without it, the slots
+    [length - recent, length) (a cache in sequence order: the prompt's). A row keeps its top ``keep`` of this
     (``select_kept``); head-adaptive budgets compare it across the heads of a layer (``head_budgets``).
-    score: [B, Hkv, C]; length: [B, Hkv] int64 -> [B, Hkv, C] fp64."""
+    score: [B, Hkv, C]; length: [B, Hkv] int64; position: [B, Hkv, C] int64 or None -> [B, Hkv, C] fp64."""
     j = torch.arange(score.shape[-1], device=score.device)
     n = length[..., None]
     live = j < n
-    forced = live & ((j < sinks) | (j >= n - recent))
+    if position is None:
+        newest = j >= n - recent
+    else:
+        top = torch.where(live, position, -1).amax(-1, keepdim=True)
+        newest = position > top - recent
+    forced = live & ((j < sinks) | newest)
     return torch.where(forced, float("inf"), torch.where(live, score.double(), float("-inf")))
 
 
@@ -80,42 +90,74 @@ def kept_slots(kept: Tensor, keep: int) -> Tensor:
     return ordered_slots(kept, min(keep, kept.shape[-1]))
 
 
-def keep_top_into(cache: LayerCache, priority: Tensor, keep: int) -> None:
-    """In place, what ``keep_slots(cache, kept_slots(kept, keep))`` + ``load_into`` do where ``kept`` is each row's
-    top ``keep`` of ``priority`` (``select_kept``'s rule): a row holding n > 0 entries over ``keep`` evicts its n
-    live entries of lowest priority (ties: the lower slot, the older entry, first) and its other entries close
-    the gaps, in sequence order, in the same buffers: the C - keep lowest slots of the row (``lowest_slots``, one
-    Triton launch on CUDA) instead of a top-k of ``keep`` of C (~150 us a layer on an H200), no new K, V buffers
-    (the out-of-place path copies the layer's K and V four times), no host sync. Priorities are compared in fp32
-    (exact for the fp32 statistics they come from). Empty slots keep stale K, V (never read: log-weight -inf).
+def priority_key(priority: Tensor, position: Tensor, live: Tensor) -> Tensor:
+    """int64 keys in the order of (priority as fp32, position), empty slots last: the fp32 bits made monotone
+    (a negative's magnitude bits flipped) in the high 32 bits, the position (>= 0, < 2^32) in the low ones, so
+    that on equal priority the older entry comes first. priority: [B, Hkv, C] (fp32-exact values: the
+    statistics are fp32); position, live: [B, Hkv, C] -> [B, Hkv, C] int64."""
+    bits = (priority.float() + 0.0).view(torch.int32)                  # + 0.0: -0.0 becomes 0.0, its equal
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    key = ordered.long() * (1 << 32) + position.clamp(min=0)
+    return torch.where(live, key, torch.iinfo(torch.long).max)
 
-    cache: [B, Hkv, C, ...] with live slots [0, length); priority: [B, Hkv, C] (``keep_priority``: +inf for
-    the protected entries, at most ``keep`` of them, -inf empty)."""
+
+def fill_evicted_slots(cache: LayerCache, slots: Tensor, evicted: Tensor, keep: int) -> None:
+    """In place, O(C - keep) moves: the entries at ``slots`` where ``evicted`` leave (each row over ``keep``
+    evicting exactly length - keep), the live entries of slots [keep, C) that stay move into the evicted
+    slots below ``keep`` (lowest mover into lowest hole), slots [keep, C) are emptied and each length is
+    clamped to ``keep``. The slots' sequence order is not kept (positions say it). No host sync.
+    cache: [B, Hkv, C, ...]; slots, evicted: [B, Hkv, E] int64 / bool, E <= C - keep."""
+    b, h = cache.length.shape
+    c = cache.capacity
+    extra = c - keep
+    device = cache.k.device
+    big = torch.iinfo(torch.long).max
+    gone = torch.zeros(b, h, c, dtype=torch.bool, device=device).scatter_(2, slots, evicted)
+    # holes: evicted slots below keep; movers: live slots from keep on that stay. As many of each.
+    holes = torch.where(evicted & (slots < keep), slots, big).sort(-1).values
+    tail = torch.arange(keep, c, device=device)
+    stays = cache.live[..., keep:] & ~gone[..., keep:]
+    movers = torch.where(stays, tail, big).sort(-1).values                  # [B, Hkv, extra]
+    pairs = min(holes.shape[-1], extra)
+    holes, movers = holes[..., :pairs], movers[..., :pairs]
+    real = movers < big                                                      # a real (hole, mover) pair
+    dst = torch.where(real, holes, tail[:pairs])                             # else a tail slot onto itself
+    src = torch.where(real, movers, tail[:pairs])
+    for t in (cache.k, cache.v, cache.log_weight, cache.position, *cache.slot_meta.values()):
+        put_slots(t, dst, gather_slots(t, src))
+    cache.log_weight[..., keep:] = EMPTY
+    cache.position[..., keep:] = -1
+    for t in cache.slot_meta.values():
+        t[:, :, keep:] = 0
+    cache.length.clamp_(max=keep)
+
+
+def keep_top_into(cache: LayerCache, priority: Tensor, keep: int) -> None:
+    """In place, the entries ``keep_slots(cache, kept_slots(kept, keep))`` + ``load_into`` hold where ``kept`` is
+    each row's top ``keep`` of ``priority`` (``select_kept``'s rule): a row holding n > 0 entries over ``keep``
+    evicts its n live entries of lowest priority (ties: the older entry first, ``priority_key``) and its
+    surviving entries from slot ``keep`` on move into the freed slots (``fill_evicted_slots``): the C - keep
+    lowest keys of each row (``lowest_slots``, one Triton launch on CUDA) and at most C - keep entries moved,
+    instead of a top-k of ``keep`` of C and a gather of the whole layer. No host sync. Empty slots keep stale
+    K, V (never read: log-weight -inf).
+
+    cache: [B, Hkv, C, ...] with live slots [0, length); priority: [B, Hkv, C] (``keep_priority`` with the
+    cache's positions: +inf for the protected entries, at most ``keep`` of them, -inf empty)."""
     c = cache.capacity
     if c <= keep:
         return
-    live = cache.live
     n = (cache.length - keep).clamp(min=0)                                          # [B, Hkv] entries to evict
-    key = torch.where(live, priority, float("inf")).float()                        # empty slots sort last
-    lowest = lowest_slots(key, c - keep)                                            # [B, Hkv, C - keep]
-    evict = torch.arange(c - keep, device=key.device) < n[..., None]
-    gone = torch.zeros_like(live).scatter_(-1, lowest, evict)
-    src = ordered_slots(live & ~gone, c)               # kept slots ascending, then the evicted and empty ones
-    for t in (cache.k, cache.v, cache.log_weight, cache.position, *cache.slot_meta.values()):
-        t.copy_(gather_slots(t, src))
-    cache.length.sub_(n)
-    empty = torch.arange(c, device=key.device) >= cache.length[..., None]         # [B, Hkv, C]
-    cache.log_weight.masked_fill_(empty, EMPTY)
-    cache.position.masked_fill_(empty, -1)
-    for t in cache.slot_meta.values():
-        t.masked_fill_(empty.view(*empty.shape, *([1] * (t.dim() - 3))), 0)
+    lowest = lowest_slots(priority_key(priority, cache.position, cache.live), c - keep)   # [B, Hkv, C - keep]
+    evicted = torch.arange(c - keep, device=lowest.device) < n[..., None]
+    fill_evicted_slots(cache, lowest, evicted, keep)
 
 
 def compress_into_top(policy, owner: type, cache: LayerCache, keep: int) -> None:
     """``compress_into`` of a policy whose ``owner.compress`` keeps each row's top ``keep`` of
     ``policy.priority(cache, keep)``: in place (``keep_top_into``; ties: the older entry leaves first). A
-    subclass with a ``compress`` of its own takes the general path (``load_into(cache, compress(...))``)."""
-    if type(policy).compress is not owner.compress:
+    subclass with a ``compress`` of its own, or a cache of views, takes the general path
+    (``load_into(cache, compress(...))``)."""
+    if type(policy).compress is not owner.compress or not all(t.is_contiguous() for t in cache.tensors()):
         load_into(cache, policy.compress(cache, keep))
     else:
         keep_top_into(cache, policy.priority(cache, keep), keep)

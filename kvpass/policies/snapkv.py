@@ -55,14 +55,15 @@ class SnapKV(Policy):
     def priority(self, cache: LayerCache, keep: int) -> Tensor:
         """[B, Hkv, C] fp64: +inf for the newest ``min(window, keep)`` entries, pooled window scores, -inf
         empty (``keep_priority``); what the head-adaptive wrapper (``adakv``) ranks across heads."""
-        return keep_priority(cache.slot_meta[Stat.WINDOW_SCORES.value], cache.length, 0, min(self.window, keep))
+        return keep_priority(cache.slot_meta[Stat.WINDOW_SCORES.value], cache.length, 0, min(self.window, keep),
+                             cache.position)
 
     def compress(self, cache: LayerCache, keep: int) -> LayerCache:
         """cache: k, v [B, Hkv, C, D]; slot_meta['window_scores'] [B, Hkv, C] fp32 -> capacity min(keep, C)."""
         recent = min(self.window, keep)
-        kept = select_kept(cache.slot_meta[Stat.WINDOW_SCORES.value], cache.length, keep, 0, recent)
+        kept = select_kept(cache.slot_meta[Stat.WINDOW_SCORES.value], cache.length, keep, 0, recent, cache.position)
         return keep_slots(cache, kept_slots(kept, keep))
 
     def compress_into(self, cache: LayerCache, keep: int) -> None:
-        """The runtime's call: ``compress``'s entries in the same buffers and order (``compress_into_top``)."""
+        """The runtime's call: ``compress``'s entries in the same buffers, holes filled (``compress_into_top``)."""
         compress_into_top(self, SnapKV, cache, keep)

@@ -7,9 +7,10 @@ from typing import ClassVar
 
 import torch
 
-from kvpass.cache import EMPTY, LayerCache, gather_slots, keep_slots, put_slots
+from kvpass.cache import LayerCache, keep_slots
 from kvpass.kernels.lowest_slots import lowest_slots
 from kvpass.policies.base import Policy, require
+from kvpass.policies.selection import fill_evicted_slots
 
 
 @dataclass(frozen=True)
@@ -60,29 +61,9 @@ class StreamingLLM(Policy):
         if type(self).compress is not StreamingLLM.compress or not all(t.is_contiguous() for t in cache.tensors()):
             super().compress_into(cache, keep)              # a subclass's own compress, or views: the generic path
             return
-        b, h = cache.length.shape
-        device = cache.k.device
         big = torch.iinfo(torch.long).max
         n = (cache.length - keep).clamp(min=0)                               # [B, Hkv] entries to evict
         age = torch.where(cache.live, cache.position, big)
         oldest = lowest_slots(age, min(self.sinks + extra, c))[..., self.sinks:]    # one Triton launch on CUDA
-        rank = torch.arange(oldest.shape[-1], device=device)
-        evicted = rank < n[..., None]                                        # [B, Hkv, extra] the n oldest
-        gone = torch.zeros(b, h, c, dtype=torch.bool, device=device).scatter_(2, oldest, evicted)
-        # holes: evicted slots below keep; movers: live slots from keep on that stay. As many of each.
-        holes = torch.where(evicted & (oldest < keep), oldest, big).sort(-1).values
-        tail = torch.arange(keep, c, device=device)
-        stays = cache.live[..., keep:] & ~gone[..., keep:]
-        movers = torch.where(stays, tail, big).sort(-1).values              # [B, Hkv, extra]
-        pairs = min(holes.shape[-1], extra)
-        holes, movers = holes[..., :pairs], movers[..., :pairs]
-        real = movers < big                                                  # a real (hole, mover) pair
-        dst = torch.where(real, holes, tail[:pairs])                         # else a tail slot onto itself
-        src = torch.where(real, movers, tail[:pairs])
-        for t in (cache.k, cache.v, cache.log_weight, cache.position, *cache.slot_meta.values()):
-            put_slots(t, dst, gather_slots(t, src))
-        cache.log_weight[..., keep:] = EMPTY
-        cache.position[..., keep:] = -1
-        for t in cache.slot_meta.values():
-            t[:, :, keep:] = 0
-        cache.length.clamp_(max=keep)
+        evicted = torch.arange(oldest.shape[-1], device=oldest.device) < n[..., None]   # the n oldest
+        fill_evicted_slots(cache, oldest, evicted, keep)

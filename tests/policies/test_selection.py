@@ -62,11 +62,13 @@ def _write_step(cache, k_new, v_new, grows, scores, c: int) -> None:
 @pytest.mark.parametrize("seed", range(2))
 def test_keep_top_into_holds_compress_exactly(spec: str, interval: int, seed: int) -> None:
     """SnapKV's, H2O's and PyramidKV's ``compress_into`` (``keep_top_into``) over 30 simulated decode steps: the
-    same slots, in the same order, as the out-of-place ``compress`` + ``load_into`` chain (distinct scores, so
-    no ties), in the same buffers; ragged rows, one that never fills."""
+    same entries (K, V, positions, log-weights, slot scores) as the out-of-place ``compress`` + ``load_into``
+    chain, whose slots stay in sequence order (distinct scores, so no ties), in the same buffers; its own slots
+    fill holes, so the layouts diverge and the recent window must go by position. Ragged rows, one that never
+    fills."""
     import kvpass
     from kvpass.cache import LayerCache, load_into
-    from tests.policies.policy_helpers import random_cache
+    from tests.policies.policy_helpers import by_position, random_cache
 
     policy = kvpass.get_policy(spec.replace("]", f",interval={interval}]"))
     keep, c = 10, 10 + interval
@@ -86,32 +88,55 @@ def test_keep_top_into_holds_compress_exactly(spec: str, interval: int, seed: in
             policy.compress_into(fast, keep)
         assert [t.data_ptr() for t in fast.tensors()] == addresses
         assert torch.equal(fast.length, pure.length)
-        live = fast.log_weight > float("-inf")
-        assert torch.equal(live, pure.log_weight > float("-inf"))
-        for name in ("k", "v"):
-            assert torch.equal(getattr(fast, name) * live[..., None], getattr(pure, name) * live[..., None]), name
-        for name in ("log_weight", "position"):
-            assert torch.equal(getattr(fast, name), getattr(pure, name)), f"step {step}: {name}"
-        for name in pure.slot_meta:
-            assert torch.equal(fast.slot_meta[name], pure.slot_meta[name]), f"step {step}: {name}"
+        want, got = by_position(pure), by_position(fast)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], msg=f"step {step}: {name}", rtol=0, atol=0)
     assert int(fast.length[0, 1]) < keep                                     # a row that never filled
+    assert not torch.equal(fast.position, pure.position)                     # the layouts did diverge
 
 
 def test_keep_top_into_evicts_the_lowest_priority_older_first_on_ties() -> None:
-    """Ties of priority (SnapKV's generated tokens all score 0): the older entry, the lower slot, leaves first;
-    protected entries (+inf) stay; a row within the budget is left as it is. Against a plain loop."""
+    """Ties of priority (SnapKV's generated tokens all score 0): the older entry leaves first, whatever its slot;
+    protected entries (+inf) stay; the survivors from slot ``keep`` on fill the holes, lowest first; a row within
+    the budget is left as it is. Against a plain loop."""
     from kvpass.policies.selection import keep_top_into
     from tests.policies.policy_helpers import random_cache
 
     cache = random_cache([[9, 5]], c=9, seed=4, extra_meta=())
+    cache.position[0, 0] = torch.tensor([0, 1, 7, 3, 2, 4, 5, 8, 6])         # slots out of sequence order
     before = cache.position.clone()
     prio = torch.tensor([[[float("inf"), 0.5, 0.0, 0.7, 0.0, 0.0, 0.2, float("inf"), float("inf")],
                           [0.1] * 5 + [float("-inf")] * 4]], dtype=torch.float64)
     keep_top_into(cache, prio, keep=6)
-    row = prio[0, 0].tolist()
-    order = sorted(range(9), key=lambda j: (row[j], j))                      # stable: lower slot first on ties
+    row, pos = prio[0, 0].tolist(), before[0, 0].tolist()
+    order = sorted(range(9), key=lambda j: (row[j], pos[j]))                 # on ties, the older position first
     gone = set(order[:3])
-    assert cache.position[0, 0, :6].tolist() == [p for j, p in enumerate(before[0, 0].tolist()) if j not in gone]
-    assert gone == {2, 4, 5}
+    assert gone == {4, 5, 2}                                                 # positions 2, 4, then 7
+    holes, movers = sorted(j for j in gone if j < 6), [j for j in range(6, 9) if j not in gone]
+    want = list(pos[:6])
+    for h, m in zip(holes, movers, strict=True):
+        want[h] = pos[m]
+    assert cache.position[0, 0, :6].tolist() == want == [0, 1, 5, 3, 8, 6]
     assert cache.position[0, 0, 6:].tolist() == [-1] * 3 and int(cache.length[0, 0]) == 6
     assert torch.equal(cache.position[0, 1], before[0, 1]) and int(cache.length[0, 1]) == 5
+
+
+def test_priority_key_orders_priority_then_position() -> None:
+    """``priority_key``: ascending keys are ascending (fp32 priority, position) over negatives, zeros, +-inf,
+    and empty slots come last (equal: a stable sort keeps them in slot order). Against a plain sort on fresh
+    random values."""
+    from kvpass.policies.selection import priority_key
+
+    gen = torch.Generator().manual_seed(9)
+    prio = torch.randn(4, 3, 50, generator=gen, dtype=torch.float64) * 10 ** torch.randint(-3, 4, (4, 3, 50), generator=gen)
+    prio = torch.where(torch.rand(4, 3, 50, generator=gen) < 0.2, prio.round(), prio)        # ties
+    prio[..., :3] = torch.tensor([float("inf"), float("-inf"), -0.0])
+    position = torch.randperm(50, generator=gen).expand(4, 3, 50).contiguous()
+    live = torch.rand(4, 3, 50, generator=gen) < 0.8
+    key = priority_key(prio, position, live)
+    for r in range(4):
+        for h in range(3):
+            p32, pos, lv = prio[r, h].float().tolist(), position[r, h].tolist(), live[r, h].tolist()
+            want = sorted(range(50), key=lambda j: (not lv[j], p32[j] if lv[j] else 0.0, pos[j] if lv[j] else j))
+            got = torch.sort(key[r, h], stable=True).indices.tolist()
+            assert got == want
