@@ -27,6 +27,7 @@ mw = sys.modules["kvpass.kernels.merge_weighted"]
 cm = sys.modules["kvpass.kernels.cosine_match"]
 gv = sys.modules["kvpass.kernels.gemv"]
 wk = sys.modules["kvpass.kernels.write_kv"]
+rw = sys.modules["kvpass.kernels.rope_write_kv"]
 PATTERN = re.compile(r"(ld\.global[.\w]*|st\.global[.\w]*|cp\.async\.cg[.\w]*|\.local)")
 
 
@@ -71,6 +72,12 @@ def main() -> int:
                                {"X": f"*{dt}", "W": f"*{dt}", "B": f"*{dt}", "Y": f"*{dt}"},
                                dict(ACC=triton.language.float32, HAS_BIAS=False, EVEN=even, SILU_GATE=gate, BLOCK_N=4, BLOCK_K=2048),
                                ()))
+        checks.append((f"rope_write_kv {dt}", rw._rope_write_kv_kernel,
+                       {"KC": f"*{dt}", "VC": f"*{dt}", "LW": "*fp32", "SLOT": "*i64", "POSITION": "*i64",
+                        "POS": "*i64", "Q": f"*{dt}", "KN": f"*{dt}", "VN": f"*{dt}", "COS": f"*{dt}",
+                        "SIN": f"*{dt}", "QO": f"*{dt}"},
+                       dict(GROUP=4, BLOCK_G=4, HEAD_DIM=128, BLOCK_D=128, ACC=triton.language.float32),
+                       ("skcd", "svcd", "svnd")))
         checks.append((f"write_kv {dt}", wk._write_kv_kernel,
                        {"KC": f"*{dt}", "VC": f"*{dt}", "LW": "*fp32", "SLOT": "*i64", "POSITION": "*i64",
                         "POS": "*i64", "KN": f"*{dt}", "VN": f"*{dt}"},

@@ -45,6 +45,7 @@ from kvpass.kernels.recent_query_column_sums import (
     recent_query_column_sums,
     recent_query_column_sums_reference,
 )
+from kvpass.kernels.rope_write_kv import rope_write_kv, rope_write_kv_reference
 from kvpass.kernels.write_kv import write_kv, write_kv_reference
 from kvpass.kernels.write_query import write_query, write_query_reference
 
@@ -75,6 +76,7 @@ REFERENCES: dict[str, Callable] = {
     "prefill_attention": prefill_attention_reference,
     "prefill_attention_lse": prefill_attention_lse_reference,
     "recent_query_column_sums": recent_query_column_sums_reference,
+    "rope_write_kv": rope_write_kv_reference,
     "write_kv": write_kv_reference,
     "write_query": write_query_reference,
 }
@@ -119,6 +121,7 @@ __all__ = [
     "prefill_attention", "prefill_attention_reference", "prefill_mask",
     "prefill_attention_lse", "prefill_attention_lse_reference",
     "recent_query_column_sums", "recent_query_column_sums_reference",
+    "rope_write_kv", "rope_write_kv_reference",
     "write_kv", "write_kv_reference",
     "write_query", "write_query_reference",
 ]

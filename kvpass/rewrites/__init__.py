@@ -9,6 +9,7 @@
                                 (first expand_kv_heads when the policy asks for a per-query-head cache)
     fuse_sibling_linears     q/k/v and gate/up -> one linear each (on CUDA by default)
     linears_to_gemv          the decode graph's linears -> the one-row GEMV op (on CUDA)
+    rope_into_write_kv       the decode graph's q/k rotations -> the cache write's launch (on CUDA)
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
     captured = capture_model(model)          # capture -> match (-> shard_captured, tensor parallel)
     graphs = compile_model(captured, policy) # insert_compressed_cache -> fuse_sibling_linears -> linears_to_gemv
+                                             #   -> rope_into_write_kv
     compile_chunk_step(captured, policy, graphs.sites, graphs.fused_linears)   # chunked prefill's chunk graph
 
 ``kvpass.apply`` calls both (or reuses a ``captured`` it is given) and wraps the graphs in a KVPassModel;
@@ -33,6 +34,7 @@ from kvpass.rewrites.chunk_step import build_chunk_step
 from kvpass.rewrites.fuse_sibling_linears import fuse_sibling_linears
 from kvpass.rewrites.insert_compressed_cache import RewrittenGraphs, build_prefill, insert_compressed_cache
 from kvpass.rewrites.linears_to_gemv import linears_to_gemv
+from kvpass.rewrites.rope_into_write_kv import rope_into_write_kv
 from kvpass.rewrites.shard_tensor_parallel import (
     Shard,
     check_sharded_prefill,
@@ -80,13 +82,15 @@ def _fuse(graphs: list[GraphModule], decode: GraphModule | None, fuse_linears: b
           on_cuda: bool) -> bool:
     """The CUDA fusion passes, in place: sibling linears of every graph as one linear (``fuse_linears``;
     None: on CUDA only, so the CPU keeps transformers' exact GEMMs), then (on CUDA) the decode graph's
-    linears as the one-row GEMV op. Returns whether the linears were fused."""
+    linears as the one-row GEMV op and its rotations of q and k into the cache write (``rope_into_write_kv``).
+    Returns whether the linears were fused."""
     fuse = on_cuda if fuse_linears is None else fuse_linears
     if fuse:
         for gm in graphs:
             fuse_sibling_linears(gm)
     if on_cuda and decode is not None:
         linears_to_gemv(decode)
+        rope_into_write_kv(decode)
     return bool(fuse)
 
 
