@@ -88,9 +88,11 @@ def decode_speed(kv, ids: torch.Tensor, warmup: int, steps: int, device: torch.d
 
 
 def generate_speed(kv, ids: torch.Tensor, n1: int, n2: int, device: torch.device) -> dict:
-    """Through ``generate`` (``benchmarks.bench.timing.measure_generate``: one warm-up call at this prompt, so the
-    first call's CUDA-graph captures are not timed; TTFT the median of 3; ms per token = (time of n2 tokens -
-    time of n1) / (n2 - n1)) -> {"generate_ms_per_token", "ttft_s"}."""
+    """Through ``generate`` (``benchmarks.bench.timing.measure_generate``: one warm-up call at this prompt for the
+    one-time costs (Triton, cuBLAS, Inductor); TTFT the median of 3; ms per token = (time of n2 tokens - time of n1)
+    / (n2 - n1)) -> {"generate_ms_per_token", "ttft_s"}. Every call captures its decode step's CUDA graphs again
+    (new cache buffers, docs/compiled-decode.md), so the difference also holds the captures the longer call
+    adds: its compressing step's, which n1 tokens do not reach."""
     def gen(n: int):
         return kv.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=[])
 
