@@ -76,7 +76,7 @@ def main() -> int:
                        {"KC": f"*{dt}", "VC": f"*{dt}", "LW": "*fp32", "SLOT": "*i64", "POSITION": "*i64",
                         "POS": "*i64", "Q": f"*{dt}", "KN": f"*{dt}", "VN": f"*{dt}", "COS": f"*{dt}",
                         "SIN": f"*{dt}", "QO": f"*{dt}"},
-                       dict(GROUP=4, BLOCK_G=4, HEAD_DIM=128, BLOCK_D=128, ACC=triton.language.float32),
+                       dict(GROUP=4, BLOCK_G=4, HEAD_DIM=128, ROTARY=128, BLOCK_D=128, ACC=triton.language.float32),
                        ("skcd", "svcd", "svnd")))
         checks.append((f"write_kv {dt}", wk._write_kv_kernel,
                        {"KC": f"*{dt}", "VC": f"*{dt}", "LW": "*fp32", "SLOT": "*i64", "POSITION": "*i64",

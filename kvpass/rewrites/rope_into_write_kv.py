@@ -6,8 +6,8 @@ compiles the two rotations into two kernels of their own (their consumers are op
 about a microsecond and a half of a step that, at batch 1, is launch-bound between its GEMVs. Where a
 ``write_kv`` writes rope(k) and the same layer's query is rope(q) with the same cos and sin, this pass
 replaces the write by ``rope_write_kv(..., q, k, v, cos, sin)``, which returns rope(q) for every reader of
-the rotated query: two launches fewer a layer. Other rotary forms (interleaved, partial, Gemma's scaled
-ones that do not match op for op) are left as they are. Run by ``compile_model`` on the decode graph of a
+the rotated query: two launches fewer a layer. Phi-3's partial form (the first r features rotated, the rest
+concatenated back) is matched too; other forms (interleaved, or anything not op for op) are left as they are. Run by ``compile_model`` on the decode graph of a
 CUDA model; the op is the same rotation and writes off CUDA, op for op (tests/rewrites/).
 """
 
@@ -20,7 +20,7 @@ import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
 
 WRITE_KV, ROPE_WRITE_KV = torch.ops.kvpass.write_kv.default, torch.ops.kvpass.rope_write_kv.default
 ADD, MUL, CAT = torch.ops.aten.add.Tensor, torch.ops.aten.mul.Tensor, torch.ops.aten.cat.default
-NEG, SLICE = torch.ops.aten.neg.default, torch.ops.aten.slice.Tensor
+NEG, SLICE, ALIAS = torch.ops.aten.neg.default, torch.ops.aten.slice.Tensor, torch.ops.aten.alias.default
 BIG = 2 ** 62                                        # a slice's "to the end" (sys.maxsize in traced graphs)
 
 
@@ -42,8 +42,11 @@ def _half_slice(node: object, x: Node, lo: int, hi: int | None, dims: int) -> bo
 
 def rotary_input(node: object) -> tuple[Node, Node, Node, list[Node]] | None:
     """(x, cos, sin, the rotation's nodes) when node is ``x * cos + cat(-x[..., h:], x[..., :h]) * sin`` with h
-    half of x's last dim (either order of each sum and product); else None. The op computes exactly this
-    expression wherever its kernel does not apply, so cos and sin may be of any shape that broadcasts."""
+    half of x's last dim (either order of each sum and product), or Phi-3's partial form
+    ``cat(rope(x[..., :r]), x[..., r:])``; else None. The op computes exactly these expressions wherever its
+    kernel does not apply, so cos and sin may be of any shape that broadcasts."""
+    if _call(node, CAT):
+        return _partial_rotary_input(node)
     if not _call(node, ADD) or len(node.args) != 2 or node.kwargs:
         return None
     for plain, turned in (node.args, node.args[::-1]):
@@ -55,6 +58,20 @@ def rotary_input(node: object) -> tuple[Node, Node, Node, list[Node]] | None:
                 if found is not None:
                     return x, cos, sin, [node, plain, turned, *found]
     return None
+
+
+def _partial_rotary_input(node: Node) -> tuple[Node, Node, Node, list[Node]] | None:
+    """``cat(rope(x[..., :r]), x[..., r:])`` along the last dim of a 4-d x (Phi-3, GPT-NeoX): (x, cos, sin, nodes)."""
+    parts = node.args[0]
+    if len(parts) != 2 or (len(node.args) > 1 and node.args[1] not in (-1, 3)) or not _call(parts[0], ADD):
+        return None
+    inner = rotary_input(parts[0])
+    if inner is None or not (_call(head := inner[0], SLICE) or _call(head, ALIAS)) or _val(head) is None:
+        return None
+    x, r = head.args[0], _val(head).shape[-1]              # x[..., :D] is traced as an alias of x
+    if not ((_call(head, ALIAS) or _half_slice(head, x, 0, r, 4)) and _half_slice(parts[1], x, r, None, 4)):
+        return None
+    return x, inner[1], inner[2], [node, *inner[3], head, parts[1]]
 
 
 def _rotation(x: object, cos: object, cat: object, sin: object) -> list[Node] | None:

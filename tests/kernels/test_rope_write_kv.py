@@ -9,13 +9,13 @@ import torch
 from kvpass.kernels.rope_write_kv import rope_write_kv_reference, rope_write_kv_triton, rotate
 
 
-def _case(b: int, hkv: int, group: int, c: int, d: int, dtype: torch.dtype, seed: int):
+def _case(b: int, hkv: int, group: int, c: int, d: int, dtype: torch.dtype, seed: int, rotary: int | None = None):
     gen = torch.Generator().manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64).to(dtype)  # noqa: E731
     cache = dict(k_cache=rnd(b, hkv, c, d), v_cache=rnd(b, hkv, c, d),
                  log_weight=torch.full((b, hkv, c), float("-inf")), slot=torch.randint(0, c, (b, hkv), generator=gen),
                  position=torch.full((b, hkv, c), -1, dtype=torch.long))
-    angle = torch.rand(b, 1, 1, d // 2, generator=gen, dtype=torch.float64) * 100
+    angle = torch.rand(b, 1, 1, (rotary or d) // 2, generator=gen, dtype=torch.float64) * 100
     angle = torch.cat([angle, angle], -1)
     new = dict(pos=torch.randint(0, 1000, (b, 1), generator=gen), q=rnd(b, hkv * group, 1, d), k_new=rnd(b, hkv, 1, d),
                v_new=rnd(b, hkv, 1, d), cos=angle.cos().to(dtype), sin=angle.sin().to(dtype))
@@ -23,10 +23,12 @@ def _case(b: int, hkv: int, group: int, c: int, d: int, dtype: torch.dtype, seed
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("b, hkv, group, c, d", [(1, 2, 4, 9, 16), (2, 3, 1, 5, 64), (2, 1, 3, 4, 8)])
-def test_triton_matches_the_reference(b, hkv, group, c, d, dtype, triton_device):
-    """q_rot and every cache tensor equal the reference's (bit for bit: the same roundings), on the device."""
-    cache, new = _case(b, hkv, group, c, d, dtype, seed=b * 100 + d)
+@pytest.mark.parametrize("b, hkv, group, c, d, rotary", [(1, 2, 4, 9, 16, 16), (2, 3, 1, 5, 64, 64), (2, 1, 3, 4, 8, 8),
+                                                         (1, 2, 2, 6, 16, 12), (2, 1, 2, 5, 24, 6)])
+def test_triton_matches_the_reference(b, hkv, group, c, d, rotary, dtype, triton_device):
+    """q_rot and every cache tensor equal the reference's (bit for bit: the same roundings), on the device; a
+    partial rotation (R < D, also D not a power of two) passes the rest through."""
+    cache, new = _case(b, hkv, group, c, d, dtype, seed=b * 100 + d, rotary=rotary)
     want_cache = {n: t.clone() for n, t in cache.items()}
     want_q = rope_write_kv_reference(*want_cache.values(), *new.values())
     got_cache = {n: t.to(triton_device) for n, t in cache.items()}
@@ -52,6 +54,16 @@ def test_reference_is_transformers_rotation_and_write_kv():
             assert torch.equal(cache["v_cache"][bb, g, slot[bb, g]], new["v_new"][bb, g, 0])
             assert int(cache["position"][bb, g, slot[bb, g]]) == int(new["pos"][bb, 0])
             assert float(cache["log_weight"][bb, g, slot[bb, g]]) == 0.0
+    assert torch.equal(rotate(new["k_new"], new["cos"], new["sin"]), want_k)
+
+
+def test_partial_reference_is_phi3s_rotation():
+    """R < D: the reference is transformers' Phi-3 rotation (rotate the first R features, pass the rest), op for op."""
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
+
+    _, new = _case(2, 2, 2, 4, 16, torch.bfloat16, seed=6, rotary=12)
+    want_q, want_k = apply_rotary_pos_emb(new["q"], new["k_new"], new["cos"][:, 0], new["sin"][:, 0])
+    assert torch.equal(rotate(new["q"], new["cos"], new["sin"]), want_q)
     assert torch.equal(rotate(new["k_new"], new["cos"], new["sin"]), want_k)
 
 
