@@ -75,11 +75,12 @@ def _partial_rotary_input(node: Node) -> tuple[Node, Node, Node, list[Node]] | N
 
 
 def _rotation(x: object, cos: object, cat: object, sin: object) -> list[Node] | None:
-    xv = _val(x)
-    if not isinstance(cos, Node) or not isinstance(sin, Node) or xv is None or not _call(cat, CAT) \
-            or xv.dim() != 4 or xv.shape[-1] % 2:
+    xv, cv, sv = _val(x), _val(cos), _val(sin)
+    if None in (xv, cv, sv) or not _call(cat, CAT) or xv.dim() != 4 or xv.shape[-1] % 2:
         return None
     d = xv.shape[-1]
+    if not cv.shape[-1] == sv.shape[-1] == d:         # the op rotates cos.shape[-1] features (its reference)
+        return None
     parts = cat.args[0]
     if len(parts) != 2 or (len(cat.args) > 1 and cat.args[1] not in (-1, 3)) or not _call(parts[0], NEG):
         return None
@@ -90,8 +91,8 @@ def _rotation(x: object, cos: object, cat: object, sin: object) -> list[Node] | 
 
 
 def _queries_of(gm: GraphModule, write: Node) -> list[tuple[Node, tuple]]:
-    """The rotated queries read with ``write``'s cache: (rope node, its rotary_input) of each node that reads
-    the layer's K cache after the write and takes a rotated tensor as its first argument."""
+    """The rotated queries read with ``write``'s cache: (rope node, its rotary_input) of each other node that
+    reads the layer's K cache and takes a rotated tensor as its first argument (the attention)."""
     k_cache = write.args[0]
     found = []
     for user in k_cache.users:
