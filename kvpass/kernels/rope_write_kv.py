@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
-from kvpass.kernels.write_kv import write_kv_reference
+from kvpass.kernels.write_kv import check_write_kv_inputs, write_kv_reference
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -93,23 +93,17 @@ def rope_write_kv_triton(k_cache: Tensor, v_cache: Tensor, log_weight: Tensor, s
                          pos: Tensor, q: Tensor, k_new: Tensor, v_new: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """The reference's rotations and writes in one launch (same contract; every tensor on one device)."""
     require_triton()
+    check_write_kv_inputs(k_cache, v_cache, log_weight, slot, position, pos, k_new, v_new)
     b, h, c, d = k_cache.shape
     hq, r = q.shape[1], cos.shape[-1]
-    for name, t in (("v_cache", v_cache), ("log_weight", log_weight), ("slot", slot), ("position", position),
-                    ("pos", pos), ("q", q), ("k_new", k_new), ("v_new", v_new), ("cos", cos), ("sin", sin)):
+    for name, t in (("q", q), ("cos", cos), ("sin", sin)):
         check_device(name, t, k_cache.device)
-    if (v_cache.shape != k_cache.shape or k_new.shape != (b, h, 1, d) or v_new.shape != k_new.shape
-            or q.shape != (b, hq, 1, d) or hq % h or r % 2 or r > d or log_weight.shape != (b, h, c)
-            or not log_weight.is_contiguous() or slot.shape != (b, h) or position.shape != (b, h, c)
-            or not position.is_contiguous() or position.dtype != torch.int64 or pos.shape != (b, 1)
-            or cos.shape != (b, 1, 1, r) or sin.shape != cos.shape or q.dtype != k_new.dtype
-            or cos.dtype != q.dtype or sin.dtype != q.dtype):
-        raise ValueError(f"rope_write_kv: k_cache, v_cache [B, Hkv, C, D] = {tuple(k_cache.shape)} need log_weight "
-                         f"contiguous [B, Hkv, C], slot [B, Hkv], position contiguous int64 [B, Hkv, C], pos [B, 1], "
-                         f"q [B, G Hkv, 1, D], k_new, v_new [B, Hkv, 1, D], cos, sin [B, 1, 1, R] (even R <= D; q, "
-                         f"k_new, cos, sin of one dtype); got {tuple(log_weight.shape)}, {tuple(slot.shape)}, "
-                         f"{tuple(position.shape)} {position.dtype}, {tuple(pos.shape)}, {tuple(q.shape)}, "
-                         f"{tuple(k_new.shape)}, {tuple(v_new.shape)}, {tuple(cos.shape)}, {tuple(sin.shape)}")
+    if (q.shape != (b, hq, 1, d) or hq % h or r % 2 or r > d or cos.shape != (b, 1, 1, r) or sin.shape != cos.shape
+            or not q.dtype == k_new.dtype == cos.dtype == sin.dtype):
+        raise ValueError(f"rope_write_kv: with k_new [B, Hkv, 1, D] = {tuple(k_new.shape)} it needs q [B, G Hkv, 1, D] "
+                         f"and cos, sin [B, 1, 1, R] (even R <= D; q, k_new, cos, sin of one dtype); got q "
+                         f"{tuple(q.shape)} {q.dtype}, cos {tuple(cos.shape)} {cos.dtype}, sin {tuple(sin.shape)} "
+                         f"{sin.dtype}, k_new {k_new.dtype}")
     q, k_new, cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_new, cos, sin))
     pos = pos.to(torch.int64)
     out = torch.empty(b, hq, 1, d, dtype=q.dtype, device=q.device)

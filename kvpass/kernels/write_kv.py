@@ -53,10 +53,10 @@ def _write_kv_kernel(KC, VC, LW, SLOT, POSITION, POS, KN, VN, HKV, C, spb,
     tl.store(POSITION + row.to(tl.int64) * C + s, tl.load(POS + b * spb))
 
 
-def write_kv_triton(k_cache: Tensor, v_cache: Tensor, log_weight: Tensor, slot: Tensor, position: Tensor,
-                    pos: Tensor, k_new: Tensor, v_new: Tensor) -> None:
-    """The reference's writes in one launch (same contract; every tensor on one device)."""
-    require_triton()
+def check_write_kv_inputs(k_cache: Tensor, v_cache: Tensor, log_weight: Tensor, slot: Tensor, position: Tensor,
+                          pos: Tensor, k_new: Tensor, v_new: Tensor) -> None:
+    """Raise ValueError unless the write's tensors are on k_cache's device with the shapes and layouts of the
+    module docstring (what the kernels here and in rope_write_kv.py index)."""
     b, h, c, d = k_cache.shape
     for name, t in (("v_cache", v_cache), ("log_weight", log_weight), ("slot", slot), ("position", position),
                     ("pos", pos), ("k_new", k_new), ("v_new", v_new)):
@@ -70,6 +70,14 @@ def write_kv_triton(k_cache: Tensor, v_cache: Tensor, log_weight: Tensor, slot: 
                          f"k_new, v_new [B, Hkv, 1, D]; got {tuple(log_weight.shape)}, {tuple(slot.shape)}, "
                          f"{tuple(position.shape)} {position.dtype}, {tuple(pos.shape)}, {tuple(k_new.shape)}, "
                          f"{tuple(v_new.shape)}")
+
+
+def write_kv_triton(k_cache: Tensor, v_cache: Tensor, log_weight: Tensor, slot: Tensor, position: Tensor,
+                    pos: Tensor, k_new: Tensor, v_new: Tensor) -> None:
+    """The reference's writes in one launch (same contract; every tensor on one device)."""
+    require_triton()
+    check_write_kv_inputs(k_cache, v_cache, log_weight, slot, position, pos, k_new, v_new)
+    b, h, c, d = k_cache.shape
     pos = pos.to(torch.int64)                      # a copy if it was not: its stride is the copy's
     _write_kv_kernel[(b * h,)](
         k_cache, v_cache, log_weight, slot.to(torch.int64).contiguous(), position, pos, k_new,

@@ -101,20 +101,29 @@ def priority_key(priority: Tensor, position: Tensor, live: Tensor) -> Tensor:
     return torch.where(live, key, torch.iinfo(torch.long).max)
 
 
-def fill_evicted_slots(cache: LayerCache, slots: Tensor, evicted: Tensor, keep: int) -> None:
-    """In place, O(C - keep) moves: the entries at ``slots`` where ``evicted`` leave (each row over ``keep``
-    evicting exactly length - keep), the live entries of slots [keep, C) that stay move into the evicted
-    slots below ``keep`` (lowest mover into lowest hole), slots [keep, C) are emptied and each length is
-    clamped to ``keep``. The slots' sequence order is not kept (positions say it). No host sync.
-    cache: [B, Hkv, C, ...]; slots, evicted: [B, Hkv, E] int64 / bool, E <= C - keep."""
+def fills_in_place(policy, owner: type, cache: LayerCache) -> bool:
+    """Whether ``policy``'s in-place ``compress_into`` (``fill_evicted_slots``) applies: its ``compress`` is
+    ``owner``'s own (a subclass with a ``compress`` of its own takes the general path, ``load_into(cache,
+    compress(...))``) and the cache's tensors are contiguous (not views)."""
+    return type(policy).compress is owner.compress and all(t.is_contiguous() for t in cache.tensors())
+
+
+def fill_evicted_slots(cache: LayerCache, candidates: Tensor, keep: int) -> None:
+    """In place, O(C - keep) moves: each row over ``keep`` evicts its first n = length - keep ``candidates``
+    (slots in eviction order), the live entries of slots [keep, C) that stay move into the evicted slots below
+    ``keep`` (lowest mover into lowest hole), slots [keep, C) are emptied and each length is clamped to
+    ``keep``. The slots' sequence order is not kept (positions say it). No host sync.
+    cache: [B, Hkv, C, ...]; candidates: [B, Hkv, E] int64, n <= E <= C - keep."""
     b, h = cache.length.shape
     c = cache.capacity
     extra = c - keep
     device = cache.k.device
     big = torch.iinfo(torch.long).max
-    gone = torch.zeros(b, h, c, dtype=torch.bool, device=device).scatter_(2, slots, evicted)
+    n = (cache.length - keep).clamp(min=0)                                   # [B, Hkv] entries to evict
+    evicted = torch.arange(candidates.shape[-1], device=device) < n[..., None]
+    gone = torch.zeros(b, h, c, dtype=torch.bool, device=device).scatter_(2, candidates, evicted)
     # holes: evicted slots below keep; movers: live slots from keep on that stay. As many of each.
-    holes = torch.where(evicted & (slots < keep), slots, big).sort(-1).values
+    holes = torch.where(evicted & (candidates < keep), candidates, big).sort(-1).values
     tail = torch.arange(keep, c, device=device)
     stays = cache.live[..., keep:] & ~gone[..., keep:]
     movers = torch.where(stays, tail, big).sort(-1).values                  # [B, Hkv, extra]
@@ -146,21 +155,18 @@ def keep_top_into(cache: LayerCache, priority: Tensor, keep: int) -> None:
     c = cache.capacity
     if c <= keep:
         return
-    n = (cache.length - keep).clamp(min=0)                                          # [B, Hkv] entries to evict
     lowest = lowest_slots(priority_key(priority, cache.position, cache.live), c - keep)   # [B, Hkv, C - keep]
-    evicted = torch.arange(c - keep, device=lowest.device) < n[..., None]
-    fill_evicted_slots(cache, lowest, evicted, keep)
+    fill_evicted_slots(cache, lowest, keep)
 
 
 def compress_into_top(policy, owner: type, cache: LayerCache, keep: int) -> None:
     """``compress_into`` of a policy whose ``owner.compress`` keeps each row's top ``keep`` of
-    ``policy.priority(cache, keep)``: in place (``keep_top_into``; ties: the older entry leaves first). A
-    subclass with a ``compress`` of its own, or a cache of views, takes the general path
-    (``load_into(cache, compress(...))``)."""
-    if type(policy).compress is not owner.compress or not all(t.is_contiguous() for t in cache.tensors()):
-        load_into(cache, policy.compress(cache, keep))
-    else:
+    ``policy.priority(cache, keep)``: in place (``keep_top_into``; ties: the older entry leaves first) where
+    ``fills_in_place``, else the general path (``load_into(cache, compress(...))``)."""
+    if fills_in_place(policy, owner, cache):
         keep_top_into(cache, policy.priority(cache, keep), keep)
+    else:
+        load_into(cache, policy.compress(cache, keep))
 
 
 def cosine(a: Tensor, b: Tensor, eps: float = 1e-6) -> Tensor:

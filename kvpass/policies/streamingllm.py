@@ -10,7 +10,7 @@ import torch
 from kvpass.cache import LayerCache, keep_slots
 from kvpass.kernels.lowest_slots import lowest_slots
 from kvpass.policies.base import Policy, require
-from kvpass.policies.selection import fill_evicted_slots
+from kvpass.policies.selection import fill_evicted_slots, fills_in_place
 
 
 @dataclass(frozen=True)
@@ -58,12 +58,9 @@ class StreamingLLM(Policy):
         extra = c - keep
         if extra <= 0:
             return
-        if type(self).compress is not StreamingLLM.compress or not all(t.is_contiguous() for t in cache.tensors()):
+        if not fills_in_place(self, StreamingLLM, cache):
             super().compress_into(cache, keep)              # a subclass's own compress, or views: the generic path
             return
-        big = torch.iinfo(torch.long).max
-        n = (cache.length - keep).clamp(min=0)                               # [B, Hkv] entries to evict
-        age = torch.where(cache.live, cache.position, big)
+        age = torch.where(cache.live, cache.position, torch.iinfo(torch.long).max)
         oldest = lowest_slots(age, min(self.sinks + extra, c))[..., self.sinks:]    # one Triton launch on CUDA
-        evicted = torch.arange(oldest.shape[-1], device=oldest.device) < n[..., None]   # the n oldest
-        fill_evicted_slots(cache, oldest, evicted, keep)
+        fill_evicted_slots(cache, oldest, keep)                                     # the n oldest leave
