@@ -31,7 +31,8 @@ LINEAR, GEMV = torch.ops.aten.linear.default, torch.ops.kvpass.gemv.default
 SLICE, SILU, MUL = torch.ops.aten.slice.Tensor, torch.ops.aten.silu.default, torch.ops.aten.mul.Tensor
 
 
-def _call(node: object, target) -> bool:
+def is_call(node: object, target) -> bool:
+    """node is a call_function node of ``target``."""
     return isinstance(node, Node) and node.op == "call_function" and node.target is target
 
 
@@ -45,7 +46,7 @@ def _weight_shape(gm: GraphModule, linear: Node) -> torch.Size | None:
 
 def _half(node: object, which: int, k: int) -> Node | None:
     """``a`` if node is slice(a, -1, which * k, (which + 1) * k), read only once; else None."""
-    if not _call(node, SLICE) or len(node.users) != 1 or len(node.args) != 4:
+    if not is_call(node, SLICE) or len(node.users) != 1 or len(node.args) != 4:
         return None
     return node.args[0] if tuple(node.args[1:]) == (-1, which * k, (which + 1) * k) else None
 
@@ -54,12 +55,12 @@ def silu_gate_input(gm: GraphModule, x: object, k: int) -> tuple[Node, list[Node
     """(a, the nodes that only compute x from a) when x is silu(a[..., :k]) * a[..., k:2k] (either operand
     order), a is a linear's output over 2k rows and nothing else reads the silu, the product or the
     slices; else None."""
-    if not _call(x, MUL) or len(x.users) != 1 or len(x.args) != 2:
+    if not is_call(x, MUL) or len(x.users) != 1 or len(x.args) != 2:
         return None
     for act, up in (x.args, x.args[::-1]):
-        if _call(act, SILU) and len(act.users) == 1:
+        if is_call(act, SILU) and len(act.users) == 1:
             a = _half(act.args[0], 0, k)
-            if a is not None and a is _half(up, 1, k) and (_call(a, LINEAR) or _call(a, GEMV)):
+            if a is not None and a is _half(up, 1, k) and (is_call(a, LINEAR) or is_call(a, GEMV)):
                 shape = _weight_shape(gm, a)
                 if shape is not None and shape[0] == 2 * k:
                     return a, [x, act, act.args[0], up]
@@ -71,7 +72,7 @@ def linears_to_gemv(gm: GraphModule) -> int:
     folded into the call that reads it. Returns how many linears were retargeted."""
     count = 0
     for node in list(gm.graph.nodes):
-        if not _call(node, LINEAR):
+        if not is_call(node, LINEAR):
             continue
         shape = _weight_shape(gm, node)
         gated = silu_gate_input(gm, node.args[0], shape[1]) if shape is not None else None

@@ -17,15 +17,12 @@ import torch
 from torch.fx import GraphModule, Node
 
 import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
+from kvpass.rewrites.linears_to_gemv import is_call
 
 WRITE_KV, ROPE_WRITE_KV = torch.ops.kvpass.write_kv.default, torch.ops.kvpass.rope_write_kv.default
 ADD, MUL, CAT = torch.ops.aten.add.Tensor, torch.ops.aten.mul.Tensor, torch.ops.aten.cat.default
 NEG, SLICE, ALIAS = torch.ops.aten.neg.default, torch.ops.aten.slice.Tensor, torch.ops.aten.alias.default
 BIG = 2 ** 62                                        # a slice's "to the end" (sys.maxsize in traced graphs)
-
-
-def _call(node: object, target) -> bool:
-    return isinstance(node, Node) and node.op == "call_function" and node.target is target
 
 
 def _val(node: object):
@@ -34,7 +31,7 @@ def _val(node: object):
 
 def _half_slice(node: object, x: Node, lo: int, hi: int | None, dims: int) -> bool:
     """node is x[..., lo:hi] along the last of ``dims`` dims (hi None: to the end)."""
-    if not _call(node, SLICE) or node.args[0] is not x or node.args[1] not in (-1, dims - 1):
+    if not is_call(node, SLICE) or node.args[0] is not x or node.args[1] not in (-1, dims - 1):
         return False
     end = node.args[3] if len(node.args) > 3 else None
     return node.args[2] == lo and (end == hi or (hi is None and (end is None or end >= BIG)))
@@ -45,12 +42,12 @@ def rotary_input(node: object) -> tuple[Node, Node, Node, list[Node]] | None:
     half of x's last dim (either order of each sum and product), or Phi-3's partial form
     ``cat(rope(x[..., :r]), x[..., r:])``; else None. The op computes exactly these expressions wherever its
     kernel does not apply, so cos and sin may be of any shape that broadcasts."""
-    if _call(node, CAT):
+    if is_call(node, CAT):
         return _partial_rotary_input(node)
-    if not _call(node, ADD) or len(node.args) != 2 or node.kwargs:
+    if not is_call(node, ADD) or len(node.args) != 2 or node.kwargs:
         return None
     for plain, turned in (node.args, node.args[::-1]):
-        if not (_call(plain, MUL) and _call(turned, MUL)):
+        if not (is_call(plain, MUL) and is_call(turned, MUL)):
             continue
         for x, cos in (plain.args, plain.args[::-1]):
             for cat, sin in (turned.args, turned.args[::-1]):
@@ -63,26 +60,26 @@ def rotary_input(node: object) -> tuple[Node, Node, Node, list[Node]] | None:
 def _partial_rotary_input(node: Node) -> tuple[Node, Node, Node, list[Node]] | None:
     """``cat(rope(x[..., :r]), x[..., r:])`` along the last dim of a 4-d x (Phi-3, GPT-NeoX): (x, cos, sin, nodes)."""
     parts = node.args[0]
-    if len(parts) != 2 or (len(node.args) > 1 and node.args[1] not in (-1, 3)) or not _call(parts[0], ADD):
+    if len(parts) != 2 or (len(node.args) > 1 and node.args[1] not in (-1, 3)) or not is_call(parts[0], ADD):
         return None
     inner = rotary_input(parts[0])
-    if inner is None or not (_call(head := inner[0], SLICE) or _call(head, ALIAS)) or _val(head) is None:
+    if inner is None or not (is_call(head := inner[0], SLICE) or is_call(head, ALIAS)) or _val(head) is None:
         return None
     x, r = head.args[0], _val(head).shape[-1]              # x[..., :D] is traced as an alias of x
-    if not ((_call(head, ALIAS) or _half_slice(head, x, 0, r, 4)) and _half_slice(parts[1], x, r, None, 4)):
+    if not ((is_call(head, ALIAS) or _half_slice(head, x, 0, r, 4)) and _half_slice(parts[1], x, r, None, 4)):
         return None
     return x, inner[1], inner[2], [node, *inner[3], head, parts[1]]
 
 
 def _rotation(x: object, cos: object, cat: object, sin: object) -> list[Node] | None:
     xv, cv, sv = _val(x), _val(cos), _val(sin)
-    if None in (xv, cv, sv) or not _call(cat, CAT) or xv.dim() != 4 or xv.shape[-1] % 2:
+    if None in (xv, cv, sv) or not is_call(cat, CAT) or xv.dim() != 4 or xv.shape[-1] % 2:
         return None
     d = xv.shape[-1]
     if not cv.shape[-1] == sv.shape[-1] == d:         # the op rotates cos.shape[-1] features (its reference)
         return None
     parts = cat.args[0]
-    if len(parts) != 2 or (len(cat.args) > 1 and cat.args[1] not in (-1, 3)) or not _call(parts[0], NEG):
+    if len(parts) != 2 or (len(cat.args) > 1 and cat.args[1] not in (-1, 3)) or not is_call(parts[0], NEG):
         return None
     h = d // 2
     if not (_half_slice(parts[0].args[0], x, h, None, 4) and _half_slice(parts[1], x, 0, h, 4)):
@@ -111,7 +108,7 @@ def rope_into_write_kv(gm: GraphModule) -> int:
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     count = 0
     for write in list(gm.graph.nodes):
-        if not _call(write, WRITE_KV) or len(write.args) != 8 or write.kwargs:
+        if not is_call(write, WRITE_KV) or len(write.args) != 8 or write.kwargs:
             continue
         k_rope = rotary_input(write.args[6])
         queries = _queries_of(gm, write)
