@@ -11,9 +11,11 @@ compiles the decode step: docs/compiled-decode.md):
 * ``ms_per_token``: a ``--prompt`` (32k) prompt at batch 1, ``KVPassModel.start``, ``--warmup`` greedy steps
   (the compilation, the CUDA-graph captures, the first compressions), then ``--steps`` steps timed with CUDA
   events (whole compression periods: 64 steps by default, a multiple of every interval here);
-  ``generate_ms_per_token`` and ``ttft_s``: through ``generate`` (``measure_generate`` of benchmarks/speed.py: a
-  warm-up call first, then the difference of two calls' times, prefill cancelled; the H200 run of 2026-11-25
-  predates the warm-up, and its streamingllm value, below the floor, is not a measurement);
+  ``generate_ms_per_token`` and ``ttft_s``: through ``generate`` (``generate_speed``: TTFT the median of 3
+  one-token calls; per token, a repeated call of ``--steps`` + 1 tokens, which replays the graphs the first
+  call at that length captured, less the TTFT; the first call's own figure and its captures beside it.
+  Before 2026-11-26 it was the difference of a 2-token and a 130-token call, which held the longer call's
+  captures);
 * the floor: (weight bytes a step reads + the cache bytes it holds) / the measured copy bandwidth, the
   formula and code of benchmarks/speed.py (``benchmarks.bench.models.weight_bytes_per_step``,
   ``benchmarks.bench.timing.copy_bandwidth``; cache bytes from ``last_report.cache_bytes``), and
@@ -41,6 +43,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import sys
 import time
 import traceback
@@ -56,7 +59,7 @@ import torch  # noqa: E402
 
 import kvpass  # noqa: E402
 from benchmarks.bench.models import LLAMA_8B, TINY_LLAMA, weight_bytes_per_step  # noqa: E402
-from benchmarks.bench.timing import copy_bandwidth, gpu_name, measure_generate, slug  # noqa: E402
+from benchmarks.bench.timing import copy_bandwidth, gpu_name, slug, timed  # noqa: E402
 from benchmarks.chunked_prefill_gpu import _Clock, build_model  # noqa: E402
 from kvpass.policies import DEFAULT_POLICY  # noqa: E402
 from kvpass.rewrites import capture_model  # noqa: E402
@@ -87,17 +90,32 @@ def decode_speed(kv, ids: torch.Tensor, warmup: int, steps: int, device: torch.d
             "layer_budgets_max": max(report.layer_budgets.values(), default=None)}
 
 
-def generate_speed(kv, ids: torch.Tensor, n1: int, n2: int, device: torch.device) -> dict:
-    """Through ``generate`` (``benchmarks.bench.timing.measure_generate``: one warm-up call at this prompt for the
-    one-time costs (Triton, cuBLAS, Inductor); TTFT the median of 3; ms per token = (time of n2 tokens - time of n1)
-    / (n2 - n1)) -> {"generate_ms_per_token", "ttft_s"}. Every call captures its decode step's CUDA graphs again
-    (new cache buffers, docs/compiled-decode.md), so the difference also holds the captures the longer call
-    adds: its compressing step's, which n1 tokens do not reach."""
-    def gen(n: int):
-        return kv.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=[])
+def generate_speed(kv, ids: torch.Tensor, new: int, device: torch.device) -> dict:
+    """Through ``generate``, after the event-timed steps (so Triton, cuBLAS and Inductor are warm):
 
-    got = measure_generate(device, gen, n1, n2, lambda: gen(n1))
-    return {"generate_ms_per_token": got["tpot_ms"], "ttft_s": got["ttft_s"]}
+    * ``ttft_s``: the median of 3 calls of one token (no decode step);
+    * a first call of ``new`` tokens at this length (a layout the model has not kept: it builds its buffers
+      and captures its decode step's CUDA graphs, ``first_call``: wall seconds, captures and their seconds);
+    * the same call again (``repeat_call``): it runs in the buffers the first kept (``reused_buffers``) and
+      replays its graphs (docs/compiled-decode.md);
+    * ``generate_ms_per_token`` = (repeat call - TTFT) / (new - 1): what a token costs in a call of a layout
+      seen before; ``generate_ms_per_token_first_call`` the same from the first call, captures included.
+    """
+    def gen(n: int) -> float:
+        seconds = timed(device, lambda: kv.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=[]))
+        return seconds
+
+    def call(n: int) -> dict:
+        seconds = gen(n)
+        rep = kv.last_report
+        return {"seconds": seconds, "graph_captures": rep.graph_captures, "capture_seconds": rep.capture_seconds,
+                "reused_buffers": rep.reused_buffers, "compilations": rep.compilations}
+
+    ttft = statistics.median(gen(1) for _ in range(3))
+    first, repeat = call(new), call(new)
+    return {"ttft_s": ttft, "first_call": first, "repeat_call": repeat, "new_tokens": new,
+            "generate_ms_per_token": (repeat["seconds"] - ttft) / (new - 1) * 1e3,
+            "generate_ms_per_token_first_call": (first["seconds"] - ttft) / (new - 1) * 1e3}
 
 
 def sweep(kv, vocab: int, count: int, lo: int, hi: int, new: int, seed: int, device: torch.device,
@@ -194,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             if device.type == "cuda":
                 row["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             if not args.no_generate:
-                row.update(generate_speed(kv, ids, 2, 2 + steps, device))
+                row.update(generate_speed(kv, ids, 1 + steps, device))
             floor = (weights + row["cache_bytes"]) / bandwidth
             row["floor_ms"] = floor * 1e3
             row["over_floor"] = row["ms_per_token"] / row["floor_ms"]

@@ -16,8 +16,10 @@ and replays it every step.
 * persistent tensors (every layer's cache tensors: K, V, log-weights, lengths, positions, policy
   slot metadata and state) are read and written in place at the addresses the graph was captured
   with. Compression keeps them (``cache.load_into`` copies into the same buffers). When one of them
-  is a different tensor (a new ``generate`` call, a policy that replaced a buffer) or a step input
-  changes shape, the step re-captures (``capture_key``).
+  is a different tensor (a new session's caches, a policy that replaced a buffer), a step input
+  changes shape, or a host-side value the step's work was recorded with changes (``params``: the layers'
+  budgets), the step re-captures (``capture_key``). ``generate`` keeps its caches' buffers for the next call
+  of the same layout (kvpass/runtime/decode_buffers.py), so repeated calls replay what the first captured.
 
 Capture first runs ``fn`` eagerly (warm-up: Triton compilation, library handles), and that run is the
 step itself: its outputs are returned and the graph, recorded after it (recording runs nothing), first
@@ -28,6 +30,10 @@ peak of a 128k prompt at budget 0.2 was weights + 2x the compressed cache, issue
 (``restore``: every cache tensor when the step compresses, else lengths, positions, log-weights,
 accumulated scores and the like; K and V are rewritten identically).
 
+Recording does not empty the allocator's cache (``torch.cuda.graph`` does, at every capture: the next
+prefill would then allocate its gigabytes from the driver again). ``captures`` and ``capture_seconds`` count
+what capturing cost (warm-up and recording; ``GenerationReport.graph_captures``).
+
 The returned first output (the logits) is a copy; later outputs are the graph's static tensors,
 overwritten by the next replay. On CPU, with ``KVPASS_CUDA_GRAPH=0``, with ``enabled = False``, or if
 capture fails (an op that synchronises, say), ``fn`` runs eagerly: same inputs, same outputs.
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -49,12 +56,13 @@ log = logging.getLogger(__name__)
 Key = tuple
 
 
-def capture_key(step_inputs: Sequence[Tensor], persistent: Sequence[Tensor]) -> Key:
-    """What a captured graph depends on: shapes and dtypes of the step inputs, and the identity
-    (address, shape, strides, dtype) of the persistent tensors. A new key means re-capture."""
+def capture_key(step_inputs: Sequence[Tensor], persistent: Sequence[Tensor], params: Key = ()) -> Key:
+    """What a captured graph depends on: shapes and dtypes of the step inputs, the identity (address, shape,
+    strides, dtype) of the persistent tensors, and ``params`` (host-side values the recorded work was built
+    with, e.g. the layers' budgets). A new key means re-capture."""
     steps = tuple((tuple(x.shape), x.dtype, x.device) for x in step_inputs)
     state = tuple((x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, x.device) for x in persistent)
-    return steps, state
+    return steps, (state, params)
 
 
 def graphs_enabled(device: torch.device) -> bool:
@@ -62,16 +70,17 @@ def graphs_enabled(device: torch.device) -> bool:
 
 
 class StaticDecodeStep:
-    """``step(fn, step_inputs, persistent, restore, variant)`` = ``fn(*step_inputs)``, replayed from a
+    """``step(fn, step_inputs, persistent, restore, variant, params)`` = ``fn(*step_inputs)``, replayed from a
     CUDA graph on CUDA. One graph per ``variant`` (the plain step, or a step that first compresses a
-    given set of layers) for the current persistent tensors; new persistent tensors drop them all.
+    given set of layers) for the current persistent tensors and ``params``; new ones drop them all.
     A variant whose capture fails runs eagerly from then on (``graphed`` says which). ``captures``
-    counts captures (tests and benchmarks read it)."""
+    counts captures and ``capture_seconds`` their wall time (reports, tests and benchmarks read them)."""
 
     def __init__(self, enabled: bool = True, warmup: int = 1, branches: int = 8) -> None:
         self.enabled, self.warmup, self.branches = enabled, warmup, branches
         self._side: dict[torch.device, list[torch.cuda.Stream]] = {}
         self.captures = 0
+        self.capture_seconds = 0.0
         self._state_key: Key | None = None
         self._graphs: dict[Key, tuple[object, list[Tensor], tuple[Tensor, ...]]] = {}
         self._eager: set[Key] = set()
@@ -101,10 +110,11 @@ class StaticDecodeStep:
         return self.enabled and graphs_enabled(device) and variant not in self._eager
 
     def __call__(self, fn: Callable[..., Sequence[Tensor]], step_inputs: Sequence[Tensor],
-                 persistent: Sequence[Tensor], restore: Sequence[Tensor] = (), variant: Key = ()) -> tuple[Tensor, ...]:
+                 persistent: Sequence[Tensor], restore: Sequence[Tensor] = (), variant: Key = (),
+                 params: Key = ()) -> tuple[Tensor, ...]:
         if not self.graphed(step_inputs[0].device, variant):
             return tuple(fn(*step_inputs))
-        steps, state = capture_key(step_inputs, persistent)
+        steps, state = capture_key(step_inputs, persistent, params)
         if state != self._state_key:
             self.reset()
             self._state_key = state
@@ -120,6 +130,7 @@ class StaticDecodeStep:
     def _capture(self, fn, step_inputs: Sequence[Tensor], restore: Sequence[Tensor], key: Key) -> tuple[Tensor, ...]:
         """Warm up (the last run is this step: its outputs are returned), then record the graph the next steps
         replay. A recording that fails leaves the variant eager from then on (the step already happened)."""
+        started = time.perf_counter()
         static = [x.clone(memory_format=torch.contiguous_format) for x in step_inputs]
         outs = self._warm_up(fn, static, restore)
         try:
@@ -130,6 +141,8 @@ class StaticDecodeStep:
             if static[0].is_cuda:
                 torch.cuda.synchronize()
             return outs
+        finally:
+            self.capture_seconds += time.perf_counter() - started
         self._graphs[key] = (graph, static, graph_outs)
         self.captures += 1
         return outs
@@ -157,10 +170,19 @@ class StaticDecodeStep:
         return outs
 
     def _record(self, fn, static: Sequence[Tensor]):
-        """Capture ``fn(*static)``: returns the graph (``.replay()``) and its static outputs."""
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = tuple(fn(*static))
+        """Capture ``fn(*static)``: returns the graph (``.replay()``) and its static outputs. As
+        ``torch.cuda.graph`` does (on a side stream, after the device finished the warm-up), but without
+        emptying the allocator's cache: that releases every cached block to the driver, and the next call's
+        prefill would allocate them again."""
+        graph, capture = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        torch.cuda.synchronize()
+        with torch.cuda.stream(capture):
+            graph.capture_begin()
+            try:
+                outs = tuple(fn(*static))
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(capture)
         return graph, outs
 
 

@@ -8,6 +8,7 @@ import kvpass.decode_step as ds
 from benchmarks.bench.models import TINY_LLAMA, build_model
 from kvpass.cache import LayerCache, load_into, with_capacity
 from kvpass.decode_step import StaticDecodeStep, capture_key
+from tests.cpu_replay import CpuReplay
 
 
 def _step_inputs(step: int) -> list[torch.Tensor]:
@@ -31,20 +32,6 @@ def test_cpu_runs_eagerly():
     step = StaticDecodeStep()
     out = step(lambda a, b: (a * 2,), _step_inputs(3), [])
     assert torch.equal(out[0], torch.full((1,), 6)) and step.captures == 0
-
-
-class CpuReplay(StaticDecodeStep):
-    """The replay machinery on CPU: 'capture' records fn without running it (as CUDA capture does);
-    'replay' runs it on the static inputs."""
-
-    def _record(self, fn, static):
-        outs: list[torch.Tensor] = []
-
-        class Graph:
-            @staticmethod
-            def replay():
-                outs[:] = fn(*static)
-        return Graph, outs
 
 
 @pytest.mark.parametrize("warmup", [1, 3])

@@ -126,6 +126,14 @@ class Layer:
         self.host_len = max(self.row_len, default=self.host_len)
 
 
+def recorded_params(layers: Sequence[Layer]) -> tuple:
+    """The host-side values a recorded decode step was built with (the ``params`` of its ``capture_key``): each
+    layer's ring, budget and per-row budgets, capacities and head extras, which its compression's calls take as
+    Python numbers (the per-row budget tensor, ``Layer.keep_rows``, holds the same row budgets)."""
+    return tuple((lay.window, lay.budget, tuple(lay.row_budgets), tuple(lay.row_caps), tuple(lay.row_extra))
+                 for lay in layers)
+
+
 # A stacked group's K holds at most this many elements (the kernels' offsets stay within int32), and its
 # caches at most this many bytes: its compression's temporaries are a few times that, on top of the prompt.
 STACK_ELEMENTS = 2**30

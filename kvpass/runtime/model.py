@@ -14,10 +14,12 @@ from torch import Tensor, nn
 
 from kvpass.budget import budget_tokens, check_budget
 from kvpass.decode_step import StaticDecodeStep
+from kvpass.errors import OutOfDeviceMemory
 from kvpass.head_group import SINGLE_PROCESS, HeadGroup
 from kvpass.policies.base import Policy
 from kvpass.rewrites import CapturedModel, RewrittenGraphs, compile_model
 from kvpass.runtime.chunked_prefill import check_prefill_chunk, start_chunked
+from kvpass.runtime.decode_buffers import DecodeBuffers
 from kvpass.runtime.layers import build_layers, check_min_budget
 from kvpass.runtime.session import DecodeSession, GenerationReport, stack_sessions
 from kvpass.validation import (
@@ -123,6 +125,11 @@ class KVPassModel(nn.Module):
         # The decode graph compiled by Inductor (kvpass.compiled_decode.CompiledDecode: once per model, whatever
         # the prompt lengths), or None: the eager graph. ``kvpass.apply(compile=...)`` sets it (default on CUDA).
         self.compiled_decode = None
+        # ``generate`` keeps its last call's cache buffers, and so the decode step's CUDA graphs, for the next call
+        # of the same layout (kvpass/runtime/decode_buffers.py): where the step is graphed (CUDA) and the prompt
+        # is not prefilled in chunks. False frees them after every call (then every call captures anew).
+        self.reuse_decode_buffers = True
+        self.decode_buffers = DecodeBuffers()
 
     @property
     def model(self) -> nn.Module:
@@ -262,7 +269,8 @@ class KVPassModel(nn.Module):
 
     def _check_memory(self, batch: int, tokens: int, total: int) -> None:
         """Refuse before the prefill when its estimated memory (``validation.estimate_prefill_bytes``) exceeds
-        what is free on the device (CUDA; ``validation.free_device_bytes``)."""
+        what is free on the device (CUDA; ``validation.free_device_bytes``), after freeing the buffers ``generate``
+        kept (``release_decode_buffers``) if they are what is in the way."""
         if self.device.type != "cuda" and self.free_bytes is None:
             return
         kv_width = sum(s.n_kv_heads * s.head_dim for s in self.graphs.sites)
@@ -270,7 +278,25 @@ class KVPassModel(nn.Module):
             self.policy, "interval", 1)
         need = estimate_prefill_bytes(self.config, batch, tokens, total, slots, next(self.model.parameters()).dtype,
                                       kv_width)
-        check_memory(need, self.device, batch, tokens, self.free_bytes)
+        try:
+            check_memory(need, self.device, batch, tokens, self.free_bytes)
+        except OutOfDeviceMemory:
+            if not self.decode_buffers.held:
+                raise
+            self.release_decode_buffers()
+            check_memory(need, self.device, batch, tokens, self.free_bytes)
+
+    def release_decode_buffers(self) -> None:
+        """Free the cache buffers ``generate`` keeps between calls and the decode step's CUDA graphs recorded over
+        them (kvpass/runtime/decode_buffers.py); the next call builds and captures anew."""
+        self.decode_buffers.release()
+        self.decode_step.reset()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _reuses_buffers(self, chunk: int | None) -> bool:
+        """Whether this ``generate`` call runs in the buffers kept from the last (``reuse_decode_buffers``)."""
+        return self.reuse_decode_buffers and chunk is None and self.decode_step.graphed(self.device)
 
     @torch.no_grad()
     def generate(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
@@ -308,18 +334,24 @@ class KVPassModel(nn.Module):
             if pad_id is None:
                 pad_id = int(eos_ids[0]) if len(eos_ids) else 0
             ids = as_input_ids(input_ids, self.device, self.vocab_size)
+            reuse = self._reuses_buffers(self.prefill_chunk if prefill_chunk is _UNSET else prefill_chunk)
+            if not reuse and self.decode_buffers.held:
+                self.release_decode_buffers()
             session = self.start(ids, attention_mask, max_new_tokens, prefill_chunk)
+            if reuse:
+                session.reused_buffers = self.decode_buffers.adopt(session.layers)
             if streamer is not None:
                 streamer.put(ids.cpu())
             new, step_logits = session.sample(max_new_tokens, eos_ids, pad_id, streamer, output_logits, **sampling)
             if streamer is not None:
                 streamer.end()
             self.last_report = session.report()
+            if reuse:
+                self.decode_buffers.keep(session.layers)
         except torch.OutOfMemoryError as err:           # free what this call holds, then say what to change
             batch, tokens = _shape_of(input_ids)
             session = None
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            self.release_decode_buffers()
             raise refuse("memory.oom", batch=batch, tokens=tokens, advice=MEMORY_ADVICE[0].upper() + MEMORY_ADVICE[1:] + ".") from err
         finally:
             session = None                             # never outlives the call, whatever happened

@@ -23,7 +23,13 @@ from kvpass.cache import (
 from kvpass.decode_step import fork_side_by_side, join_pending
 from kvpass.rewrites.attention_sites import AttentionSite
 from kvpass.rewrites.insert_compressed_cache import DECODE_STATS
-from kvpass.runtime.layers import Layer, RuntimeModel, check_within_budget, compress_rows_into
+from kvpass.runtime.layers import (
+    Layer,
+    RuntimeModel,
+    check_within_budget,
+    compress_rows_into,
+    recorded_params,
+)
 from kvpass.runtime.recent_queries import RECENT_INPUTS, add_recent_rows, has_recent_queries, recent_capacity
 from kvpass.sampling import next_token
 
@@ -66,6 +72,12 @@ class GenerationReport:
     compiled: bool = False
     compilations: int = 0
     compile_seconds: float = 0.0
+    # the decode step's CUDA-graph captures this call made and their seconds (part of ``decode_seconds``; 0 off
+    # CUDA), and whether it ran in the buffers the last ``generate`` kept (kvpass/runtime/decode_buffers.py),
+    # replaying that call's graphs instead of capturing
+    graph_captures: int = 0
+    capture_seconds: float = 0.0
+    reused_buffers: bool = False
 
     @property
     def tokens_per_second(self) -> float:
@@ -131,6 +143,8 @@ class DecodeSession:
         self.prefill_chunk: int | None = None         # set by a chunked prefill (kvpass/runtime/chunked_prefill.py)
         compiled = getattr(owner, "compiled_decode", None)
         self._compiled_before = len(getattr(compiled, "compilations", ()))
+        self._captures_before = (owner.decode_step.captures, owner.decode_step.capture_seconds)
+        self.reused_buffers = False               # set by generate (KVPassModel.decode_buffers.adopt)
 
     @property
     def batch(self) -> int:
@@ -320,12 +334,14 @@ class DecodeSession:
             return (outs[0][:, -1].float(),)
 
         persistent = [t for lay in layers for c in lay.caches() for t in c.tensors()]
+        persistent += [lay.keep_rows() for lay in layers if lay.row_budgets]    # what compress_rows_into reads
         if compress:                              # compression moves entries: everything is restored
             restore = persistent
         else:                                     # what a plain step advances (K, V: rewritten alike)
             big = {id(t) for lay in layers for c in lay.caches() for t in (c.k, c.v)}
             restore = [t for t in persistent if id(t) not in big]
-        return self.owner.decode_step(step, [tokens, self.pos], persistent, restore, variant=compress)[0]
+        return self.owner.decode_step(step, [tokens, self.pos], persistent, restore, variant=compress,
+                                      params=recorded_params(layers))[0]
 
     def compress_layers(self, indices: Sequence[int], join: bool = True) -> None:
         """Compress the layers ``indices`` in their own buffers (the policy's ``compress_into``, no host
@@ -402,6 +418,8 @@ class DecodeSession:
             decode_seconds=self.decode_seconds, entries={i: lay.host_len for i, lay in enumerate(layers)},
             full_heads=dict(self.owner.graphs.full_heads),
             peak_entries={i: lay.peak for i, lay in enumerate(layers)}, prefill_chunk=self.prefill_chunk,
-            **self._compile_report(),
+            **self._compile_report(), reused_buffers=self.reused_buffers,
+            graph_captures=self.owner.decode_step.captures - self._captures_before[0],
+            capture_seconds=self.owner.decode_step.capture_seconds - self._captures_before[1],
             row_layer_budgets=[{i: lay.row_budgets[r] for i, lay in enumerate(layers) if lay.compressible}
                                for r in range(b)])
