@@ -34,7 +34,7 @@ def attention_window_scores_reference(q: Tensor, k: Tensor, pad: Tensor, scale: 
     group = hq // hkv
     w = min(obs_window, t)
     rows = slice(t - w, t)
-    mask = prefill_mask(pad, t, window)[:, :, rows]                    # [B, 1, w, T]
+    mask = prefill_mask(pad, t, window, rows=w)                        # [B, 1, w, T]
     qb = q[:, :, rows].float().reshape(b, hkv, group * w, d)
     s = torch.matmul(qb, k.float().transpose(-1, -2)) * scale          # [B, Hkv, G*w, T]
     if softcap is not None:

@@ -18,10 +18,11 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 
-def prefill_mask(pad: Tensor, t: int, window: int | None) -> Tensor:
-    """Boolean mask [B, 1, T, T], True where query i may attend key j (see the module docstring).
+def prefill_mask(pad: Tensor, t: int, window: int | None, rows: int | None = None) -> Tensor:
+    """Boolean mask [B, 1, T, T], True where query i may attend key j (see the module docstring); with ``rows``,
+    only the last ``rows`` query rows: [B, 1, rows, T] (an observation window's, without forming T x T).
     Written with and/or only, no boolean where, so the ONNX export can use it as it is."""
-    i = torch.arange(t, device=pad.device)[:, None]
+    i = torch.arange(t - (t if rows is None else rows), t, device=pad.device)[:, None]
     j = torch.arange(t, device=pad.device)[None, :]
     allowed = (j <= i)[None] & (j[None] >= pad[:, None, None])
     if window is not None:

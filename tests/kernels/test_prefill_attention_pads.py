@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 
+import pytest
 import torch
 
 pa = importlib.import_module("kvpass.kernels.prefill_attention")
@@ -51,3 +52,13 @@ def test_attention_over_layers_reads_pads_once_and_matches(monkeypatch):
         s = (q @ k.repeat_interleave(2, dim=1).transpose(-1, -2) * 0.25).masked_fill(~mask, float("-inf"))
         want = torch.softmax(s, dim=-1) @ v.repeat_interleave(2, dim=1)
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_prefill_mask_of_the_last_rows_is_those_rows_of_the_whole_mask(window):
+    """``rows=w`` (an observation window's mask, ``attention_window_scores``) forms only the last w rows of the T x T
+    mask, the same booleans, with pads longer than the window, shorter, and none."""
+    pad = torch.tensor([0, 3, 20])
+    whole = pa.prefill_mask(pad, 24, window)
+    for w in (1, 7, 24):
+        assert torch.equal(pa.prefill_mask(pad, 24, window, rows=w), whole[:, :, -w:])
