@@ -208,3 +208,41 @@ def test_compiled_decode_with_forked_compression_matches_eager():
     got = kv.generate(ids, max_new_tokens=24, do_sample=False)
     assert kv.last_report.compressions > 20 and kv.decode_step.captures >= 1
     assert torch.equal(got, want)
+
+
+class _FailingOnce(CpuReplay):
+    """CpuReplay whose next recording fails once (as a capture that meets an uncapturable call)."""
+
+    fail = False
+
+    def _record(self, fn, static):
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return super()._record(fn, static)
+
+
+def test_a_step_recorded_before_is_recorded_over_new_buffers_without_a_warm_up(monkeypatch):
+    """Over new buffers (a new session), a variant recorded before is recorded straight away and replayed for the
+    step: the step runs once (replayed), not twice; a failing recording falls back to warming up first."""
+    monkeypatch.setattr(ds, "graphs_enabled", lambda device: True)
+    runs = []
+    step = _FailingOnce()
+
+    def fn(x, pos):
+        runs.append(1)
+        return (x * 2,)
+
+    warm_ups = []
+    warm_up = step._warm_up
+    step._warm_up = lambda *a: warm_ups.append(1) or warm_up(*a)
+    for n, buffers in enumerate(([torch.zeros(1)], [torch.zeros(2)], [torch.zeros(3)])):
+        runs.clear()
+        warm_ups.clear()
+        step.fail = n == 2
+        out = step(fn, _step_inputs(n), buffers)
+        assert torch.equal(out[0], torch.full((1,), 2 * n)) and len(runs) == 1
+        assert len(warm_ups) == (0 if n == 1 else 1)
+        assert step.captures == n + 1
+        out = step(fn, _step_inputs(7), buffers)                           # replayed
+        assert torch.equal(out[0], torch.full((1,), 14)) and len(runs) == 2

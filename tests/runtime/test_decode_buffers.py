@@ -58,8 +58,8 @@ def test_calls_of_one_layout_replay_the_first_calls_graphs_with_eager_tokens(mon
     assert reports[0].graph_captures >= 1 and not reports[0].reused_buffers
     assert kv.decode_buffers.held
     if policy.startswith("d2o") or policy == "pyramidkv":
-        # per-layer budgets follow each prompt's own attention: the buffers are reused where the last call's are alike
-        same = [r.row_layer_budgets == before.row_layer_budgets for before, r in zip(reports, reports[1:])]
+        # per-layer budgets follow each prompt's own attention: buffers are reused where the last call's are alike
+        same = [r.row_layer_budgets == before.row_layer_budgets for before, r in zip(reports, reports[1:], strict=False)]
     else:
         same = [True, True]
     for r, s in zip(reports[1:], same, strict=True):
@@ -135,3 +135,29 @@ def test_a_memory_check_that_fails_with_buffers_kept_frees_them_first(monkeypatc
         kv.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
     assert not kv.decode_buffers.held
     kv.free_bytes = None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy", ["snapkv", "d2o", "streamingllm"])
+def test_cuda_calls_in_kept_buffers_and_recordings_without_warm_up_give_eager_tokens(policy):
+    """On CUDA (real graphs, compiled decode): calls of one layout on different prompts replay the first call's
+    graphs in its buffers; a call of another layout records its variants without a warm-up (recorded before);
+    every call gives the eager step's tokens (float32)."""
+    torch.manual_seed(0)
+    model = build_model(TINY_LLAMA, torch.device("cuda"), torch.float32)
+    prompts = [(ids.cuda(), mask.cuda()) for ids, mask in _prompts(3, 40)]
+    other = [(ids.cuda(), mask.cuda()) for ids, mask in _prompts(1, 33, seed=1)]
+    calls = [prompts[0], prompts[1], other[0], prompts[2], prompts[2]]
+    eager = kvpass.apply(model, policy=policy, budget=24, compile=False)
+    eager.decode_step.enabled = False
+    want = [eager.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False) for ids, mask in calls]
+    kv = kvpass.apply(model, policy=policy, budget=24)
+    got, reports = [], []
+    for ids, mask in calls:
+        got.append(kv.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False))
+        reports.append(kv.last_report)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    assert reports[0].graph_captures >= 1 and not reports[0].reused_buffers
+    assert reports[-1].reused_buffers and reports[-1].graph_captures == 0
