@@ -84,8 +84,6 @@ class StaticDecodeStep:
         self._state_key: Key | None = None
         self._graphs: dict[Key, tuple[object, list[Tensor], tuple[Tensor, ...]]] = {}
         self._eager: set[Key] = set()
-        self._recorded: set[Key] = set()      # (variant, step input shapes) recorded at least once, over any buffers
-        self._capture_streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def side_streams(self, device: torch.device) -> list[torch.cuda.Stream]:
         """``branches`` streams on ``device`` for ``run_side_by_side`` (made once per count, reused by every
@@ -130,42 +128,24 @@ class StaticDecodeStep:
         return (outs[0].clone(), *outs[1:])
 
     def _capture(self, fn, step_inputs: Sequence[Tensor], restore: Sequence[Tensor], key: Key) -> tuple[Tensor, ...]:
-        """Record the graph the next steps replay, and run this step. A step recorded before over other buffers
-        (``_recorded``: a new session of another layout; its kernels compiled, its libraries set up) is recorded
-        straight away and replayed for this step: half the cost (recording runs the step's host code once
-        more, as the warm-up does). Otherwise, or if that recording fails: warm up (the last run is this step:
-        its outputs are returned), then record. A recording that fails then leaves the variant eager from then
-        on (the step already happened)."""
+        """Warm up (the last run is this step: its outputs are returned), then record the graph the next steps
+        replay. A recording that fails leaves the variant eager from then on (the step already happened)."""
         started = time.perf_counter()
+        static = [x.clone(memory_format=torch.contiguous_format) for x in step_inputs]
+        outs = self._warm_up(fn, static, restore)
         try:
-            static = [x.clone(memory_format=torch.contiguous_format) for x in step_inputs]
-            if key in self._recorded and self.warmup == 1:
-                try:
-                    graph, graph_outs = self._record(fn, static)
-                except Exception as exc:    # noqa: BLE001  (then as a first capture: warm up, record)
-                    log.info("recording the decode step %s without a warm-up failed (%s); warming up", key[0], exc)
-                else:
-                    self._keep(key, graph, static, graph_outs)
-                    graph.replay()
-                    return (graph_outs[0].clone(), *graph_outs[1:])
-            outs = self._warm_up(fn, static, restore)
-            try:
-                graph, graph_outs = self._record(fn, static)
-            except Exception as exc:    # noqa: BLE001  (any capture failure: stay correct, run eagerly)
-                log.warning("CUDA graph capture of the decode step %s failed (%s); running it eagerly", key[0], exc)
-                self._eager.add(key[0])
-                if static[0].is_cuda:
-                    torch.cuda.synchronize()
-                return outs
-            self._keep(key, graph, static, graph_outs)
+            graph, graph_outs = self._record(fn, static)
+        except Exception as exc:    # noqa: BLE001  (any capture failure: stay correct, run eagerly)
+            log.warning("CUDA graph capture of the decode step %s failed (%s); running it eagerly", key[0], exc)
+            self._eager.add(key[0])
+            if static[0].is_cuda:
+                torch.cuda.synchronize()
             return outs
         finally:
             self.capture_seconds += time.perf_counter() - started
-
-    def _keep(self, key: Key, graph, static: list[Tensor], outs: tuple[Tensor, ...]) -> None:
-        self._graphs[key] = (graph, static, outs)
-        self._recorded.add(key)
+        self._graphs[key] = (graph, static, graph_outs)
         self.captures += 1
+        return outs
 
     def _warm_up(self, fn, static: Sequence[Tensor], restore: Sequence[Tensor]) -> tuple[Tensor, ...]:
         """Run ``fn`` ``warmup`` times on a side stream on CUDA (as capture wants): the runs before the last put
@@ -193,12 +173,8 @@ class StaticDecodeStep:
         """Capture ``fn(*static)``: returns the graph (``.replay()``) and its static outputs. As
         ``torch.cuda.graph`` does (on a side stream, after the device finished the warm-up), but without
         emptying the allocator's cache: that releases every cached block to the driver, and the next call's
-        prefill would allocate them again. One capture stream per device, reused: libraries set up for it
-        (cuBLAS's workspace) stay set up."""
-        device = static[0].device
-        if device not in self._capture_streams:
-            self._capture_streams[device] = torch.cuda.Stream(device)
-        graph, capture = torch.cuda.CUDAGraph(), self._capture_streams[device]
+        prefill would allocate them again."""
+        graph, capture = torch.cuda.CUDAGraph(), torch.cuda.Stream()
         torch.cuda.synchronize()
         with torch.cuda.stream(capture):
             graph.capture_begin()
