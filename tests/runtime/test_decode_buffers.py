@@ -140,10 +140,10 @@ def test_a_memory_check_that_fails_with_buffers_kept_frees_them_first(monkeypatc
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("policy", ["snapkv", "d2o", "streamingllm"])
-def test_cuda_calls_in_kept_buffers_and_recordings_without_warm_up_give_eager_tokens(policy):
+def test_cuda_calls_in_kept_buffers_give_eager_tokens(policy):
     """On CUDA (real graphs, compiled decode): calls of one layout on different prompts replay the first call's
-    graphs in its buffers; a call of another layout records its variants without a warm-up (recorded before);
-    every call gives the eager step's tokens (float32)."""
+    graphs in its buffers, a call of another layout captures its own; every call gives the eager step's tokens
+    (float32)."""
     torch.manual_seed(0)
     model = build_model(TINY_LLAMA, torch.device("cuda"), torch.float32)
     prompts = [(ids.cuda(), mask.cuda()) for ids, mask in _prompts(3, 40)]
