@@ -130,6 +130,8 @@ class StaticDecodeStep:
     def _capture(self, fn, step_inputs: Sequence[Tensor], restore: Sequence[Tensor], key: Key) -> tuple[Tensor, ...]:
         """Warm up (the last run is this step: its outputs are returned), then record the graph the next steps
         replay. A recording that fails leaves the variant eager from then on (the step already happened)."""
+        if step_inputs[0].is_cuda:         # the queued work before the step (a prefill's tail) is not the capture's
+            torch.cuda.synchronize()
         started = time.perf_counter()
         static = [x.clone(memory_format=torch.contiguous_format) for x in step_inputs]
         outs = self._warm_up(fn, static, restore)
