@@ -295,8 +295,11 @@ class KVPassModel(nn.Module):
             torch.cuda.empty_cache()
 
     def _reuses_buffers(self, chunk: int | None) -> bool:
-        """Whether this ``generate`` call runs in the buffers kept from the last (``reuse_decode_buffers``)."""
-        return self.reuse_decode_buffers and chunk is None and self.decode_step.graphed(self.device)
+        """Whether this ``generate`` call runs in the buffers kept from the last (``reuse_decode_buffers``). Not
+        with a chunked prefill (its point is the peak memory), nor for a policy that compresses the prompt at the
+        first step (``Policy.prompt_compression_deferred``: new buffers then, so no layout is ever met again)."""
+        return (self.reuse_decode_buffers and chunk is None and not self.policy.prompt_compression_deferred()
+                and self.decode_step.graphed(self.device))
 
     @torch.no_grad()
     def generate(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,

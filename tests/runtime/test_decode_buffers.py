@@ -102,7 +102,7 @@ def test_a_call_of_another_layout_and_a_users_session_between_calls_stay_exact(m
     assert [r.graph_captures > 0 for r in reports] == [True, False, True, True, True]
 
 
-def test_turned_off_or_chunked_every_call_captures_and_nothing_is_kept(monkeypatch):
+def test_turned_off_chunked_or_deferred_every_call_captures_and_nothing_is_kept(monkeypatch):
     monkeypatch.setattr(ds, "graphs_enabled", lambda device: True)
     kv = _model("snapkv", 24, {})
     kv.decode_step = CpuReplay()
@@ -116,6 +116,11 @@ def test_turned_off_or_chunked_every_call_captures_and_nothing_is_kept(monkeypat
     assert kv.decode_buffers.held
     kv.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, prefill_chunk=16)
     assert kv.last_report.graph_captures >= 1 and not kv.decode_buffers.held
+    deferred = _model("cam", 24, {"first_compression": "decode"})      # new buffers at its first step anyway
+    deferred.decode_step = CpuReplay()
+    for _ in range(2):
+        deferred.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+        assert deferred.last_report.graph_captures >= 1 and not deferred.decode_buffers.held
 
 
 def test_a_memory_check_that_fails_with_buffers_kept_frees_them_first(monkeypatch):
