@@ -132,9 +132,15 @@ def sweep(kv, vocab: int, count: int, lo: int, hi: int, new: int, seed: int, dev
         kv.generate(random_ids(vocab, n, seed + i, device), max_new_tokens=new, do_sample=False, eos_token_id=[])
         rep = kv.last_report
         rows.append({"prompt": n, "seconds": time.perf_counter() - started, "compilations": rep.compilations,
-                     "compile_seconds": rep.compile_seconds})
+                     "compile_seconds": rep.compile_seconds, "prefill_seconds": rep.prefill_seconds,
+                     "graph_captures": rep.graph_captures, "capture_seconds": rep.capture_seconds,
+                     "reused_buffers": rep.reused_buffers})
     report = kv.compile_report
+    captures = sorted(r["capture_seconds"] for r in rows)
     return {"policy": kv.policy.name, "prompts_asked": count, "prompts_run": len(rows), "new_tokens": new,
+            "graph_captures": sum(r["graph_captures"] for r in rows),
+            "capture_seconds_median": captures[len(captures) // 2] if captures else None,
+            "capture_seconds_max": captures[-1] if captures else None,
             "length_range": [lo, hi], "compilations": report["compilations"] - before,
             "compilations_in_all": report["compilations"], "compile": report, "rows": rows,
             **({"skipped": "time"} if len(rows) < count else {})}
