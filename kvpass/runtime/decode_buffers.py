@@ -2,18 +2,19 @@
 
 A CUDA graph reads and writes the addresses it was recorded with (kvpass/decode_step.py), and every call of
 ``generate`` builds its caches anew: without this, each call captured its decode step again, the plain step
-and the compressing one, 0.17-0.20 s a call for a Llama-3.1-8B shape at 32k on an H200, a third of what its 128 tokens' steps take
-(benchmarks/results/generate-step-times-nvidia-h200.json). So
-``generate`` keeps the buffers of its session at the end of a call (``keep``), and the next call whose caches
-have the same layout (every layer's tensors of the same shapes, dtypes and strides, the same budgets per row)
-copies its freshly built caches into them (``adopt``): same addresses, same host-side values, and the graphs
-recorded by the earlier call replay as they are.
+and the compressing one: 0.17-0.20 s a call for a Llama-3.1-8B shape at 32k on an H200, a third of what its
+128 tokens' steps take (benchmarks/results/generate-step-times-nvidia-h200.json). So ``generate`` keeps the
+buffers of its session at the end of a call (``keep``), and the next call whose caches have the same layout
+(every layer's tensors of the same shapes, dtypes and strides, the same budgets per row) copies its freshly
+built caches into them (``adopt``): same addresses, same host-side values, and the graphs recorded by the
+earlier call replay as they are.
 
 The cost is memory: the kept buffers (one compressed cache) stay allocated between calls and through the
 next prefill. ``KVPassModel`` drops them (``release``) where memory matters more: before a chunked prefill
 (which is there to lower the peak), when the prefill's memory check fails with them held, on an
-out-of-memory error, and when ``reuse_decode_buffers`` is False. Sessions a user holds (``start``) never use
-them: only ``generate``'s, which never outlive the call.
+out-of-memory error, and when ``reuse_decode_buffers`` is False; a policy that compresses the prompt at the
+first decode step (new buffers then) never keeps them. Sessions a user holds (``start``) never use them:
+only ``generate``'s, which never outlive the call.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class DecodeBuffers:
     def __init__(self) -> None:
         self._layout: tuple | None = None
         self._caches: list[list[LayerCache]] = []
-        self._keep_rows: list[tuple | None] = []
+        self._keep_rows: list[tuple[tuple, Tensor] | None] = []
 
     @property
     def held(self) -> bool:
