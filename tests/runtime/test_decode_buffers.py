@@ -33,6 +33,15 @@ def _prompts(n: int, length: int, batch: int = 2, seed: int = 0) -> list[tuple[t
     return out
 
 
+def _generate_each(kv, prompts, new: int) -> tuple[list[torch.Tensor], list]:
+    """Greedy ``generate`` of each (ids, mask) in turn -> (the sequences, each call's ``last_report``)."""
+    got, reports = [], []
+    for ids, mask in prompts:
+        got.append(kv.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False))
+        reports.append(kv.last_report)
+    return got, reports
+
+
 def _model(policy: str, budget: int, options: dict):
     torch.manual_seed(0)
     model = build_model(TINY_LLAMA, torch.device("cpu"), torch.float32)
@@ -45,14 +54,11 @@ def test_calls_of_one_layout_replay_the_first_calls_graphs_with_eager_tokens(mon
     length = 200 if policy == "chelsea" else 40
     prompts = _prompts(3, length)
     kv = _model(policy, budget, options)
-    want = [kv.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False) for ids, mask in prompts]
+    want, _ = _generate_each(kv, prompts, 20)
     assert not kv.decode_buffers.held                             # eager (CPU): nothing kept
     monkeypatch.setattr(ds, "graphs_enabled", lambda device: True)
     kv.decode_step = CpuReplay()
-    got, reports = [], []
-    for ids, mask in prompts:
-        got.append(kv.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False))
-        reports.append(kv.last_report)
+    got, reports = _generate_each(kv, prompts, 20)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
     assert reports[0].graph_captures >= 1 and not reports[0].reused_buffers
@@ -156,12 +162,9 @@ def test_cuda_calls_in_kept_buffers_give_eager_tokens(policy):
     calls = [prompts[0], prompts[1], other[0], prompts[2], prompts[2]]
     eager = kvpass.apply(model, policy=policy, budget=24, compile=False)
     eager.decode_step.enabled = False
-    want = [eager.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False) for ids, mask in calls]
+    want, _ = _generate_each(eager, calls, 24)
     kv = kvpass.apply(model, policy=policy, budget=24)
-    got, reports = [], []
-    for ids, mask in calls:
-        got.append(kv.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False))
-        reports.append(kv.last_report)
+    got, reports = _generate_each(kv, calls, 24)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
     assert reports[0].graph_captures >= 1 and not reports[0].reused_buffers
