@@ -13,12 +13,15 @@ import kvpass.decode_step as ds
 from benchmarks.bench.models import TINY_LLAMA, build_model
 from kvpass.errors import OutOfDeviceMemory
 from tests.cpu_replay import CpuReplay
+from tests.policies.test_chelsea_calibration import tiny_calibration
 
 # policy -> (budget, options): every decode-time path of the step (per-step eviction, a period, per-layer and
 # per-row budgets, deferred scores, slot metadata, split heads)
+CHELSEA = {"sinks": 4, "recent": 8, "interval": 4, "r_min": 0.1}
 CASES = {"streamingllm": (24, {}), "snapkv": (24, {}), "d2o": (24, {}), "d2o[interval=4]": (24, {}),
-         "pyramidkv": (24, {}), "h2o": (24, {}), "chelsea": (100, {"sinks": 4, "recent": 8, "interval": 4,
-                                                                      "r_min": 0.1})}
+         "pyramidkv": (24, {}), "h2o": (24, {}), "chelsea": (100, CHELSEA),
+         # split-group layout: layer 1's KV head 0 keeps every token in a cache of its own (``Layer.full``)
+         "chelsea-full-heads": (100, {**CHELSEA, "calibration": tiny_calibration([(1, 0)], head_dim=16)})}
 
 
 def _prompts(n: int, length: int, batch: int = 2, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -51,9 +54,10 @@ def _model(policy: str, budget: int, options: dict):
 @pytest.mark.parametrize("policy", list(CASES))
 def test_calls_of_one_layout_replay_the_first_calls_graphs_with_eager_tokens(monkeypatch, policy):
     budget, options = CASES[policy]
-    length = 200 if policy == "chelsea" else 40
+    length = 200 if policy.startswith("chelsea") else 40
     prompts = _prompts(3, length)
-    kv = _model(policy, budget, options)
+    kv = _model(policy.removesuffix("-full-heads"), budget, options)
+    assert bool(kv.graphs.full_heads) == policy.endswith("-full-heads")
     want, _ = _generate_each(kv, prompts, 20)
     assert not kv.decode_buffers.held                             # eager (CPU): nothing kept
     monkeypatch.setattr(ds, "graphs_enabled", lambda device: True)
