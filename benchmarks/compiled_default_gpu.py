@@ -102,8 +102,7 @@ def generate_speed(kv, ids: torch.Tensor, new: int, device: torch.device) -> dic
       seen before; ``generate_ms_per_token_first_call`` the same from the first call, captures included.
     """
     def gen(n: int) -> float:
-        seconds = timed(device, lambda: kv.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=[]))
-        return seconds
+        return timed(device, lambda: kv.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=[]))
 
     def call(n: int) -> dict:
         seconds = gen(n)

@@ -236,7 +236,7 @@ class KVPassModel(nn.Module):
         ``max_new_tokens`` counts every token that will go through ``step``/``feed`` afterwards.
         ``prefill_chunk``: prefill the prompt this many tokens at a time, compressing between chunks
         (kvpass/runtime/chunked_prefill.py); left out: ``self.prefill_chunk``; None: in one piece."""
-        chunk = self.prefill_chunk if prefill_chunk is _UNSET else prefill_chunk
+        chunk = self._chunk_of(prefill_chunk)
         if chunk is not None:
             check_prefill_chunk(chunk, self)
         ids = as_input_ids(input_ids, self.device, self.vocab_size)
@@ -294,6 +294,10 @@ class KVPassModel(nn.Module):
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def _chunk_of(self, prefill_chunk: int | None) -> int | None:
+        """The prefill chunk a call asked for: ``self.prefill_chunk`` where left out (``_UNSET``), else its own."""
+        return self.prefill_chunk if prefill_chunk is _UNSET else prefill_chunk
+
     def _reuses_buffers(self, chunk: int | None) -> bool:
         """Whether this ``generate`` call runs in the buffers kept from the last (``reuse_decode_buffers``). Not
         with a chunked prefill (its point is the peak memory), nor for a policy that compresses the prompt at the
@@ -337,7 +341,7 @@ class KVPassModel(nn.Module):
             if pad_id is None:
                 pad_id = int(eos_ids[0]) if len(eos_ids) else 0
             ids = as_input_ids(input_ids, self.device, self.vocab_size)
-            reuse = self._reuses_buffers(self.prefill_chunk if prefill_chunk is _UNSET else prefill_chunk)
+            reuse = self._reuses_buffers(self._chunk_of(prefill_chunk))
             if not reuse and self.decode_buffers.held:
                 self.release_decode_buffers()
             session = self.start(ids, attention_mask, max_new_tokens, prefill_chunk)
