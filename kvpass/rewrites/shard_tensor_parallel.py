@@ -195,8 +195,10 @@ def _forward(start: Node, stop: Node) -> set[Node]:
 
 
 def _narrowed(t: Tensor, dim: int, rank: int, world: int) -> Tensor:
+    """This rank's part of ``t`` along ``dim``, in storage of its own: a view (``.contiguous()`` of rows is
+    one) would keep the whole tensor's storage alive, and the rank would hold all of the weight."""
     n = t.shape[dim] // world
-    return t.narrow(dim, rank * n, n).contiguous()
+    return t.narrow(dim, rank * n, n).clone(memory_format=torch.contiguous_format)
 
 
 def _readers(gm: GraphModule) -> dict[int, int]:

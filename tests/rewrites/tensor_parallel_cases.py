@@ -69,6 +69,11 @@ def _generate(km, ids: torch.Tensor, case: Case, rank: int, world: int, sliced: 
             "kv_heads": [lay.cache.k.shape[1] for lay in session.layers]}
 
 
+def held_bytes(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    """parameter name -> (its own bytes, the bytes of the storage it keeps alive)."""
+    return {name: (p.numel() * p.element_size(), p.untyped_storage().nbytes()) for name, p in model.named_parameters()}
+
+
 def lm_head_input(prefill) -> str | None:
     """The op that feeds the prefill graph's LM head, found from the logits' all-gather (None without one)."""
     gather = [n for n in prefill.graph.nodes if n.target == torch.ops._c10d_functional.all_gather_into_tensor.default]
@@ -102,8 +107,10 @@ def run_cases(cases: list[Case], rank: int, world: int) -> dict[str, dict]:
     cases = [c for c in cases if "reference" in out[c.key]]
     via_apply = [c for c in cases if "via_apply" in c.key]
     for c in via_apply:                       # before sharding this model's parameters
-        km = kvpass.apply(tiny(c.arch, c.heads), policy=c.policy, tp=world, **c.kwargs)
+        own = tiny(c.arch, c.heads)
+        km = kvpass.apply(own, policy=c.policy, tp=world, **c.kwargs)
         out[c.key]["tp"] = _generate(km, ids[c.key], c, rank, world, False)
+        out[c.key]["tp"]["held_bytes"] = held_bytes(own)
     shard, _ = resolve_shard(world, None, torch.device("cpu"))
     sharded = shard_captured(captured, shard)
     for c in cases:

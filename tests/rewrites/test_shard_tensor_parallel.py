@@ -46,6 +46,8 @@ def test_tp_matches_one_process(world: int, key: str) -> None:
         if "lm_head_input" in tp:             # the prefill's LM head still runs on the last position only
             assert tp["lm_head_input"] in (None, "aten.slice.Tensor"), tp["lm_head_input"]
         assert all(n == case.heads[1] // world for n in tp["kv_heads"]), f"rank {rank} holds {tp['kv_heads']} KV heads"
+        if "held_bytes" in tp:                # a shard is a copy: the whole weight's storage is released
+            assert {n: b for n, b in tp["held_bytes"].items() if b[0] != b[1]} == {}
         if case.policy not in ("full", "quest", "clusterkv"):     # the recall policies keep every entry
             seen = case.prompt + case.new - 1
             assert any(len(head) < seen for layer in ref["kept"].values() for head in layer[0]), "nothing was evicted"
