@@ -109,8 +109,8 @@ RULES: tuple[Rule, ...] = (
     Rule("prefill_chunk.range", APPLY + "; " + GENERATE, "prefill_chunk", "an int < 1",
          "prefill_chunk must be >= 1 token, got {got}"),
     Rule("prefill_chunk.policy", APPLY + "; " + GENERATE, "prefill_chunk",
-         "a policy that cannot compress between chunks (EMS), full-cache KV heads (a calibration's outlier heads), "
-         "tensor parallelism", "prefill_chunk={got} cannot be used with {reason}; prefill in one piece "
+         "a policy that cannot compress between chunks (EMS), full-cache KV heads (a calibration's outlier heads)",
+         "prefill_chunk={got} cannot be used with {reason}; prefill in one piece "
          "(prefill_chunk=None)"),
     Rule("captured.type", "kvpass.apply", "captured", "not a matched capture (kvpass.rewrites.capture_model)",
          "captured must be kvpass.rewrites.capture_model(model), a capture with its attention sites, got {got}",

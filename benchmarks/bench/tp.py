@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench.models import LLAMA_8B, TINY_LLAMA, build_model
+from benchmarks.bench.models import LLAMA_8B, TINY_LLAMA, build_model, build_model_of_views, materialise_views
 from benchmarks.bench.timing import copy_bandwidth, gpu_name, slug, stepped_tpot, timed
 from kvpass.tensor_parallel import init_distributed
 
@@ -88,12 +88,14 @@ def _weight_bytes(model) -> int:
 
 
 def measure(model, policy: str, budget: float, ids: torch.Tensor, tp: int | None, device: torch.device,
-            copy_bw: float, steps: int) -> dict:
+            copy_bw: float, steps: int, compile: bool | None = None, prefill_chunk: int | None = None) -> dict:
     """One policy at one batch: TTFT (median of 2 ``generate(max_new_tokens=1)``, one above batch 1), ms/token from stepped
-    greedy tokens (``benchmarks.bench.timing.stepped_tpot``), peak memory, cache bytes and the copy floor."""
+    greedy tokens (``benchmarks.bench.timing.stepped_tpot``), peak memory, cache bytes and the copy floor.
+    ``compile``: ``kvpass.apply``'s (None: its default, compiled on one CUDA process, eager under tp)."""
     import kvpass
 
-    kv = kvpass.apply(model, policy=policy, budget=budget, tp=tp)
+    kv = kvpass.apply(model, policy=policy, budget=budget, tp=tp, compile=compile, prefill_chunk=prefill_chunk)
+    materialise_views(model)                      # a build_model_of_views model's unsharded weights (the embedding)
     kv.prefill_rows = 1
     _peak_reset(device)
     first = [timed(device, lambda: kv.generate(ids, max_new_tokens=1)) for _ in range(2 if ids.shape[0] == 1 else 1)]
@@ -101,18 +103,28 @@ def measure(model, policy: str, budget: float, ids: torch.Tensor, tp: int | None
     report = kv.last_report
     stepped = stepped_tpot(kv, ids, device, warm=4, steps=steps)
     weights = _weight_bytes(model)
+    compiled = kv.compile_report
     row = {"policy": policy, "tp": tp or 1, "batch": ids.shape[0], "prompt": ids.shape[1], "ttft_s": ttft,
            "tpot_ms": stepped["tpot_ms"], "tokens_per_s": stepped["decode_tokens_per_s"],
            "peak_memory_gib": _peak_gib(device), "weight_bytes_per_rank": weights,
            "cache_bytes_per_rank": report.cache_bytes,
-           "floor_ms": (weights + report.cache_bytes) / copy_bw * 1e3}
+           "floor_ms": (weights + report.cache_bytes) / copy_bw * 1e3,
+           "compiled": compiled["compiled"], "compile_seconds": compiled["compile_seconds"],
+           "compile_failure": compiled.get("failure"), "graph_captures": kv.decode_step.captures,
+           "prefill_chunk": prefill_chunk, **{k: v for k, v in stepped.items() if k.startswith("decode_compress")}}
     kv = None                                     # its caches and graphs go before the next measurement
     _peak_reset(device)
+    _PARTIAL["rows"].append(row)
+    if _PARTIAL["path"] is not None and int(os.environ.get("RANK", "0")) == 0:    # kept if the run is cut off
+        Path(_PARTIAL["path"]).write_text(json.dumps(_PARTIAL["rows"], indent=1, default=str))
     return row
 
 
+_PARTIAL: dict = {"path": None, "rows": []}
+
+
 def _largest_batch(make_model, policy, budget, prompt, tp, device, copy_bw, steps, one: dict, max_batch: int,
-                   collective: bool) -> dict | None:
+                   collective: bool, compile: bool | None) -> dict | None:
     """The largest batch that fits, from batch 1's peak and cache bytes (memory left / bytes per row),
     halved on out-of-memory (all ranks agree before trying the next). ``make_model()``: the model to run
     (a fresh one per try under tp, whose apply shards it). None when only batch 1 fits."""
@@ -132,7 +144,7 @@ def _largest_batch(make_model, policy, budget, prompt, tp, device, copy_bw, step
         try:
             model = make_model()
             ids = torch.randint(1, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(1))
-            row = measure(model, policy, budget, ids.to(device), tp, device, copy_bw, steps)
+            row = measure(model, policy, budget, ids.to(device), tp, device, copy_bw, steps, compile)
         except torch.OutOfMemoryError:
             ok = False
         model = None
@@ -145,42 +157,61 @@ def _largest_batch(make_model, policy, budget, prompt, tp, device, copy_bw, step
 
 def section_speed(model_kwargs: dict, label: str, world: int, rank: int, device: torch.device, copy_bw: float,
                   prompt: int, budget: float, methods: tuple[str, ...], with_tp1: bool, max_batch: int,
-                  steps: int) -> list[dict]:
+                  steps: int, compile: bool | None = None, prefill_chunk: int | None = None,
+                  views: bool = False) -> list[dict]:
+    """Batch 1 of every policy first (tp=1 on rank 0 while the others wait, then tp=world), then the
+    largest batches in the time left. ``views``: build the model with ``build_model_of_views`` (each rank
+    then holds only its shards: a model larger than one GPU)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    torch.manual_seed(0)
-    rows: list[dict] = []
+    build = build_model_of_views if views else build_model
+
+    def fresh():
+        torch.manual_seed(0)
+        return build(model_kwargs, device, dtype)
+
     ids = torch.randint(1, model_kwargs["vocab_size"], (1, prompt), generator=torch.Generator().manual_seed(0))
     ids = ids.to(device)
-    if with_tp1:                                   # one GPU, before the model is sharded
+    tp1: dict[str, dict] = {}
+    tpn: dict[str, dict] = {}
+    if with_tp1:                                   # one GPU, before any model is sharded
         if rank == 0:
-            model = build_model(model_kwargs, device, dtype)
+            model = fresh()
             for policy in methods:
-                one = measure(model, policy, budget, ids, None, device, copy_bw, steps)
-                rows.append({"model": label, **one})
-                big = _largest_batch(lambda m=model: m, policy, budget, prompt, None, device, copy_bw, steps, one,
-                                     max_batch, False)
-                if big is not None:
-                    rows.append({"model": label, **big})
+                tp1[policy] = {"model": label, **measure(model, policy, budget, ids, None, device, copy_bw, steps,
+                                                         None, prefill_chunk)}
             del model
             _peak_reset(device)
         _barrier()
     if world > 1:
         for policy in methods:                     # a fresh model each time: apply(tp) shards its parameters
-            torch.manual_seed(0)
-            model = build_model(model_kwargs, device, dtype)
-            one = measure(model, policy, budget, ids, world, device, copy_bw, steps)
-            rows.append({"model": label, **one})
+            tpn[policy] = {"model": label, **measure(fresh(), policy, budget, ids, world, device, copy_bw, steps,
+                                                     compile, prefill_chunk)}
+            _peak_reset(device)
+    rows = [*tp1.values(), *tpn.values()]
+    for policy in methods:                         # what is left of the time box: the largest batches
+        if policy in tp1:
+            model = fresh()
+            big = _largest_batch(lambda m=model: m, policy, budget, prompt, None, device, copy_bw, steps,
+                                 tp1[policy], max_batch, False, None)
+            rows += [{"model": label, **big}] if big is not None else []
             del model
             _peak_reset(device)
-
-            def fresh():
-                torch.manual_seed(0)
-                return build_model(model_kwargs, device, dtype)
-
-            big = _largest_batch(fresh, policy, budget, prompt, world, device, copy_bw, steps, one, max_batch, True)
-            if big is not None:
-                rows.append({"model": label, **big})
+        if with_tp1:
+            _barrier()
+        if world > 1:
+            one = _broadcast_row(tpn[policy], device)
+            big = _largest_batch(fresh, policy, budget, prompt, world, device, copy_bw, steps, one, max_batch, True,
+                                 compile)
+            rows += [{"model": label, **big}] if big is not None else []
     return rows
+
+
+def _broadcast_row(row: dict, device: torch.device) -> dict:
+    """Every rank's batch-1 row is its own; the batch search needs the same start on all: rank 0's."""
+    import torch.distributed as dist
+    box = [row]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def section_correctness(world: int, device: torch.device, smoke: bool) -> dict:
@@ -199,35 +230,48 @@ def section_correctness(world: int, device: torch.device, smoke: bool) -> dict:
             "tp": world, "dtype": "float32"}
 
 
-def layers_that_fit(device: torch.device, layer_kwargs: dict, want: int = 80, fraction: float = 0.8) -> int:
-    """How many 70B-shaped layers the unsharded bf16 model fits in ``fraction`` of one GPU (embedding and LM
-    head included); ``want`` off the GPU."""
+def layers_that_fit(device: torch.device, layer_kwargs: dict, world: int, want: int = 80, fraction: float = 0.92,
+                    reserve_gib: float = 6.0) -> int:
+    """How many 70B-shaped layers (of ``want``) one rank's bf16 weights fit in ``fraction`` of its GPU less
+    ``reserve_gib`` (the caches and a prefill chunk's transients): the embedding whole, the LM head and the
+    layers' projections split ``world`` ways (``build_model_of_views``: no rank ever holds the whole model).
+    2 off the GPU."""
     if device.type != "cuda":
         return 2
     h, i, v = layer_kwargs["hidden_size"], layer_kwargs["intermediate_size"], layer_kwargs["vocab_size"]
     kv = layer_kwargs["num_key_value_heads"] * h // layer_kwargs["num_attention_heads"]
-    per_layer = 2 * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h)
-    fixed = 2 * 2 * v * h
-    budget = fraction * torch.cuda.get_device_properties(device).total_memory
+    per_layer = 2 * ((2 * h * h + 2 * h * kv + 3 * h * i) / world + 2 * h)
+    fixed = 2 * v * h * (1 + 1 / world)
+    budget = fraction * torch.cuda.get_device_properties(device).total_memory - reserve_gib * 2**30
     return max(1, min(want, int((budget - fixed) // per_layer)))
+
+
+def unsharded_weight_gib(layer_kwargs: dict, layers: int) -> float:
+    """The bf16 weights of the whole model (what tp=1 would hold on one GPU)."""
+    h, i, v = layer_kwargs["hidden_size"], layer_kwargs["intermediate_size"], layer_kwargs["vocab_size"]
+    kv = layer_kwargs["num_key_value_heads"] * h // layer_kwargs["num_attention_heads"]
+    return 2 * (layers * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h) + 2 * v * h + h) / 2**30
 
 
 def markdown(results: dict) -> str:
     lines = [f"# kvpass tensor parallel: {results['device']} x {results['world']}", "",
              f"correctness (full, fp32, greedy): {results.get('correctness')}", "",
-             "| model | policy | tp | batch | prompt | TTFT s | ms/token | tokens/s | peak GiB/GPU | floor ms/GPU |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | policy | tp | batch | prompt | TTFT s | ms/token | tokens/s | peak GiB/GPU | floor ms/GPU "
+             "| x floor | compiled | graph captures |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results.get("rows", []):
         peak = "" if r.get("peak_memory_gib") is None else f"{r['peak_memory_gib']:.1f}"
         lines.append(f"| {r['model']} | {r['policy']} | {r['tp']} | {r['batch']} | {r['prompt']} | {r['ttft_s']:.3g} | "
-                     f"{r['tpot_ms']:.3g} | {r['tokens_per_s']:.4g} | {peak} | {r['floor_ms']:.3g} |")
+                     f"{r['tpot_ms']:.3g} | {r['tokens_per_s']:.4g} | {peak} | {r['floor_ms']:.3g} | "
+                     f"{r['tpot_ms'] / r['floor_ms']:.2f} | {r.get('compiled')} | {r.get('graph_captures')} |")
     for k, v in results.get("errors", {}).items():
         lines.append(f"\n{k}: {v}")
     return "\n".join(lines) + "\n"
 
 
 def run(out: Path, smoke: bool, sections: tuple[str, ...], prompt: int | None, budget: float,
-        methods: tuple[str, ...], max_batch: int, with_tp1: bool = True, total_s: float = float("inf")) -> dict:
+        methods: tuple[str, ...], max_batch: int, with_tp1: bool = True, total_s: float = float("inf"),
+        compile: bool | None = None, chunk_70b: int | None = 4096) -> dict:
     _CLOCK.update(start=time.monotonic(), total_s=total_s)
     rank, world, device = init_distributed()
     if device.type == "cpu":
@@ -235,9 +279,15 @@ def run(out: Path, smoke: bool, sections: tuple[str, ...], prompt: int | None, b
     prompt = prompt or (40 if smoke else 32768)
     steps = 4 if smoke else 32
     copy_bw = copy_bandwidth(device, (1 << 20) if smoke else (2 << 30))
+    tag = "" if compile is None else f"-compile-{'on' if compile else 'off'}"
+    stem = out / f"tp-{slug(gpu_name(device))}-x{world}-{'-'.join(sections)}{tag}"
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    _PARTIAL.update(path=f"{stem}.partial.json", rows=[])
     results: dict = {"device": gpu_name(device), "world": world, "argv": sys.argv, "copy_bytes_per_s": copy_bw,
                      "torch": torch.__version__, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": [],
-                     "errors": {}, "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE")}
+                     "errors": {}, "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
+                     "compile": {None: "kvpass default", True: "on", False: "off"}[compile]}
     for name in sections:
         try:
             if name == "correctness":
@@ -245,14 +295,17 @@ def run(out: Path, smoke: bool, sections: tuple[str, ...], prompt: int | None, b
             elif name == "8b":
                 results["rows"] += section_speed(TINY_TP if smoke else LLAMA_8B, "tiny" if smoke else "llama-3.1-8b",
                                                  world, rank, device, copy_bw, prompt, budget, methods, with_tp1,
-                                                 max_batch, steps)
+                                                 max_batch, steps, compile)
             elif name == "70b":
-                n = layers_that_fit(device, LLAMA_70B_LAYER)
+                n = layers_that_fit(device, LLAMA_70B_LAYER, world)
                 kwargs = TINY_TP if smoke else {**LLAMA_70B_LAYER, "num_hidden_layers": n}
                 results["layers_70b"] = n if not smoke else None
+                results["unsharded_weight_gib_70b"] = unsharded_weight_gib(kwargs, kwargs["num_hidden_layers"])
+                results["gpu_memory_gib"] = (torch.cuda.get_device_properties(device).total_memory / 2**30
+                                             if device.type == "cuda" else None)
                 results["rows"] += section_speed(kwargs, "tiny" if smoke else f"llama-3.1-70b-shape-{n}-of-80-layers",
                                                  world, rank, device, copy_bw, prompt, budget, ("d2o",), False, 1,
-                                                 steps)
+                                                 steps, compile, chunk_70b, views=True)
             else:
                 raise ValueError(f"unknown section {name!r}; sections: correctness, 8b, 70b")
         except Exception as err:  # noqa: BLE001  (one section's failure must not lose the others)
@@ -260,8 +313,6 @@ def run(out: Path, smoke: bool, sections: tuple[str, ...], prompt: int | None, b
             if isinstance(err, ValueError) and "unknown section" in str(err):
                 raise
     if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        stem = out / f"tp-{slug(results['device'])}-x{world}-{'-'.join(sections)}"
         Path(f"{stem}.json").write_text(json.dumps(results, indent=1, default=str))
         Path(f"{stem}.md").write_text(markdown(results))
         print(markdown(results), flush=True)
@@ -283,13 +334,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="time box: larger batches are tried only while they fit in it (default none)")
     ap.add_argument("--no-tp1", action="store_true", help="skip the one-GPU comparison rows")
     ap.add_argument("--tp", type=int, default=None, help="the processes torchrun starts (checked; default: all)")
+    ap.add_argument("--compile", choices=("default", "on", "off"), default="default",
+                    help="compiled decode at tp=N (default: kvpass's, eager under tp); tp=1 rows keep kvpass's default")
+    ap.add_argument("--prefill-chunk-70b", type=int, default=4096,
+                    help="the 70b section's chunked prefill (0: the whole prompt at once)")
     args = ap.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.tp is not None and args.tp != world:
         raise SystemExit(f"kvpass bench --tp {args.tp}: {world} processes run; start it with "
                          f"`torchrun --nproc-per-node {args.tp} -m kvpass.cli bench --tp {args.tp}`")
     results = run(Path(args.out), args.smoke, tuple(s for s in args.sections.split(",") if s), args.prompt, args.budget,
-                  tuple(m for m in args.methods.split(",") if m), args.max_batch, not args.no_tp1, args.total_s)
+                  tuple(m for m in args.methods.split(",") if m), args.max_batch, not args.no_tp1, args.total_s,
+                  {"default": None, "on": True, "off": False}[args.compile], args.prefill_chunk_70b or None)
     return 1 if results["errors"] or (results.get("correctness") or {}).get("tokens_equal") is False else 0
 
 

@@ -89,8 +89,6 @@ def check_prefill_chunk(chunk: object, model: KVPassModel) -> None:
                   "expands (Policy.prefill_chunks is False)")
     elif policy.compresses and model.graphs.full_heads:
         reason = f"policy {policy.name} with full-cache KV heads (a calibration's outlier heads)"
-    elif model.heads.world > 1:
-        reason = "tensor parallelism"
     else:
         return
     raise refuse("prefill_chunk.policy", got=chunk, reason=reason)

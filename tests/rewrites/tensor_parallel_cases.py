@@ -25,14 +25,16 @@ class Case:
 
 
 def case_for(policy: str, arch: str = "llama", heads: tuple[int, int] = (4, 2), sample: bool = False,
-             via_apply: bool = False) -> Case:
-    """A case whose budget (16, or the policy's minimum + 8) is well below its prompt."""
+             via_apply: bool = False, prefill_chunk: int | None = None) -> Case:
+    """A case whose budget (16, or the policy's minimum + 8) is well below its prompt; with ``prefill_chunk``
+    the prompt is prefilled in chunks of that many tokens (the reference likewise)."""
     from kvpass.policies import get_policy
 
     budget = max(16, get_policy(policy).min_budget() + 8)
     key = (f"{arch}-{policy}-{heads[0]}q{heads[1]}kv" + ("-sampled" if sample else "")
-           + ("-via_apply" if via_apply else ""))
-    return Case(key, arch, policy, heads, {"budget": budget}, prompt=budget + 24, sample=sample)
+           + ("-via_apply" if via_apply else "") + (f"-chunk{prefill_chunk}" if prefill_chunk else ""))
+    kwargs = {"budget": budget, **({"prefill_chunk": prefill_chunk} if prefill_chunk else {})}
+    return Case(key, arch, policy, heads, kwargs, prompt=budget + 24, sample=sample)
 
 
 def tiny(arch: str, heads: tuple[int, int]) -> torch.nn.Module:

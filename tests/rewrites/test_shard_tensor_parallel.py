@@ -1,6 +1,6 @@
 """Tensor parallelism (``kvpass.apply(..., tp=N)``, kvpass/rewrites/shard_tensor_parallel.py) on CPU with gloo:
 N spawned processes decode the same tokens as one process and every rank's KV heads keep the same entries
-as those heads do in one process, for every registered policy; unsupported models are refused; with tp
+as those heads do in one process, for every registered policy (and, for some, with a chunked prefill); unsupported models are refused; with tp
 unset or 1 the graphs are exactly the single-process ones."""
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from tests.rewrites.tensor_parallel_cases import case_for, run_spawned, tiny
 
 CASES = {2: [case_for(p) for p in sorted(POLICIES)]
             + [case_for("full", "qwen2"), case_for("full", "gemma3"), case_for("full", sample=True),
-               case_for("d2o", via_apply=True)],
+               case_for("d2o", via_apply=True)]
+            + [case_for(p, prefill_chunk=12) for p in ("d2o", "snapkv", "adakv", "streamingllm", "kvmerger")],
          4: [case_for(p, heads=(4, 4)) for p in sorted(POLICIES)]
             + [case_for("full", "qwen2", heads=(4, 4)), case_for("full", "gemma3", heads=(4, 4))]}
 
