@@ -39,8 +39,8 @@ def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float
         between several calls (tracing is most of a rewrite's time: evaluation grids, benchmarks, tests);
         default: traced here. With tp > 1 the capture must be sharded for this rank already.
     compile: decode with the step's graph compiled by Inductor (``kvpass.compiled_decode.CompiledDecode``).
-        None (default): on CUDA with one process, else not (the CPU keeps the exact eager graph: ``full`` gives
-        transformers' tokens). The cache capacity is a symbol in the compiled graph, so one compilation serves
+        None (default): on CUDA (tensor parallel too: the collectives compile and replay, NCCL on two H200s),
+        else not (the CPU keeps the exact eager graph: ``full`` gives transformers' tokens). The cache capacity is a symbol in the compiled graph, so one compilation serves
         every prompt length and layer budget: at most two per model (batch 1, then any larger batch), done on
         the first ``generate`` that needs it, kept across calls, and reported (``model.compile_report``, and the
         last call's share in ``last_report.compilations`` / ``compile_seconds``). Where Dynamo or Inductor
@@ -77,7 +77,7 @@ def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float
     out = KVPassModel(model, chosen, budget, captured, graphs, heads=heads)
     check_prefill_chunk(prefill_chunk, out)            # what the policy and layout allow
     out.prefill_chunk = prefill_chunk
-    enabled = compile if compile is not None else (out.device.type == "cuda" and heads.world == 1)
+    enabled = compile if compile is not None else out.device.type == "cuda"
     if enabled:
         from kvpass.compiled_decode import CompiledDecode
 

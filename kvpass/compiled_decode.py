@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -59,6 +60,20 @@ class Compilation:
     capacity: str
 
 
+def _weak_backend(owner: CompiledDecode) -> Callable:
+    """``owner._backend`` through a weak reference: Dynamo keeps every backend it was given for the life of the
+    process (``torch._dynamo.eval_frame.cached_backends``), so a bound method there would keep the
+    CompiledDecode, its decode graph and the model's weights alive after the model is dropped."""
+    ref = weakref.ref(owner)
+
+    def backend(gm: GraphModule, example_inputs: list) -> Callable:
+        live = ref()
+        if live is None:
+            raise RuntimeError("kvpass: the compiled decode step's model was released")
+        return live._backend(gm, example_inputs)
+    return backend
+
+
 class CompiledDecode:
     """The decode graph compiled by Inductor once per model, not once per prompt length.
 
@@ -82,7 +97,7 @@ class CompiledDecode:
         self.compilations: list[Compilation] = []
         self.failure: str | None = None
         self._compiling, self._symbolic = 0, False
-        self._fn = torch.compile(replace_sym_ops_with_builtins(decode), backend=self._backend, dynamic=None,
+        self._fn = torch.compile(replace_sym_ops_with_builtins(decode), backend=_weak_backend(self), dynamic=None,
                                  fullgraph=True)
 
     def _backend(self, gm: GraphModule, example_inputs: list) -> Callable:

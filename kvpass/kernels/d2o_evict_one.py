@@ -63,6 +63,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from kvpass.head_group import SINGLE_PROCESS, HeadGroup
 from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
 from kvpass.kernels.cosine_match import cosine_match_reference
 
@@ -164,6 +165,15 @@ def ema_threshold(u_star: Tensor, valid: Tensor, prev: Tensor, was_set: Tensor, 
     return torch.where(has, torch.where(was_set, ema, current), prev), was_set | has
 
 
+def every_head(heads: HeadGroup, u_star: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    """(u_star, valid) [B, Hkv, E] of every KV head of the layer from this rank's [B, Hkv / N, E], in one
+    all-gather (the two stacked as fp32: valid is 0 or 1, exact); the inputs as they are in one process."""
+    if heads.world == 1:
+        return u_star, valid
+    both = heads.gather(torch.stack((u_star.float(), valid.float())), dim=2)
+    return both[0], both[1] > 0
+
+
 def merge_weights(u_star: Tensor, valid: Tensor, tau: Tensor, variant: str, min_cos: float = NO_FLOOR
                   ) -> tuple[Tensor, Tensor, float]:
     """(merged [B, Hkv, E] bool, w_e [B, Hkv, E] fp32, w_self) of §5.6 steps 3-4; u_star, valid
@@ -216,21 +226,27 @@ def evict_one_in_place(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, 
                        length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: int | Tensor,
                        sinks: int | Tensor, recent: int | Tensor, target_from: int | Tensor, beta: float,
                        variant: str, min_cos: float, bias: bool, protect: float = 0.0,
-                       score_weights: bool = False) -> None:
+                       score_weights: bool = False, heads: HeadGroup = SINGLE_PROCESS) -> None:
     """Both references: one ``keep`` for every row (ints: an evicting row is full, its newest entry in slot
     C - 1) or one per batch row ([B] int64 tensors, ``d2o_evict_one_ragged``: the newest entry of an
     evicting row in slot length - 1; a row that evicts nothing is left as it is, even full).
 
     ``protect`` (a fraction in [0, 1)) and ``score_weights``: D2O's merge_protect and merge_weighting="score"
     (the module docstring), which no Triton kernel has; per batch row with its own keep, computed on the
-    device (sort, scatter, gather, where: nothing synchronises, a CUDA graph captures it)."""
+    device (sort, scatter, gather, where: nothing synchronises, a CUDA graph captures it).
+
+    ``heads``: the layer's KV heads under tensor parallelism (k, v, ... hold this rank's Hkv / N): the
+    threshold and the "code" merge decision, statistics over every head of the layer, are computed from
+    every rank's evictions (one all-gather, ``every_head``), so each rank decides as one process does."""
     b, h, c, d = k.shape
     evict = length > _rows(keep, b, 1)                                     # [B, Hkv]
     pick = pick_one(k, v, col_sum, position, length, keep, sinks, recent, target_from, protect)
-    new_tau, new_set = ema_threshold(pick.u_star, pick.valid, tau, tau_set, beta)
+    u_all, valid_all = every_head(heads, pick.u_star, pick.valid)
+    new_tau, new_set = ema_threshold(u_all, valid_all, tau, tau_set, beta)
     tau.copy_(new_tau)
     tau_set.copy_(new_set)
-    merged, w_e, w_self = merge_weights(pick.u_star, pick.valid, new_tau, variant, min_cos)
+    merged, w_e, w_self = merge_weights(u_all, valid_all, new_tau, variant, min_cos)
+    merged, w_e = heads.local(merged), heads.local(w_e)
     ragged = not isinstance(keep, int)
     row0 = torch.arange(b * h, device=k.device).view(b, h, 1) * c
     last = newest_slot(length, evict, c)[..., None] if ragged else c - 1

@@ -380,7 +380,8 @@ class D2O(Policy):
         position (``pick_one``). Same entries and values as ``compress`` (tested as sets). On CUDA one
         op of three Triton kernels (``torch.ops.kvpass.d2o_evict_one``), elsewhere, under export and for
         merge_protect or merge_weighting="score" (which the kernels lack) its plain-torch step
-        ``evict_one_in_place``.
+        ``evict_one_in_place``. Under tensor parallelism the plain-torch step with ``heads`` (its threshold over
+        every rank's heads: one all-gather a layer), where the kernels' threshold would see this rank's heads only.
 
         ``interval`` m > 1, capacity C in (keep + 1, keep + m] (the runtime's layer of capacity keep + m, or a
         row's copy of capacity min(keep + m, its tokens)): every row over keep evicts down to keep in place
@@ -391,8 +392,7 @@ class D2O(Policy):
         tensor parallelism (``_many_applies``). Any other capacity:
         ``compress`` and a copy back."""
         many = self._many_applies() and keep + 1 < cache.capacity <= keep + self.interval
-        if not many and (cache.capacity != keep + 1 or self.heads.world > 1):
-            # tensor parallel: the threshold spans ranks
+        if not many and cache.capacity != keep + 1:
             super().compress_into(cache, keep)
             return
         sinks, _, recent = self.split(keep)
@@ -400,6 +400,9 @@ class D2O(Policy):
         if many:
             evict_many_in_place(*layer, keep, keep + 1, cache.capacity - keep, sinks, recent, self._target_from(keep),
                                 *self._step_options())
+        elif self.heads.world > 1:          # tensor parallel: the threshold spans ranks (the kernels' is in-kernel)
+            evict_one_in_place(*layer, keep, sinks, recent, self._target_from(keep), *self._step_options(),
+                               heads=self.heads)
         elif self._triton_step(cache):
             torch.ops.kvpass.d2o_evict_one(*layer, keep, sinks, recent, self.beta, self.d2o_variant, self._min_cos(),
                                            self._target_from(keep), self.merge_bias)
@@ -430,13 +433,14 @@ class D2O(Policy):
         """Rows of their own budgets in one call (``compress_rows_into``) where no row's capacity exceeds its
         budget + 1 (the one-in-one-out step, ``interval`` 1): a row is due exactly when it holds budget + 1
         entries, so compressing every row of the layer at its own budget evicts one entry from each due row
-        and nothing from the others. Not under tensor parallelism (the threshold spans ranks: the general path).
+        and nothing from the others; under tensor parallelism through ``evict_one_in_place``, whose threshold
+        gathers every rank's heads (``interval`` > 1 there: the general path).
         Every option: merge_protect and merge_weighting="score" take the plain-torch step (``compress_rows_into``).
         ``interval`` m > 1 (``_many_applies``): where every row's capacity is its budget + m (or at most its budget:
         it never compresses), ``compress_rows_into`` evicts in place from the rows holding budget + m entries, the
         due rows, and leaves the others as they are (rows of one budget too: the runtime then calls
         ``compress_rows_into``, not ``compress_into``, which compresses every row over the budget)."""
-        if self.heads.world != 1:
+        if self.heads.world != 1 and self.interval != 1:
             return False
         if self.interval == 1:
             return all(1 <= cap <= keep + 1 for keep, cap in zip(budgets, capacities, strict=True))
@@ -467,13 +471,16 @@ class D2O(Policy):
         merge_protect (floor(merge_protect * keep[b]) protected per row, on the device) or
         merge_weighting="score", which the kernels lack, the plain-torch step ``evict_one_in_place``, batched
         and capturable all the same (tests/kernels/test_d2o_evict_ragged.py: each row as ``_compress_one`` alone)."""
-        if self.heads.world > 1:
-            raise NotImplementedError("d2o: per-row budgets in one call need one process (rows_in_one_call)")
+        if self.heads.world > 1 and self.interval > 1:
+            raise NotImplementedError("d2o: interval > 1 with per-row budgets in one call needs one process "
+                                      "(rows_in_one_call)")
         keep = keep.to(device=cache.k.device, dtype=torch.long).contiguous()
         sinks, _, recent = self.split_rows(keep)
         target_from = torch.zeros_like(keep) if self.merge_into_sinks else sinks
         layer = self._in_place_layer(cache)
-        if self.interval > 1:                   # the due rows (budget + interval entries) evict interval entries
+        if self.heads.world > 1:                # tensor parallel: the threshold spans ranks
+            evict_one_in_place(*layer, keep, sinks, recent, target_from, *self._step_options(), heads=self.heads)
+        elif self.interval > 1:                   # the due rows (budget + interval entries) evict interval entries
             evict_many_in_place(*layer, keep, keep + self.interval, self.interval, sinks, recent, target_from,
                                 *self._step_options())
         elif self._triton_step(cache):

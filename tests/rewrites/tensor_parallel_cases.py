@@ -22,19 +22,22 @@ class Case:
     prompt: int = 40
     new: int = 10
     sample: bool = False                        # seeded sampling instead of greedy
+    batch: int = 1                              # rows of one length (D2O: each row its own layer budgets)
 
 
 def case_for(policy: str, arch: str = "llama", heads: tuple[int, int] = (4, 2), sample: bool = False,
-             via_apply: bool = False, prefill_chunk: int | None = None) -> Case:
+             via_apply: bool = False, prefill_chunk: int | None = None, batch: int = 1) -> Case:
     """A case whose budget (16, or the policy's minimum + 8) is well below its prompt; with ``prefill_chunk``
     the prompt is prefilled in chunks of that many tokens (the reference likewise)."""
     from kvpass.policies import get_policy
 
     budget = max(16, get_policy(policy).min_budget() + 8)
     key = (f"{arch}-{policy}-{heads[0]}q{heads[1]}kv" + ("-sampled" if sample else "")
-           + ("-via_apply" if via_apply else "") + (f"-chunk{prefill_chunk}" if prefill_chunk else ""))
-    kwargs = {"budget": budget, **({"prefill_chunk": prefill_chunk} if prefill_chunk else {})}
-    return Case(key, arch, policy, heads, kwargs, prompt=budget + 24, sample=sample)
+           + ("-via_apply" if via_apply else "") + (f"-chunk{prefill_chunk}" if prefill_chunk else "")
+           + (f"-batch{batch}" if batch > 1 else ""))
+    # rows of a batch: a fraction, so that D2O's rows get layer budgets of their own (the per-row path)
+    kwargs = {"budget": budget if batch == 1 else 0.4, **({"prefill_chunk": prefill_chunk} if prefill_chunk else {})}
+    return Case(key, arch, policy, heads, kwargs, prompt=budget + 24, sample=sample, batch=batch)
 
 
 def tiny(arch: str, heads: tuple[int, int]) -> torch.nn.Module:
@@ -97,7 +100,7 @@ def run_cases(cases: list[Case], rank: int, world: int) -> dict[str, dict]:
     first = cases[0]
     model = tiny(first.arch, first.heads)
     captured = capture_model(model)
-    ids = {c.key: torch.randint(1, model.config.vocab_size, (1, c.prompt), generator=torch.Generator().manual_seed(1))
+    ids = {c.key: torch.randint(1, model.config.vocab_size, (c.batch, c.prompt), generator=torch.Generator().manual_seed(1))
            for c in cases}
     out: dict[str, dict] = {}
     for c in cases:
