@@ -421,6 +421,9 @@ def _nearest_key_kernel(
 #     BIAS: lw[nearest_g] <- max + log(exp(lw_n - max) + exp(lw_e - max)) where merged_g (before the move)
 #     slot e_g <- slot last_g's col_sum, position, log_weight; slot last_g <- empty; length_g -= 1 (where ev_g)
 # All loads of a block come before its stores (with a barrier), so no program reads what it writes.
+# SHARDED (tensor parallelism, this rank holds Hkv of the layer's H_ALL heads): current and n come from every
+# rank's u_g and ev_g (U_ALL, EV_ALL [B, H_ALL], gathered between kernels B and C), summed over a vector of
+# BLOCK_H_ALL = next_pow2(H_ALL) lanes as one process sums its BLOCK_H: the same tau, bit for bit.
 
 @triton.jit
 def _merge_and_move(X, batch_off, head_off, sc, sd, e, nearest, evict, merged, take_new, w_e, norm, w_self, last,
@@ -444,11 +447,12 @@ def _merge_and_move(X, batch_off, head_off, sc, sd, e, nearest, evict, merged, t
 
 @triton.jit(do_not_specialize=("C", "KEEP", "SPLITS"))
 def _merge_move_kernel(
-    K, V, COL, POS, LW, LENGTH, TAU, TAU_SET, E, BEST, NEAREST,
+    K, V, COL, POS, LW, LENGTH, TAU, TAU_SET, E, BEST, NEAREST, U_ALL, EV_ALL,
     skb, skh, skc, skd, svb, svh, svc, svd,
-    HKV, C, KEEP, SPLITS, beta, one_minus_beta, w_self, min_cos, KEEPS,
+    HKV, C, KEEP, SPLITS, beta, one_minus_beta, w_self, min_cos, KEEPS, H_ALL,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr, ACC: tl.constexpr, PAPER: tl.constexpr, BIAS: tl.constexpr, RAGGED: tl.constexpr,
+    SHARDED: tl.constexpr, BLOCK_H_ALL: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H).to(tl.int64)
@@ -466,8 +470,15 @@ def _merge_move_kernel(
     nearest = tl.sum(tl.where(offs_s[None, :] == first[:, None], tl.load(NEAREST + parts, mask=m_parts, other=0), 0), 1)
     u = tl.where(evict, best.to(tl.float32), 0.0)
     e = tl.load(E + rows, mask=h_mask, other=0)
-    n_evict = tl.sum(evict.to(tl.int32), 0)
-    current = tl.div_rn(tl.sum(u, 0), tl.maximum(n_evict, 1).to(tl.float32))
+    if SHARDED:                      # every rank's heads of row b (u of each, 0 where it does not evict)
+        offs_a = tl.arange(0, BLOCK_H_ALL)
+        a_mask = offs_a < H_ALL
+        u_all = tl.load(U_ALL + b * H_ALL + offs_a, mask=a_mask, other=0.0)
+        n_evict = tl.sum((tl.load(EV_ALL + b * H_ALL + offs_a, mask=a_mask, other=0) != 0).to(tl.int32), 0)
+        current = tl.div_rn(tl.sum(u_all, 0), tl.maximum(n_evict, 1).to(tl.float32))
+    else:
+        n_evict = tl.sum(evict.to(tl.int32), 0)
+        current = tl.div_rn(tl.sum(u, 0), tl.maximum(n_evict, 1).to(tl.float32))
     prev = tl.load(TAU + b)
     was_set = tl.load(TAU_SET + b) != 0
     ema = beta * current + one_minus_beta * prev
@@ -580,25 +591,29 @@ def d2o_evict_one_triton(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor
                          length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: int,
                          sinks: int, recent: int, beta: float, variant: str, min_cos: float = NO_FLOOR,
                          target_from: int = 0, bias: bool = False, *, splits: int | None = None,
-                         block_c: int = 32, block_scan: int = 1024, num_warps: int = 8) -> None:
-    """The three Triton kernels (same contract as ``d2o_evict_one_reference``); scratch: 5 tensors of
-    B Hkv (splits) elements."""
+                         block_c: int = 32, block_scan: int = 1024, num_warps: int = 8,
+                         heads: HeadGroup = SINGLE_PROCESS) -> None:
+    """The three Triton kernels (same contract as ``d2o_evict_one_reference``; with ``heads``, as
+    ``evict_one_in_place``'s: the threshold over every rank's heads); scratch: 5 tensors of B Hkv (splits)
+    elements."""
     require_triton()
     check_evict_one_inputs(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks, recent,
                            variant, target_from)
     launch_evict_one(k, v, col_sum, position, log_weight, length, tau, tau_set, others,
                      (keep, sinks, recent, target_from), None, beta, variant, min_cos, bias, splits, block_c,
-                     block_scan, num_warps)
+                     block_scan, num_warps, heads)
 
 
 def launch_evict_one(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor, length: Tensor,
                      tau: Tensor, tau_set: Tensor, others: list[Tensor], split: tuple[int, int, int, int],
                      row_split: tuple[Tensor, Tensor, Tensor, Tensor] | None, beta: float, variant: str,
                      min_cos: float, bias: bool, splits: int | None, block_c: int, block_scan: int,
-                     num_warps: int) -> None:
+                     num_warps: int, heads: HeadGroup = SINGLE_PROCESS) -> None:
     """Kernels A, B, C on checked inputs. ``split``: (keep, sinks, recent, target_from) of every row;
     ``row_split``: the same as [B] int64 tensors, one value per batch row (``d2o_evict_one_ragged``; then
-    ``split`` is ignored), or None."""
+    ``split`` is ignored), or None. ``heads``: under tensor parallelism, the layer's heads over the ranks: each
+    head's best similarity and eviction flag are gathered from every rank (one all-gather) between kernels B
+    and C, whose threshold is then the one-process one."""
     b, h, c, d = k.shape
     keep, sinks, recent, target_from = split
     ragged = row_split is not None
@@ -623,13 +638,19 @@ def launch_evict_one(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, lo
         k, length, low, arg, e, best, nearest, *k.stride(), h, c, chunk, keep, splits, target_from, keeps, targets,
         HEAD_DIM=d, BLOCK_C=block_c, BLOCK_D=block_d, BLOCK_SPLITS=next_pow2(splits),
         ACC=tl_acc, F64=acc == torch.float64, RAGGED=ragged, num_warps=num_warps)
+    u_all, ev_all = best, e                                           # not read unless sharded
+    if heads.world > 1:                                 # what kernel C computes per head, then every rank's
+        ev = length > (keeps[:, None] if ragged else keep)                                    # [B, Hkv]
+        u = torch.where(ev, best.view(b, h, splits).amax(-1).float(), 0.0)
+        u_all, ev_all = every_head(heads, u, ev)                                               # [B, H_ALL]
+        u_all, ev_all = u_all.contiguous(), ev_all.contiguous().view(torch.uint8)            # the kernel's layout
     _merge_move_kernel[(b,)](
-        k, v, col_sum, position, log_weight, length, tau, tau_set.view(torch.uint8), e, best, nearest,
+        k, v, col_sum, position, log_weight, length, tau, tau_set.view(torch.uint8), e, best, nearest, u_all, ev_all,
         *k.stride(), *v.stride(), h, c, keep, splits, float(beta), 1.0 - float(beta),
-        math.e if variant == "paper" else 1.0, float(min_cos), keeps,
+        math.e if variant == "paper" else 1.0, float(min_cos), keeps, h * heads.world,
         HEAD_DIM=d, BLOCK_H=next_pow2(h), BLOCK_D=min(block_d, 128),
         BLOCK_SPLITS=next_pow2(splits), ACC=tl_acc, PAPER=variant == "paper", BIAS=bool(bias), RAGGED=ragged,
-        num_warps=4, enable_fp_fusion=False)
+        SHARDED=heads.world > 1, BLOCK_H_ALL=next_pow2(h * heads.world), num_warps=4, enable_fp_fusion=False)
     if others:                                       # a row that evicts nothing has e = last = C - 1: no move
         row0 = torch.arange(b * h, device=k.device) * c
         flat_e, flat_last = e + row0, (row0 + last.view(-1)) if ragged else row0 + c - 1

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvpass.head_group import SINGLE_PROCESS, HeadGroup
 from kvpass.kernels._triton import HAS_TRITON, check_device, require_triton
 from kvpass.kernels.d2o_evict_one import (
     NO_FLOOR,
@@ -66,7 +67,8 @@ def d2o_evict_one_ragged_triton(k: Tensor, v: Tensor, col_sum: Tensor, position:
                                 length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: Tensor,
                                 sinks: Tensor, recent: Tensor, target_from: Tensor, beta: float, variant: str,
                                 min_cos: float = NO_FLOOR, bias: bool = False, *, splits: int | None = None,
-                                block_c: int = 32, block_scan: int = 1024, num_warps: int = 8) -> None:
+                                block_c: int = 32, block_scan: int = 1024, num_warps: int = 8,
+                                heads: HeadGroup = SINGLE_PROCESS) -> None:
     """``d2o_evict_one``'s three Triton kernels in their RAGGED form: they load row b's keep, sinks, recent
     and target_from from the [B] tensors and take the newest entry from slot length - 1. A row within its
     own budget scans nothing."""
@@ -75,7 +77,7 @@ def d2o_evict_one_ragged_triton(k: Tensor, v: Tensor, col_sum: Tensor, position:
                                   recent, target_from, variant)
     launch_evict_one(k, v, col_sum, position, log_weight, length, tau, tau_set, others, (0, 0, 0, 0),
                      (keep, sinks, recent, target_from), beta, variant, min_cos, bias, splits, block_c, block_scan,
-                     num_warps)
+                     num_warps, heads)
 
 
 @torch.library.custom_op("kvpass::d2o_evict_one_ragged", mutates_args=(

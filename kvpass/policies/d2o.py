@@ -18,6 +18,7 @@ from kvpass.kernels.d2o_evict_one import (
     NO_MERGE,
     SCORE_EPS,
     OneEviction,
+    d2o_evict_one_triton,
     ema_threshold,
     evict_one_in_place,
     merge_weights,
@@ -28,6 +29,7 @@ from kvpass.kernels.d2o_evict_one import (
     unprotected,
 )
 from kvpass.kernels.d2o_evict_one import merged_rows as _merged_rows
+from kvpass.kernels.d2o_evict_one_ragged import d2o_evict_one_ragged_triton
 from kvpass.policies.allocation import apportion
 from kvpass.policies.base import Policy, Stat, require
 from kvpass.policies.selection import kept_slots, ordered_slots, select_kept
@@ -400,7 +402,10 @@ class D2O(Policy):
         if many:
             evict_many_in_place(*layer, keep, keep + 1, cache.capacity - keep, sinks, recent, self._target_from(keep),
                                 *self._step_options())
-        elif self.heads.world > 1:          # tensor parallel: the threshold spans ranks (the kernels' is in-kernel)
+        elif self.heads.world > 1 and self._triton_step(cache):     # the threshold over every rank's heads
+            d2o_evict_one_triton(*layer, keep, sinks, recent, self.beta, self.d2o_variant, self._min_cos(),
+                                 self._target_from(keep), self.merge_bias, heads=self.heads)
+        elif self.heads.world > 1:
             evict_one_in_place(*layer, keep, sinks, recent, self._target_from(keep), *self._step_options(),
                                heads=self.heads)
         elif self._triton_step(cache):
@@ -478,7 +483,10 @@ class D2O(Policy):
         sinks, _, recent = self.split_rows(keep)
         target_from = torch.zeros_like(keep) if self.merge_into_sinks else sinks
         layer = self._in_place_layer(cache)
-        if self.heads.world > 1:                # tensor parallel: the threshold spans ranks
+        if self.heads.world > 1 and self._triton_step(cache):     # tensor parallel: the threshold spans ranks
+            d2o_evict_one_ragged_triton(*layer, keep, sinks, recent, target_from, self.beta, self.d2o_variant,
+                                        self._min_cos(), self.merge_bias, heads=self.heads)
+        elif self.heads.world > 1:
             evict_one_in_place(*layer, keep, sinks, recent, target_from, *self._step_options(), heads=self.heads)
         elif self.interval > 1:                   # the due rows (budget + interval entries) evict interval entries
             evict_many_in_place(*layer, keep, keep + self.interval, self.interval, sinks, recent, target_from,
