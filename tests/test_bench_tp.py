@@ -38,3 +38,28 @@ def test_cli_tp_outside_torchrun_is_refused(capsys, monkeypatch) -> None:
     monkeypatch.delenv("RANK", raising=False)
     assert cli_main(["generate", "--tp", "2"]) == 2
     assert "torchrun --nproc-per-node 2" in capsys.readouterr().err
+
+
+def test_model_of_views_holds_no_weight_until_copied() -> None:
+    """The 70B section's model (benchmarks/bench/models.py): weights are views of small random vectors (a few
+    bytes a matrix) until copied, and once copied it computes what an ordinary model of those weights does."""
+    import torch
+
+    from benchmarks.bench.models import TINY_LLAMA, build_model, build_model_of_views, materialise_views
+
+    views = build_model_of_views(TINY_LLAMA, torch.device("cpu"), torch.float32, seed=3)
+    logical = sum(p.numel() * p.element_size() for p in views.parameters())
+    held = sum(p.untyped_storage().nbytes() for p in views.parameters())
+    assert held < logical / 10
+    w = views.model.layers[0].mlp.up_proj.weight
+    assert torch.equal(w[1, :-1], w[0, 1:]) and w.std() > 0          # W[i, j] = s[i + j], random
+    ids = torch.randint(1, TINY_LLAMA["vocab_size"], (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = views(ids).logits
+    assert materialise_views(views) == logical - sum(p.numel() * 4 for p in views.parameters() if p.dim() == 1)
+    assert all(p.is_contiguous() and p.untyped_storage().nbytes() == p.numel() * 4 for p in views.parameters())
+    plain = build_model(TINY_LLAMA, torch.device("cpu"), torch.float32)
+    plain.load_state_dict(views.state_dict())
+    with torch.no_grad():
+        assert torch.equal(views(ids).logits, before)
+        torch.testing.assert_close(plain(ids).logits, before)

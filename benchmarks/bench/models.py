@@ -15,8 +15,8 @@ TINY_LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hid
                   rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
 
 
-def build_model(config_kwargs: dict, device: torch.device, dtype: torch.dtype):
-    """A LlamaForCausalLM with random weights, built directly on the device in ``dtype``."""
+def build_model(config_kwargs: dict, device: torch.device | str, dtype: torch.dtype):
+    """A LlamaForCausalLM with random weights, built directly on the device in ``dtype`` (greedy, no EOS)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(**config_kwargs, attn_implementation="sdpa")
@@ -42,18 +42,7 @@ def build_model_of_views(config_kwargs: dict, device: torch.device, dtype: torch
     ``kvpass.apply(model, tp=N)`` copies each rank's shard of the projections (all the projection memory a
     rank then holds), and ``materialise_views`` copies what stays whole (the embedding), so what runs has
     every byte of an ordinary model. Values are random, only their layout is shared within a matrix."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**config_kwargs, attn_implementation="sdpa")
-    config.eos_token_id = None
-    config.pad_token_id = 0
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(old)
+    model = build_model(config_kwargs, "meta", dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
     for module in list(model.modules()):
         for name, p in list(module.named_parameters(recurse=False)):
@@ -67,13 +56,10 @@ def build_model_of_views(config_kwargs: dict, device: torch.device, dtype: torch
         for name, child in list(module.named_children()):
             if any(b.is_meta for b in child.buffers(recurse=False)):     # the rotary embedding's inv_freq
                 with torch.device(device):
-                    setattr(module, name, type(child)(config))
+                    setattr(module, name, type(child)(model.config))
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise RuntimeError(f"build_model_of_views: still on the meta device: {left}")
-    model.eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
     return model
 
 
