@@ -39,8 +39,9 @@ def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float
         between several calls (tracing is most of a rewrite's time: evaluation grids, benchmarks, tests);
         default: traced here. With tp > 1 the capture must be sharded for this rank already.
     compile: decode with the step's graph compiled by Inductor (``kvpass.compiled_decode.CompiledDecode``).
-        None (default): on CUDA (tensor parallel too: the collectives compile and replay, NCCL on two H200s),
-        else not (the CPU keeps the exact eager graph: ``full`` gives transformers' tokens). The cache capacity is a symbol in the compiled graph, so one compilation serves
+        None (default): on CUDA (tensor parallel too: the collectives compile and replay, NCCL on two
+        H200s), else not (the CPU keeps the exact eager graph: ``full`` gives transformers' tokens). The
+        cache capacity is a symbol in the compiled graph, so one compilation serves
         every prompt length and layer budget: at most two per model (batch 1, then any larger batch), done on
         the first ``generate`` that needs it, kept across calls, and reported (``model.compile_report``, and the
         last call's share in ``last_report.compilations`` / ``compile_seconds``). Where Dynamo or Inductor

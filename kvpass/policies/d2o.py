@@ -382,8 +382,9 @@ class D2O(Policy):
         position (``pick_one``). Same entries and values as ``compress`` (tested as sets). On CUDA one
         op of three Triton kernels (``torch.ops.kvpass.d2o_evict_one``), elsewhere, under export and for
         merge_protect or merge_weighting="score" (which the kernels lack) its plain-torch step
-        ``evict_one_in_place``. Under tensor parallelism the plain-torch step with ``heads`` (its threshold over
-        every rank's heads: one all-gather a layer), where the kernels' threshold would see this rank's heads only.
+        ``evict_one_in_place``. Under tensor parallelism the same step with ``heads=self.heads`` (the kernels on
+        CUDA, else plain torch): the threshold's per-head statistics are gathered from every rank (one
+        all-gather a layer), so each rank decides as one process does.
 
         ``interval`` m > 1, capacity C in (keep + 1, keep + m] (the runtime's layer of capacity keep + m, or a
         row's copy of capacity min(keep + m, its tokens)): every row over keep evicts down to keep in place
@@ -438,8 +439,8 @@ class D2O(Policy):
         """Rows of their own budgets in one call (``compress_rows_into``) where no row's capacity exceeds its
         budget + 1 (the one-in-one-out step, ``interval`` 1): a row is due exactly when it holds budget + 1
         entries, so compressing every row of the layer at its own budget evicts one entry from each due row
-        and nothing from the others; under tensor parallelism through ``evict_one_in_place``, whose threshold
-        gathers every rank's heads (``interval`` > 1 there: the general path).
+        and nothing from the others; under tensor parallelism too, the threshold gathered from every rank's
+        heads (``interval`` > 1 there: the general path).
         Every option: merge_protect and merge_weighting="score" take the plain-torch step (``compress_rows_into``).
         ``interval`` m > 1 (``_many_applies``): where every row's capacity is its budget + m (or at most its budget:
         it never compresses), ``compress_rows_into`` evicts in place from the rows holding budget + m entries, the
