@@ -25,6 +25,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -310,6 +311,7 @@ def run(out: Path, smoke: bool, sections: tuple[str, ...], prompt: int | None, b
                 raise ValueError(f"unknown section {name!r}; sections: correctness, 8b, 70b")
         except Exception as err:  # noqa: BLE001  (one section's failure must not lose the others)
             results["errors"][name] = f"{type(err).__name__}: {err}"
+            results.setdefault("tracebacks", {})[name] = traceback.format_exc()
             if isinstance(err, ValueError) and "unknown section" in str(err):
                 raise
     if rank == 0:

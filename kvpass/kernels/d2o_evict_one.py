@@ -246,7 +246,7 @@ def evict_one_in_place(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, 
     tau.copy_(new_tau)
     tau_set.copy_(new_set)
     merged, w_e, w_self = merge_weights(u_all, valid_all, new_tau, variant, min_cos)
-    merged, w_e = heads.local(merged), heads.local(w_e)
+    merged, w_e = heads.local(merged).contiguous(), heads.local(w_e).contiguous()      # [B, Hkv, 1], as in one process
     ragged = not isinstance(keep, int)
     row0 = torch.arange(b * h, device=k.device).view(b, h, 1) * c
     last = newest_slot(length, evict, c)[..., None] if ragged else c - 1

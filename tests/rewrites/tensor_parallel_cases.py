@@ -26,18 +26,20 @@ class Case:
 
 
 def case_for(policy: str, arch: str = "llama", heads: tuple[int, int] = (4, 2), sample: bool = False,
-             via_apply: bool = False, prefill_chunk: int | None = None, batch: int = 1) -> Case:
+             via_apply: bool = False, prefill_chunk: int | None = None, batch: int = 1,
+             budget: float | int | None = None) -> Case:
     """A case whose budget (16, or the policy's minimum + 8) is well below its prompt; with ``prefill_chunk``
     the prompt is prefilled in chunks of that many tokens (the reference likewise)."""
     from kvpass.policies import get_policy
 
-    budget = max(16, get_policy(policy).min_budget() + 8)
+    tokens = max(16, get_policy(policy).min_budget() + 8)
+    # rows of a batch: by default a fraction, so that D2O's rows get layer budgets of their own (the per-row path)
+    budget = budget if budget is not None else tokens if batch == 1 else 0.4
     key = (f"{arch}-{policy}-{heads[0]}q{heads[1]}kv" + ("-sampled" if sample else "")
            + ("-via_apply" if via_apply else "") + (f"-chunk{prefill_chunk}" if prefill_chunk else "")
-           + (f"-batch{batch}" if batch > 1 else ""))
-    # rows of a batch: a fraction, so that D2O's rows get layer budgets of their own (the per-row path)
-    kwargs = {"budget": budget if batch == 1 else 0.4, **({"prefill_chunk": prefill_chunk} if prefill_chunk else {})}
-    return Case(key, arch, policy, heads, kwargs, prompt=budget + 24, sample=sample, batch=batch)
+           + (f"-batch{batch}" if batch > 1 else "") + (f"-budget{budget}" if budget not in (tokens, 0.4) else ""))
+    kwargs = {"budget": budget, **({"prefill_chunk": prefill_chunk} if prefill_chunk else {})}
+    return Case(key, arch, policy, heads, kwargs, prompt=tokens + 24, sample=sample, batch=batch)
 
 
 def tiny(arch: str, heads: tuple[int, int]) -> torch.nn.Module:
