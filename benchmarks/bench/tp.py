@@ -92,7 +92,7 @@ def measure(model, policy: str, budget: float, ids: torch.Tensor, tp: int | None
             copy_bw: float, steps: int, compile: bool | None = None, prefill_chunk: int | None = None) -> dict:
     """One policy at one batch: TTFT (median of 2 ``generate(max_new_tokens=1)``, one above batch 1), ms/token from stepped
     greedy tokens (``benchmarks.bench.timing.stepped_tpot``), peak memory, cache bytes and the copy floor.
-    ``compile``: ``kvpass.apply``'s (None: its default, compiled on one CUDA process, eager under tp)."""
+    ``compile``: ``kvpass.apply``'s (None: its default, compiled on CUDA)."""
     import kvpass
 
     kv = kvpass.apply(model, policy=policy, budget=budget, tp=tp, compile=compile, prefill_chunk=prefill_chunk)
@@ -231,6 +231,13 @@ def section_correctness(world: int, device: torch.device, smoke: bool) -> dict:
             "tp": world, "dtype": "float32"}
 
 
+def _layer_params(layer_kwargs: dict) -> tuple[int, int]:
+    """(a layer's q, k, v, o and MLP weights, the embedding's = the LM head's), in parameters."""
+    h, i, v = layer_kwargs["hidden_size"], layer_kwargs["intermediate_size"], layer_kwargs["vocab_size"]
+    kv = layer_kwargs["num_key_value_heads"] * h // layer_kwargs["num_attention_heads"]
+    return 2 * h * h + 2 * h * kv + 3 * h * i, v * h
+
+
 def layers_that_fit(device: torch.device, layer_kwargs: dict, world: int, want: int = 80, fraction: float = 0.92,
                     reserve_gib: float = 6.0) -> int:
     """How many 70B-shaped layers (of ``want``) one rank's bf16 weights fit in ``fraction`` of its GPU less
@@ -239,19 +246,19 @@ def layers_that_fit(device: torch.device, layer_kwargs: dict, world: int, want: 
     2 off the GPU."""
     if device.type != "cuda":
         return 2
-    h, i, v = layer_kwargs["hidden_size"], layer_kwargs["intermediate_size"], layer_kwargs["vocab_size"]
-    kv = layer_kwargs["num_key_value_heads"] * h // layer_kwargs["num_attention_heads"]
-    per_layer = 2 * ((2 * h * h + 2 * h * kv + 3 * h * i) / world + 2 * h)
-    fixed = 2 * v * h * (1 + 1 / world)
+    h = layer_kwargs["hidden_size"]
+    projections, table = _layer_params(layer_kwargs)
+    per_layer = 2 * (projections / world + 2 * h)
+    fixed = 2 * table * (1 + 1 / world)
     budget = fraction * torch.cuda.get_device_properties(device).total_memory - reserve_gib * 2**30
     return max(1, min(want, int((budget - fixed) // per_layer)))
 
 
 def unsharded_weight_gib(layer_kwargs: dict, layers: int) -> float:
     """The bf16 weights of the whole model (what tp=1 would hold on one GPU)."""
-    h, i, v = layer_kwargs["hidden_size"], layer_kwargs["intermediate_size"], layer_kwargs["vocab_size"]
-    kv = layer_kwargs["num_key_value_heads"] * h // layer_kwargs["num_attention_heads"]
-    return 2 * (layers * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h) + 2 * v * h + h) / 2**30
+    h = layer_kwargs["hidden_size"]
+    projections, table = _layer_params(layer_kwargs)
+    return 2 * (layers * (projections + 2 * h) + 2 * table + h) / 2**30
 
 
 def markdown(results: dict) -> str:
@@ -337,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-tp1", action="store_true", help="skip the one-GPU comparison rows")
     ap.add_argument("--tp", type=int, default=None, help="the processes torchrun starts (checked; default: all)")
     ap.add_argument("--compile", choices=("default", "on", "off"), default="default",
-                    help="compiled decode at tp=N (default: kvpass's, eager under tp); tp=1 rows keep kvpass's default")
+                    help="compiled decode at tp=N (default: kvpass's, compiled on CUDA); tp=1 rows keep kvpass's default")
     ap.add_argument("--prefill-chunk-70b", type=int, default=4096,
                     help="the 70b section's chunked prefill (0: the whole prompt at once)")
     args = ap.parse_args(argv)

@@ -406,14 +406,12 @@ class D2O(Policy):
         elif self.heads.world > 1 and self._triton_step(cache):     # the threshold over every rank's heads
             d2o_evict_one_triton(*layer, keep, sinks, recent, self.beta, self.d2o_variant, self._min_cos(),
                                  self._target_from(keep), self.merge_bias, heads=self.heads)
-        elif self.heads.world > 1:
-            evict_one_in_place(*layer, keep, sinks, recent, self._target_from(keep), *self._step_options(),
-                               heads=self.heads)
-        elif self._triton_step(cache):
+        elif self._triton_step(cache) and self.heads.world == 1:
             torch.ops.kvpass.d2o_evict_one(*layer, keep, sinks, recent, self.beta, self.d2o_variant, self._min_cos(),
                                            self._target_from(keep), self.merge_bias)
         else:
-            evict_one_in_place(*layer, keep, sinks, recent, self._target_from(keep), *self._step_options())
+            evict_one_in_place(*layer, keep, sinks, recent, self._target_from(keep), *self._step_options(),
+                               heads=self.heads)
 
     def _in_place_layer(self, cache: LayerCache) -> tuple:
         """The layer's tensors the in-place steps mutate, in their argument order: (k, v, the ranked slot metadata,
@@ -487,16 +485,14 @@ class D2O(Policy):
         if self.heads.world > 1 and self._triton_step(cache):     # tensor parallel: the threshold spans ranks
             d2o_evict_one_ragged_triton(*layer, keep, sinks, recent, target_from, self.beta, self.d2o_variant,
                                         self._min_cos(), self.merge_bias, heads=self.heads)
-        elif self.heads.world > 1:
-            evict_one_in_place(*layer, keep, sinks, recent, target_from, *self._step_options(), heads=self.heads)
         elif self.interval > 1:                   # the due rows (budget + interval entries) evict interval entries
             evict_many_in_place(*layer, keep, keep + self.interval, self.interval, sinks, recent, target_from,
                                 *self._step_options())
-        elif self._triton_step(cache):
+        elif self._triton_step(cache) and self.heads.world == 1:
             torch.ops.kvpass.d2o_evict_one_ragged(*layer, keep, sinks, recent, target_from, self.beta,
                                                   self.d2o_variant, self._min_cos(), self.merge_bias)
         else:
-            evict_one_in_place(*layer, keep, sinks, recent, target_from, *self._step_options())
+            evict_one_in_place(*layer, keep, sinks, recent, target_from, *self._step_options(), heads=self.heads)
 
     def _pick_one(self, cache: LayerCache, keep: int) -> OneEviction:
         """``pick_one`` (§5.5-5.6 for rows of at most keep + 1 entries) on this layer's cache; merge_protect:
