@@ -63,3 +63,43 @@ def test_model_of_views_holds_no_weight_until_copied() -> None:
     with torch.no_grad():
         assert torch.equal(views(ids).logits, before)
         torch.testing.assert_close(plain(ids).logits, before)
+
+
+def _counting(sleeps: list[float]):
+    calls = []
+
+    def fn() -> None:
+        import time
+        time.sleep(sleeps[len(calls) % len(sleeps)])
+        calls.append(1)
+    return fn, calls
+
+
+def test_fixed_runs_call_the_same_number_of_times_however_slow() -> None:
+    """Under tp every rank must call a timed function holding collectives equally often (do_bench's count
+    follows the rank's own clock: at tp=4 two ranks finished D2O's compression timing and two hung)."""
+    import torch
+
+    from benchmarks.bench.timing import median_of_fixed_runs
+
+    counts = []
+    for sleeps in ([0.0], [0.004, 0.0]):
+        fn, calls = _counting(sleeps)
+        seconds = median_of_fixed_runs(fn, torch.device("cpu"), warm=2, runs=7)
+        counts.append(len(calls))
+        assert seconds >= 0.0
+    assert counts == [9, 9]
+
+
+def test_time_fn_under_tp_takes_the_fixed_count(monkeypatch) -> None:
+    import pytest
+    import torch
+
+    from benchmarks.bench import timing
+
+    if not torch.cuda.is_available():
+        pytest.skip("the CUDA branch of time_fn (CPU timing is a fixed count already)")
+    monkeypatch.setattr(timing, "_ranks", lambda: 2)
+    fn, calls = _counting([0.0])
+    timing.time_fn(fn, torch.device("cuda"), graph=False)
+    assert len(calls) == 5 + 25

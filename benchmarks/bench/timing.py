@@ -56,9 +56,43 @@ def time_fn(fn: Callable[[], object], device: torch.device, graph: bool = True) 
         with torch.cuda.graph(g):
             fn()
         run = g.replay
+    if _ranks() > 1:              # do_bench's run count follows this rank's clock: ranks would disagree
+        return median_of_fixed_runs(run, device)
     ms = do_bench(run, warmup=10, rep=40, quantiles=[0.5])
     ms = ms[0] if isinstance(ms, (list, tuple)) else ms
     return float(ms) * 1e-3
+
+
+def _ranks() -> int:
+    """Processes of the default process group (1 outside torch.distributed)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def median_of_fixed_runs(fn: Callable[[], object], device: torch.device, warm: int = 5, runs: int = 25) -> float:
+    """Median seconds of ``runs`` calls of ``fn`` after ``warm`` untimed ones: the same count on every rank,
+    which a ``fn`` holding collectives needs (``do_bench`` sizes its runs from each rank's own first timing:
+    timing D2O's compression, which all-gathers, at tp=4 on H200s, two ranks finished and two waited until
+    killed). CUDA: each call between two events, L2 flushed before it as ``do_bench`` does."""
+    for _ in range(warm):
+        fn()
+    if device.type != "cuda":
+        times = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    flush = torch.empty(256 << 20, dtype=torch.int8, device=device)
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(runs)]
+    for start, end in pairs:
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize(device)
+    return statistics.median(start.elapsed_time(end) for start, end in pairs) * 1e-3
 
 
 def time_graphed_or_eager(fn: Callable[[], object], device: torch.device) -> tuple[float, bool]:

@@ -19,6 +19,7 @@ Every timed number is measured here; the floors are computed from measured copy 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import json
 import os
@@ -65,6 +66,11 @@ def _have_time(need_s: float, collective: bool, device: torch.device) -> bool:
     return _all_ok(ok, device) if collective else ok
 
 
+def _say(what: str) -> None:
+    """One progress line (elapsed seconds, rank) on stdout: where a cut-off run was."""
+    print(f"[tp {time.monotonic() - _CLOCK['start']:7.1f}s rank {os.environ.get('RANK', '0')}] {what}", flush=True)
+
+
 def _peak_reset(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -90,17 +96,22 @@ def _weight_bytes(model) -> int:
 
 def measure(model, policy: str, budget: float, ids: torch.Tensor, tp: int | None, device: torch.device,
             copy_bw: float, steps: int, compile: bool | None = None, prefill_chunk: int | None = None) -> dict:
-    """One policy at one batch: TTFT (median of 2 ``generate(max_new_tokens=1)``, one above batch 1), ms/token from stepped
+    """One policy at one batch: TTFT (median of 2 ``generate(max_new_tokens=1)``, one above batch 1, after an untimed
+    one of the first row), ms/token from stepped
     greedy tokens (``benchmarks.bench.timing.stepped_tpot``), peak memory, cache bytes and the copy floor.
     ``compile``: ``kvpass.apply``'s (None: its default, compiled on CUDA)."""
     import kvpass
 
+    where = f"{policy} tp={tp or 1} batch={ids.shape[0]}"
+    _say(f"{where}: apply")
     kv = kvpass.apply(model, policy=policy, budget=budget, tp=tp, compile=compile, prefill_chunk=prefill_chunk)
     materialise_views(model)                      # a build_model_of_views model's unsharded weights (the embedding)
     kv.prefill_rows = 1
     _peak_reset(device)
+    kv.generate(ids[:1], max_new_tokens=1)        # untimed: the first call's Triton compilations and plans
     first = [timed(device, lambda: kv.generate(ids, max_new_tokens=1)) for _ in range(2 if ids.shape[0] == 1 else 1)]
     ttft = statistics.median(first)
+    _say(f"{where}: TTFT {ttft:.2f} s; stepped decode")
     report = kv.last_report
     stepped = stepped_tpot(kv, ids, device, warm=4, steps=steps)
     weights = _weight_bytes(model)
@@ -113,6 +124,7 @@ def measure(model, policy: str, budget: float, ids: torch.Tensor, tp: int | None
            "compiled": compiled["compiled"], "compile_seconds": compiled["compile_seconds"],
            "compile_failure": compiled.get("failure"), "graph_captures": kv.decode_step.captures,
            "prefill_chunk": prefill_chunk, **{k: v for k, v in stepped.items() if k.startswith("decode_compress")}}
+    _say(f"{where}: {row['tpot_ms']:.2f} ms/token")
     kv = None                                     # its caches and graphs go before the next measurement
     _peak_reset(device)
     _PARTIAL["rows"].append(row)
@@ -137,11 +149,13 @@ def _largest_batch(make_model, policy, budget, prompt, tp, device, copy_bw, step
         spare = 0.9 * total - one["peak_memory_gib"] * 2**30
         batch = min(max_batch, 1 + int(spare // per_row))
     while batch > 1:
-        need = 3 * one["ttft_s"] * batch + 60      # two prefills of every row (TTFT, steps) and a build, roughly
+        # two prefills of every row (TTFT, steps), the warm row, a compilation at the new batch and a build, roughly
+        need = (2 * batch + 1) * one["ttft_s"] + 1.5 * (one.get("compile_seconds") or 30) + 60
         if not _have_time(need, collective, device):
             batch //= 2                             # the time box, not memory, limits this one
             continue
         row, ok = None, True
+        _say(f"{policy} tp={tp or 1}: trying batch {batch} (estimated {need:.0f} s)")
         try:
             model = make_model()
             ids = torch.randint(1, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(1))
@@ -279,9 +293,13 @@ def markdown(results: dict) -> str:
 
 def run(out: Path, smoke: bool, sections: tuple[str, ...], prompt: int | None, budget: float,
         methods: tuple[str, ...], max_batch: int, with_tp1: bool = True, total_s: float = float("inf"),
-        compile: bool | None = None, chunk_70b: int | None = 4096) -> dict:
+        compile: bool | None = None, chunk_70b: int | None = 4096, stack_dump_s: float = 0) -> dict:
     _CLOCK.update(start=time.monotonic(), total_s=total_s)
     rank, world, device = init_distributed()
+    if stack_dump_s:                               # a hung rank's stacks, every stack_dump_s seconds
+        out.mkdir(parents=True, exist_ok=True)
+        faulthandler.dump_traceback_later(stack_dump_s, repeat=True,
+                                          file=open(out / f"stacks-rank{rank}.txt", "w"))  # noqa: SIM115
     if device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     prompt = prompt or (40 if smoke else 32768)
@@ -347,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="compiled decode at tp=N (default: kvpass's, compiled on CUDA); tp=1 rows keep kvpass's default")
     ap.add_argument("--prefill-chunk-70b", type=int, default=4096,
                     help="the 70b section's chunked prefill (0: the whole prompt at once)")
+    ap.add_argument("--stack-dump-s", type=float, default=0,
+                    help="write every rank's stacks to <out>/stacks-rank<r>.txt every this many seconds (0: never)")
     args = ap.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.tp is not None and args.tp != world:
@@ -354,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"`torchrun --nproc-per-node {args.tp} -m kvpass.cli bench --tp {args.tp}`")
     results = run(Path(args.out), args.smoke, tuple(s for s in args.sections.split(",") if s), args.prompt, args.budget,
                   tuple(m for m in args.methods.split(",") if m), args.max_batch, not args.no_tp1, args.total_s,
-                  {"default": None, "on": True, "off": False}[args.compile], args.prefill_chunk_70b or None)
+                  {"default": None, "on": True, "off": False}[args.compile], args.prefill_chunk_70b or None,
+                  args.stack_dump_s)
     return 1 if results["errors"] or (results.get("correctness") or {}).get("tokens_equal") is False else 0
 
 
