@@ -19,7 +19,6 @@ Every timed number is measured here; the floors are computed from measured copy 
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import gc
 import json
 import os
@@ -293,13 +292,9 @@ def markdown(results: dict) -> str:
 
 def run(out: Path, smoke: bool, sections: tuple[str, ...], prompt: int | None, budget: float,
         methods: tuple[str, ...], max_batch: int, with_tp1: bool = True, total_s: float = float("inf"),
-        compile: bool | None = None, chunk_70b: int | None = 4096, stack_dump_s: float = 0) -> dict:
+        compile: bool | None = None, chunk_70b: int | None = 4096) -> dict:
     _CLOCK.update(start=time.monotonic(), total_s=total_s)
     rank, world, device = init_distributed()
-    if stack_dump_s:                               # a hung rank's stacks, every stack_dump_s seconds
-        out.mkdir(parents=True, exist_ok=True)
-        faulthandler.dump_traceback_later(stack_dump_s, repeat=True,
-                                          file=open(out / f"stacks-rank{rank}.txt", "w"))  # noqa: SIM115
     if device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     prompt = prompt or (40 if smoke else 32768)
@@ -365,8 +360,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="compiled decode at tp=N (default: kvpass's, compiled on CUDA); tp=1 rows keep kvpass's default")
     ap.add_argument("--prefill-chunk-70b", type=int, default=4096,
                     help="the 70b section's chunked prefill (0: the whole prompt at once)")
-    ap.add_argument("--stack-dump-s", type=float, default=0,
-                    help="write every rank's stacks to <out>/stacks-rank<r>.txt every this many seconds (0: never)")
     args = ap.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.tp is not None and args.tp != world:
@@ -374,8 +367,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"`torchrun --nproc-per-node {args.tp} -m kvpass.cli bench --tp {args.tp}`")
     results = run(Path(args.out), args.smoke, tuple(s for s in args.sections.split(",") if s), args.prompt, args.budget,
                   tuple(m for m in args.methods.split(",") if m), args.max_batch, not args.no_tp1, args.total_s,
-                  {"default": None, "on": True, "off": False}[args.compile], args.prefill_chunk_70b or None,
-                  args.stack_dump_s)
+                  {"default": None, "on": True, "off": False}[args.compile], args.prefill_chunk_70b or None)
     return 1 if results["errors"] or (results.get("correctness") or {}).get("tokens_equal") is False else 0
 
 
