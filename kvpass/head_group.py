@@ -25,6 +25,7 @@ class HeadGroup:
 
     rank: int = 0
     world: int = 1
+    collectives: int = 0                            # the collectives asked for so far (none in one process)
 
     def gather(self, x: Tensor, dim: int = 1) -> Tensor:
         """x: this rank's heads along ``dim`` -> every head of the layer, in rank order."""
@@ -54,11 +55,13 @@ class ShardedHeadGroup(HeadGroup):
         if world < 2 or not 0 <= rank < world:
             raise ValueError(f"ShardedHeadGroup needs world >= 2 and 0 <= rank < world, got rank={rank}, world={world}")
         self.group_name, self.rank, self.world = group_name, rank, world
+        self.collectives = 0
 
     def gather(self, x: Tensor, dim: int = 1) -> Tensor:
         if x.dtype == torch.bool:                  # not every backend gathers bool
             return self.gather(x.to(torch.uint8), dim).bool()
         first = x.movedim(dim, 0).contiguous()     # the collective stacks ranks along dim 0
+        self.collectives += 1
         out = _c10d.all_gather_into_tensor.default(first, self.world, self.group_name)
         return _c10d.wait_tensor.default(out).movedim(0, dim)
 
@@ -70,9 +73,11 @@ class ShardedHeadGroup(HeadGroup):
         return x.narrow(dim, self.rank * n, n)
 
     def max(self, x: Tensor) -> Tensor:
+        self.collectives += 1
         return _c10d.wait_tensor.default(_c10d.all_reduce.default(x.contiguous(), "max", self.group_name))
 
     def broadcast(self, x: Tensor) -> Tensor:
+        self.collectives += 1
         return _c10d.wait_tensor.default(_c10d.broadcast.default(x.contiguous(), 0, self.group_name))
 
     def __repr__(self) -> str:

@@ -83,6 +83,9 @@ class AdaKV(Policy):
     def head_capacity(self, keep: int, heads: int) -> int:
         return head_cap(keep, heads, self.floor(keep), self.max_share)
 
+    def gathers_across_heads(self) -> bool:
+        return True                                 # the joint top-k over every KV head of the layer
+
     def compress(self, cache: LayerCache, keep: int) -> LayerCache:
         """cache: k, v [B, Hkv, C, D] + the inner policy's statistics -> capacity min(cap, C), row (b, g)
         holding its selected entries; per row the heads hold Hkv * keep entries together."""

@@ -187,6 +187,14 @@ class Policy:
         two as sets of entries)."""
         load_into(cache, self.compress(cache, keep))
 
+    def gathers_across_heads(self) -> bool:
+        """Whether ``compress_into`` / ``compress_rows_into`` ask ``self.heads`` for other KV heads' statistics
+        (collectives under tensor parallelism). Under tp the runtime compresses the layers of a policy that does one
+        after another, so every rank runs its collectives in one order; any other policy's layers run side by side
+        as in one process, and the runtime checks that their compressions called no collective
+        (``kvpass.runtime.session``). Default False: every head on its own."""
+        return False
+
     def deferred_scores(self) -> int:
         """The decode steps whose attention rows may wait for the layer's next compression: a policy that only
         adds each step's row into ``col_sum`` (``Stat.COLUMN_SUM``) and reads it only when it compresses need not

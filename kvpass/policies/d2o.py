@@ -433,6 +433,9 @@ class D2O(Policy):
         return (self.beta, self.d2o_variant, self._min_cos(), self.merge_bias, self._protect(),
                 self.merge_weighting == "score")
 
+    def gathers_across_heads(self) -> bool:
+        return True                                 # the EMA threshold's statistics over every KV head
+
     def rows_in_one_call(self, budgets: Sequence[int], capacities: Sequence[int]) -> bool:
         """Rows of their own budgets in one call (``compress_rows_into``) where no row's capacity exceeds its
         budget + 1 (the one-in-one-out step, ``interval`` 1): a row is due exactly when it holds budget + 1

@@ -52,6 +52,9 @@ class TOVA(Policy):
     def min_budget(self) -> int:
         return self.sinks + 1
 
+    def gathers_across_heads(self) -> bool:
+        return self.score_heads == "layer"          # the layer's mean score over every KV head
+
     def stat_options(self, stat: Stat) -> dict[str, object]:
         """The prompt's last query row over every key, unpooled (the window-scores op, window 1)."""
         return {"obs_window": 1, "kernel": 1, "pool": "avg", "include_window": True}

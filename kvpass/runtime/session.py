@@ -233,11 +233,17 @@ class DecodeSession:
     def _compress_layer(self, lay: Layer) -> None:
         """The whole layer in its own buffers: ``compress_rows_into`` at each row's own budget (only the due rows
         evict) where ``_per_row_due`` and ``_rows_in_one_call``, else ``compress_into`` at the layer's budget.
-        No host sync."""
+        No host sync. Under tensor parallelism, a policy that says its compression gathers nothing across heads
+        (whose layers ``compress_layers`` runs side by side) is held to it: a collective asked for is refused here,
+        at its first compression, where side by side it could meet the other ranks' collectives out of order."""
+        asked = self.owner.heads.collectives
         if self._per_row_due(lay) and self._rows_in_one_call(lay):
             self.policy.compress_rows_into(lay.cache, lay.keep_rows())
         else:
             self.policy.compress_into(lay.cache, lay.budget)
+        if self.owner.heads.collectives != asked and not self.policy.gathers_across_heads():
+            raise RuntimeError(f"{self.policy.name}: its compression asked the other ranks for heads' statistics, but "
+                               "its gathers_across_heads() is False; declare it True (kvpass/policies/base.py)")
 
     def _still_wide(self, lay: Layer) -> bool:
         """A layer whose prompt compression ``Policy.prompt_compression_deferred`` put off: its buffers
@@ -348,12 +354,16 @@ class DecodeSession:
         sync; the length tensor stays the same tensor, so it is the decode step's slot). On CUDA the layers run
         side by side on the decode step's side streams: joined before returning (``run_side_by_side``), or
         with ``join=False`` left for the decode graph to await layer by layer (``fork_side_by_side``; the
-        step joins what is left after the graph)."""
+        step joins what is left after the graph). Under tensor parallelism too, unless the policy's compression
+        gathers across heads (``Policy.gathers_across_heads``): then one layer after another, every rank's
+        collectives in one order."""
         calls = [functools.partial(self._compress_layer, self.layers[i]) for i in indices]
-        if self.owner.heads.world > 1:            # tensor parallel: a policy's collectives run in one order
-            for call in calls:
+        heads = self.owner.heads
+        if heads.world > 1 and self.owner.policy.gathers_across_heads():
+            for call in calls:                    # tensor parallel: the policy's collectives run in one order
                 call()
-        elif calls and self.logits.is_cuda and not join:
+            return
+        if calls and self.logits.is_cuda and not join:
             streams = self.owner.decode_step.side_streams(self.logits.device)
             fork_side_by_side([(self.layers[i].cache.k, c) for i, c in zip(indices, calls, strict=True)], streams)
         else:
