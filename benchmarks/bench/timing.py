@@ -35,13 +35,7 @@ def time_fn(fn: Callable[[], object], device: torch.device, graph: bool = True) 
     """Median seconds of ``fn``. CUDA: captured in a CUDA graph (no launch overhead, as in the decode
     step) and timed by triton's do_bench (median, L2 flushed before each run). CPU: a few runs."""
     if device.type != "cuda":
-        fn()
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return median_of_fixed_runs(fn, device, warm=1, runs=3)
     from triton.testing import do_bench
 
     run = fn
