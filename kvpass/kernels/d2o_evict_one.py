@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Generator
 from typing import NamedTuple
 
 import torch
@@ -596,24 +597,65 @@ def d2o_evict_one_triton(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor
     """The three Triton kernels (same contract as ``d2o_evict_one_reference``; with ``heads``, as
     ``evict_one_in_place``'s: the threshold over every rank's heads); scratch: 5 tensors of B Hkv (splits)
     elements."""
+    run_layers([d2o_evict_one_steps(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks,
+                                    recent, beta, variant, min_cos, target_from, bias, splits=splits, block_c=block_c,
+                                    block_scan=block_scan, num_warps=num_warps, heads=heads)], heads)
+
+
+def d2o_evict_one_steps(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor,
+                        length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: int,
+                        sinks: int, recent: int, beta: float, variant: str, min_cos: float = NO_FLOOR,
+                        target_from: int = 0, bias: bool = False, *, splits: int | None = None,
+                        block_c: int = 32, block_scan: int = 1024, num_warps: int = 8,
+                        heads: HeadGroup = SINGLE_PROCESS) -> Generator[Gathered, Gathered, None]:
+    """``d2o_evict_one_triton``'s checked inputs as ``evict_one_steps`` (one layer of ``run_layers``)."""
     require_triton()
     check_evict_one_inputs(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks, recent,
                            variant, target_from)
-    launch_evict_one(k, v, col_sum, position, log_weight, length, tau, tau_set, others,
-                     (keep, sinks, recent, target_from), None, beta, variant, min_cos, bias, splits, block_c,
-                     block_scan, num_warps, heads)
+    return evict_one_steps(k, v, col_sum, position, log_weight, length, tau, tau_set, others,
+                           (keep, sinks, recent, target_from), None, beta, variant, min_cos, bias, splits, block_c,
+                           block_scan, num_warps, heads)
 
 
-def launch_evict_one(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor, length: Tensor,
-                     tau: Tensor, tau_set: Tensor, others: list[Tensor], split: tuple[int, int, int, int],
-                     row_split: tuple[Tensor, Tensor, Tensor, Tensor] | None, beta: float, variant: str,
-                     min_cos: float, bias: bool, splits: int | None, block_c: int, block_scan: int,
-                     num_warps: int, heads: HeadGroup = SINGLE_PROCESS) -> None:
-    """Kernels A, B, C on checked inputs. ``split``: (keep, sinks, recent, target_from) of every row;
-    ``row_split``: the same as [B] int64 tensors, one value per batch row (``d2o_evict_one_ragged``; then
-    ``split`` is ignored), or None. ``heads``: under tensor parallelism, the layer's heads over the ranks: each
-    head's best similarity and eviction flag are gathered from every rank (one all-gather) between kernels B
-    and C, whose threshold is then the one-process one."""
+Gathered = tuple[Tensor, Tensor] | None          # every rank's (u, ev) [B, H_ALL] of one layer; None in one process
+
+
+def run_layers(steps: list[Generator[Gathered, Gathered, None]], heads: HeadGroup) -> None:
+    """Several layers' ``evict_one_steps`` (each on checked inputs): kernels A and B of every layer, then, under
+    tensor parallelism, one all-gather of every layer's per-head (u, ev) (layers of one [B, Hkv] stacked; one
+    gather per shape), then kernel C and the moves of every layer. The gathered values are those of each
+    layer's own gather, so each layer ends as it does alone; the ranks' collectives come in one order as long
+    as every rank passes its layers in one order."""
+    wanted = [next(step) for step in steps]
+    got: list[Gathered] = [None] * len(steps)
+    if heads.world > 1:
+        by_shape: dict[tuple, list[int]] = {}
+        for i, (u, _) in enumerate(wanted):
+            by_shape.setdefault(tuple(u.shape), []).append(i)
+        for members in by_shape.values():
+            both = torch.stack([torch.stack((wanted[i][0].float(), wanted[i][1].float())) for i in members])
+            every = heads.gather(both, dim=3)                                   # [L, 2, B, H_ALL]
+            for j, i in enumerate(members):
+                got[i] = (every[j, 0].contiguous(), (every[j, 1] > 0).contiguous().view(torch.uint8))
+    for step, gathered in zip(steps, got, strict=True):
+        try:
+            step.send(gathered)
+        except StopIteration:
+            continue
+        raise RuntimeError("evict_one_steps yielded twice")
+
+
+def evict_one_steps(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor, length: Tensor,
+                    tau: Tensor, tau_set: Tensor, others: list[Tensor], split: tuple[int, int, int, int],
+                    row_split: tuple[Tensor, Tensor, Tensor, Tensor] | None, beta: float, variant: str,
+                    min_cos: float, bias: bool, splits: int | None, block_c: int, block_scan: int,
+                    num_warps: int, heads: HeadGroup = SINGLE_PROCESS) -> Generator[Gathered, Gathered, None]:
+    """Kernels A, B, C on checked inputs, in two halves for ``run_layers``: launches kernels A and B, yields
+    this rank's (u [B, Hkv] fp32: each head's best similarity where it evicts, else 0; ev [B, Hkv] bool: whether
+    it evicts) under tensor parallelism (None in one process), takes back every rank's (u, ev as uint8)
+    [B, H_ALL], whose sum kernel C's threshold takes as one process does, then launches kernel C and moves the
+    other metadata. ``split``: (keep, sinks, recent, target_from) of every row; ``row_split``: the same as [B]
+    int64 tensors, one value per batch row (``d2o_evict_one_ragged``; then ``split`` is ignored), or None."""
     b, h, c, d = k.shape
     keep, sinks, recent, target_from = split
     ragged = row_split is not None
@@ -638,12 +680,12 @@ def launch_evict_one(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, lo
         k, length, low, arg, e, best, nearest, *k.stride(), h, c, chunk, keep, splits, target_from, keeps, targets,
         HEAD_DIM=d, BLOCK_C=block_c, BLOCK_D=block_d, BLOCK_SPLITS=next_pow2(splits),
         ACC=tl_acc, F64=acc == torch.float64, RAGGED=ragged, num_warps=num_warps)
-    u_all, ev_all = best, e                                           # not read unless sharded
-    if heads.world > 1:                                 # what kernel C computes per head, then every rank's
+    mine: Gathered = None
+    if heads.world > 1:                                 # what kernel C computes per head, for every rank's
         ev = length > (keeps[:, None] if ragged else keep)                                    # [B, Hkv]
-        u = torch.where(ev, best.view(b, h, splits).amax(-1).float(), 0.0)
-        u_all, ev_all = every_head(heads, u, ev)                                               # [B, H_ALL]
-        u_all, ev_all = u_all.contiguous(), ev_all.contiguous().view(torch.uint8)            # the kernel's layout
+        mine = (torch.where(ev, best.view(b, h, splits).amax(-1).float(), 0.0), ev)
+    every = yield mine                                  # every rank's, from run_layers' all-gather
+    u_all, ev_all = every if every is not None else (best, e)        # not read unless sharded
     _merge_move_kernel[(b,)](
         k, v, col_sum, position, log_weight, length, tau, tau_set.view(torch.uint8), e, best, nearest, u_all, ev_all,
         *k.stride(), *v.stride(), h, c, keep, splits, float(beta), 1.0 - float(beta),

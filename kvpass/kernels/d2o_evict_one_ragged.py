@@ -23,6 +23,8 @@ no host sync, captured by the CUDA graph like the op).
 
 from __future__ import annotations
 
+from collections.abc import Generator
+
 import torch
 from torch import Tensor
 
@@ -30,10 +32,12 @@ from kvpass.head_group import SINGLE_PROCESS, HeadGroup
 from kvpass.kernels._triton import HAS_TRITON, check_device, require_triton
 from kvpass.kernels.d2o_evict_one import (
     NO_FLOOR,
+    Gathered,
     check_layer_metadata,
     check_layer_tensors,
     evict_one_in_place,
-    launch_evict_one,
+    evict_one_steps,
+    run_layers,
 )
 
 
@@ -72,12 +76,25 @@ def d2o_evict_one_ragged_triton(k: Tensor, v: Tensor, col_sum: Tensor, position:
     """``d2o_evict_one``'s three Triton kernels in their RAGGED form: they load row b's keep, sinks, recent
     and target_from from the [B] tensors and take the newest entry from slot length - 1. A row within its
     own budget scans nothing."""
+    run_layers([d2o_evict_one_ragged_steps(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep,
+                                           sinks, recent, target_from, beta, variant, min_cos, bias, splits=splits,
+                                           block_c=block_c, block_scan=block_scan, num_warps=num_warps,
+                                           heads=heads)], heads)
+
+
+def d2o_evict_one_ragged_steps(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor,
+                               length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: Tensor,
+                               sinks: Tensor, recent: Tensor, target_from: Tensor, beta: float, variant: str,
+                               min_cos: float = NO_FLOOR, bias: bool = False, *, splits: int | None = None,
+                               block_c: int = 32, block_scan: int = 1024, num_warps: int = 8,
+                               heads: HeadGroup = SINGLE_PROCESS) -> Generator[Gathered, Gathered, None]:
+    """``d2o_evict_one_ragged_triton``'s checked inputs as ``evict_one_steps`` (one layer of ``run_layers``)."""
     require_triton()
     check_evict_one_ragged_inputs(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks,
                                   recent, target_from, variant)
-    launch_evict_one(k, v, col_sum, position, log_weight, length, tau, tau_set, others, (0, 0, 0, 0),
-                     (keep, sinks, recent, target_from), beta, variant, min_cos, bias, splits, block_c, block_scan,
-                     num_warps, heads)
+    return evict_one_steps(k, v, col_sum, position, log_weight, length, tau, tau_set, others, (0, 0, 0, 0),
+                           (keep, sinks, recent, target_from), beta, variant, min_cos, bias, splits, block_c,
+                           block_scan, num_warps, heads)
 
 
 @torch.library.custom_op("kvpass::d2o_evict_one_ragged", mutates_args=(

@@ -187,6 +187,17 @@ class Policy:
         two as sets of entries)."""
         load_into(cache, self.compress(cache, keep))
 
+    def compress_layers_into(self, jobs: Sequence[tuple[LayerCache, int | Tensor]]) -> None:
+        """Several layers' decode-time compressions, in order: ``compress_into(cache, keep)`` for an int ``keep``,
+        ``compress_rows_into(cache, keep)`` for a [B] int64 one. The runtime's call for the layers due at one step
+        of a policy that ``gathers_across_heads`` under tensor parallelism, so such a policy may gather once for
+        all of them (D2O: one all-gather a step instead of one a layer). Default: one after another."""
+        for cache, keep in jobs:
+            if isinstance(keep, Tensor):
+                self.compress_rows_into(cache, keep)
+            else:
+                self.compress_into(cache, keep)
+
     def gathers_across_heads(self) -> bool:
         """Whether ``compress_into`` / ``compress_rows_into`` ask ``self.heads`` for other KV heads' statistics
         (collectives under tensor parallelism). Under tp the runtime compresses the layers of a policy that does one

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -17,19 +17,21 @@ from kvpass.kernels.d2o_evict_one import (
     NO_FLOOR,
     NO_MERGE,
     SCORE_EPS,
+    Gathered,
     OneEviction,
-    d2o_evict_one_triton,
+    d2o_evict_one_steps,
     ema_threshold,
     evict_one_in_place,
     merge_weights,
     merged_log_weight,
     pick_one,
     protected_count,
+    run_layers,
     score_merged_rows,
     unprotected,
 )
 from kvpass.kernels.d2o_evict_one import merged_rows as _merged_rows
-from kvpass.kernels.d2o_evict_one_ragged import d2o_evict_one_ragged_triton
+from kvpass.kernels.d2o_evict_one_ragged import d2o_evict_one_ragged_steps
 from kvpass.policies.allocation import apportion
 from kvpass.policies.base import Policy, Stat, require
 from kvpass.policies.selection import kept_slots, ordered_slots, select_kept
@@ -404,8 +406,7 @@ class D2O(Policy):
             evict_many_in_place(*layer, keep, keep + 1, cache.capacity - keep, sinks, recent, self._target_from(keep),
                                 *self._step_options())
         elif self.heads.world > 1 and self._triton_step(cache):     # the threshold over every rank's heads
-            d2o_evict_one_triton(*layer, keep, sinks, recent, self.beta, self.d2o_variant, self._min_cos(),
-                                 self._target_from(keep), self.merge_bias, heads=self.heads)
+            self.compress_layers_into([(cache, keep)])
         elif self._triton_step(cache) and self.heads.world == 1:
             torch.ops.kvpass.d2o_evict_one(*layer, keep, sinks, recent, self.beta, self.d2o_variant, self._min_cos(),
                                            self._target_from(keep), self.merge_bias)
@@ -435,6 +436,43 @@ class D2O(Policy):
 
     def gathers_across_heads(self) -> bool:
         return True                                 # the EMA threshold's statistics over every KV head
+
+    def compress_layers_into(self, jobs: Sequence[tuple[LayerCache, int | Tensor]]) -> None:
+        """The runtime's call for the layers due at one decode step under tensor parallelism. Where the Triton step
+        applies (``_sharded_step``), every such layer's kernels A and B run, then one all-gather of every layer's
+        per-head statistics, then each layer's kernel C (``run_layers``): one collective a step, not one a layer,
+        and each layer ends as it does alone (tests/kernels/test_d2o_evict_one_sharded.py). Any other job, before
+        them, as ``compress_into`` / ``compress_rows_into`` (its own gathers; every rank takes the same paths, so
+        the collectives keep one order)."""
+        steps = []
+        for cache, keep in jobs:
+            step = self._sharded_step(cache, keep)
+            if step is None:
+                super().compress_layers_into([(cache, keep)])
+            else:
+                steps.append(step)
+        run_layers(steps, self.heads)
+
+    def _sharded_step(self, cache: LayerCache, keep: int | Tensor) -> Generator[Gathered, Gathered, None] | None:
+        """Under tensor parallelism on CUDA, the layer's one-in-one-out step as one layer of ``run_layers``
+        (``d2o_evict_one_steps``, or ``d2o_evict_one_ragged_steps`` for a [B] ``keep`` of per-row budgets, as
+        ``compress_into`` / ``compress_rows_into`` would call them); None where those take another path."""
+        if self.heads.world == 1 or not self._triton_step(cache):
+            return None
+        layer = self._in_place_layer(cache)
+        if isinstance(keep, Tensor):
+            if self.interval > 1:
+                return None
+            keep = keep.to(device=cache.k.device, dtype=torch.long).contiguous()
+            sinks, _, recent = self.split_rows(keep)
+            target_from = torch.zeros_like(keep) if self.merge_into_sinks else sinks
+            return d2o_evict_one_ragged_steps(*layer, keep, sinks, recent, target_from, self.beta, self.d2o_variant,
+                                              self._min_cos(), self.merge_bias, heads=self.heads)
+        if cache.capacity != keep + 1:
+            return None
+        sinks, _, recent = self.split(keep)
+        return d2o_evict_one_steps(*layer, keep, sinks, recent, self.beta, self.d2o_variant, self._min_cos(),
+                                   self._target_from(keep), self.merge_bias, heads=self.heads)
 
     def rows_in_one_call(self, budgets: Sequence[int], capacities: Sequence[int]) -> bool:
         """Rows of their own budgets in one call (``compress_rows_into``) where no row's capacity exceeds its
@@ -486,8 +524,7 @@ class D2O(Policy):
         target_from = torch.zeros_like(keep) if self.merge_into_sinks else sinks
         layer = self._in_place_layer(cache)
         if self.heads.world > 1 and self._triton_step(cache):     # tensor parallel: the threshold spans ranks
-            d2o_evict_one_ragged_triton(*layer, keep, sinks, recent, target_from, self.beta, self.d2o_variant,
-                                        self._min_cos(), self.merge_bias, heads=self.heads)
+            self.compress_layers_into([(cache, keep)])
         elif self.interval > 1:                   # the due rows (budget + interval entries) evict interval entries
             evict_many_in_place(*layer, keep, keep + self.interval, self.interval, sinks, recent, target_from,
                                 *self._step_options())

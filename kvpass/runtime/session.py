@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from kvpass.cache import (
+    LayerCache,
     empty_rows,
     load_into,
     put_rows,
@@ -231,19 +232,22 @@ class DecodeSession:
         return not lay.one_budget or getattr(self.policy, "interval", 1) > 1
 
     def _compress_layer(self, lay: Layer) -> None:
-        """The whole layer in its own buffers: ``compress_rows_into`` at each row's own budget (only the due rows
-        evict) where ``_per_row_due`` and ``_rows_in_one_call``, else ``compress_into`` at the layer's budget.
-        No host sync. Under tensor parallelism, a policy that says its compression gathers nothing across heads
+        """The whole layer in its own buffers (``_compress_job``: ``compress_rows_into`` at each row's own budget,
+        only the due rows evicting, or ``compress_into`` at the layer's budget). No host sync. Under tensor parallelism, a policy that says its compression gathers nothing across heads
         (whose layers ``compress_layers`` runs side by side) is held to it: a collective asked for is refused here,
         at its first compression, where side by side it could meet the other ranks' collectives out of order."""
         asked = self.owner.heads.collectives
-        if self._per_row_due(lay) and self._rows_in_one_call(lay):
-            self.policy.compress_rows_into(lay.cache, lay.keep_rows())
-        else:
-            self.policy.compress_into(lay.cache, lay.budget)
+        self.policy.compress_layers_into([self._compress_job(lay)])
         if self.owner.heads.collectives != asked and not self.policy.gathers_across_heads():
             raise RuntimeError(f"{self.policy.name}: its compression asked the other ranks for heads' statistics, but "
                                "its gathers_across_heads() is False; declare it True (kvpass/policies/base.py)")
+
+    def _compress_job(self, lay: Layer) -> tuple[LayerCache, int | Tensor]:
+        """(cache, keep) of ``Policy.compress_layers_into`` for the whole layer: the rows' own budgets ([B] int64)
+        where ``_per_row_due`` and ``_rows_in_one_call``, else the layer's budget."""
+        if self._per_row_due(lay) and self._rows_in_one_call(lay):
+            return lay.cache, lay.keep_rows()
+        return lay.cache, lay.budget
 
     def _still_wide(self, lay: Layer) -> bool:
         """A layer whose prompt compression ``Policy.prompt_compression_deferred`` put off: its buffers
@@ -358,10 +362,9 @@ class DecodeSession:
         gathers across heads (``Policy.gathers_across_heads``): then one layer after another, every rank's
         collectives in one order."""
         calls = [functools.partial(self._compress_layer, self.layers[i]) for i in indices]
-        heads = self.owner.heads
-        if heads.world > 1 and self.owner.policy.gathers_across_heads():
-            for call in calls:                    # tensor parallel: the policy's collectives run in one order
-                call()
+        if self.owner.heads.world > 1 and self.policy.gathers_across_heads():
+            # tensor parallel: the policy's collectives in one order, in one call (it may gather once for all)
+            self.policy.compress_layers_into([self._compress_job(self.layers[i]) for i in indices])
             return
         if calls and self.logits.is_cuda and not join:
             streams = self.owner.decode_step.side_streams(self.logits.device)
