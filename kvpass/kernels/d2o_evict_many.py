@@ -43,7 +43,8 @@ an evicted entry with no target left is evicted without merging and does not ent
 ``score_weights`` (merge_weighting="score"): w_e = score_e + SCORE_EPS, w_self = score_t + SCORE_EPS, norm =
 w_self + sum w_e.
 
-Not here (D2O keeps its general path): tensor parallelism (the threshold spans ranks).
+Tensor parallelism (``heads``): the threshold's statistics and the "code" decision are gathered from every rank's
+heads, as the one-in-one-out step's are (tests/rewrites/test_shard_tensor_parallel.py's ``interval`` cases).
 """
 
 from __future__ import annotations
@@ -52,11 +53,13 @@ import torch
 from torch import Tensor
 
 from kvpass.cache import EMPTY, gather_slots, put_slots
+from kvpass.head_group import SINGLE_PROCESS, HeadGroup
 from kvpass.kernels.cosine_match import cosine_match_reference
 from kvpass.kernels.d2o_evict_one import (
     SCORE_EPS,
     _rows,
     ema_threshold,
+    every_head,
     merge_weights,
     protected_count,
     unprotected,
@@ -67,12 +70,15 @@ def evict_many_in_place(k: Tensor, v: Tensor, score: Tensor, position: Tensor, l
                         tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: int | Tensor, due: int | Tensor,
                         m: int, sinks: int | Tensor, recent: int | Tensor, target_from: int | Tensor, beta: float,
                         variant: str, min_cos: float, bias: bool = False, protect: float = 0.0,
-                        score_weights: bool = False) -> None:
+                        score_weights: bool = False, heads: HeadGroup = SINGLE_PROCESS) -> None:
     """The module docstring's step (plain torch; on CUDA the nearest keys by ``torch.ops.kvpass.cosine_match``).
     A (b, g) row evicts iff its batch row b holds at least ``due`` entries in some head and it holds more than
     ``keep``; callers ensure its length - keep <= ``m``. ``bias`` (D2O's merge_bias): a target's log_weight becomes
     the log of its size plus the sizes of the entries merged into it (log_weight: the log-size). ``protect`` and
-    ``score_weights``: D2O's merge_protect and merge_weighting="score" (the module docstring)."""
+    ``score_weights``: D2O's merge_protect and merge_weighting="score" (the module docstring). ``heads``: the
+    layer's KV heads under tensor parallelism (k, v, ... hold this rank's Hkv / N): whether a batch row is due
+    (its longest head over every rank, ``heads.max``), the threshold and the "code" merge decision come from
+    every rank's heads (one all-gather, ``every_head``), so each rank decides as one process does."""
     b, c = k.shape[0], k.shape[2]
     if m <= 0:
         return
@@ -80,7 +86,7 @@ def evict_many_in_place(k: Tensor, v: Tensor, score: Tensor, position: Tensor, l
     j = torch.arange(c, device=k.device)
     live = j < length[..., None]                                            # [B, Hkv, C]
     keep_r = _rows(keep, b, 1)
-    due_row = length.amax(1, keepdim=True) >= _rows(due, b, 1)              # [B, 1]
+    due_row = heads.max(length.amax(1, keepdim=True)) >= _rows(due, b, 1)   # [B, 1], over every rank's heads
     # at most m (callers ensure length - keep <= m; more would be left, never overwritten)
     n_evict = torch.where(due_row & (length > keep_r), length - keep_r, 0).clamp(max=m)   # [B, Hkv]
     new_length = length - n_evict
@@ -111,10 +117,12 @@ def evict_many_in_place(k: Tensor, v: Tensor, score: Tensor, position: Tensor, l
     matched = valid & (nearest >= 0) if protect > 0 else valid              # no target left: evicted without trace
     nearest = nearest.clamp(min=0)
     u_star = torch.where(matched, u_star, 0.0)
-    new_tau, new_set = ema_threshold(u_star, matched, tau, tau_set, beta)
+    u_all, matched_all = every_head(heads, u_star, matched)                 # [B, every rank's Hkv, m]
+    new_tau, new_set = ema_threshold(u_all, matched_all, tau, tau_set, beta)
     tau.copy_(new_tau)
     tau_set.copy_(new_set)
-    merged, w_e, w_self = merge_weights(u_star, matched, new_tau, variant, min_cos)
+    merged, w_e, w_self = merge_weights(u_all, matched_all, new_tau, variant, min_cos)
+    merged, w_e = heads.local(merged).contiguous(), heads.local(w_e).contiguous()      # [B, Hkv, m], this rank's
     if score_weights:                       # each entry weighs its score + SCORE_EPS (the target's: per evicted f)
         w_e = torch.where(merged, torch.gather(score.float(), 2, e_idx) + SCORE_EPS, 0.0)
         w_self = (torch.gather(score.float(), 2, nearest) + SCORE_EPS)[..., None]          # [B, Hkv, m, 1]

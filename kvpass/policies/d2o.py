@@ -80,8 +80,7 @@ class D2O(Policy):
         paid for by the other layers, so the default is none [OURS].
     interval: decode steps between compressions; 1 = the paper's one-in-one-out. Above 1 a layer holds up to
         budget + interval entries and a due row evicts interval of them in place (``compress_into``,
-        ``kvpass.kernels.d2o_evict_many``), except under tensor parallelism (the general path: sort, copy,
-        copy back).
+        ``kvpass.kernels.d2o_evict_many``; under tensor parallelism too, the threshold gathered from every rank).
     defer_scores: with ``interval`` > 1, compute the decode steps' attention rows once per compression from
         their kept queries instead of at every step (``deferred_scores``: the same scores up to rounding, a
         step without the per-slot scores pass). False: every step's attention returns its row (the
@@ -393,8 +392,8 @@ class D2O(Policy):
         (``kvpass.kernels.d2o_evict_many.evict_many_in_place``: O(C) metadata, the evicted entries, their targets
         and the moved entries; no whole-cache copy, no host sync): the same entries and values as ``compress``
         (tests/kernels/test_d2o_evict_many.py). The runtime's one call for a layer whose rows may be due at steps
-        of their own is ``compress_rows_into``, which leaves the rows that are not due. Every option; not under
-        tensor parallelism (``_many_applies``). Any other capacity:
+        of their own is ``compress_rows_into``, which leaves the rows that are not due. Every option; under tensor
+        parallelism with the threshold's statistics gathered from every rank (``heads``). Any other capacity:
         ``compress`` and a copy back."""
         many = self._many_applies() and keep + 1 < cache.capacity <= keep + self.interval
         if not many and cache.capacity != keep + 1:
@@ -404,7 +403,7 @@ class D2O(Policy):
         layer = self._in_place_layer(cache)
         if many:
             evict_many_in_place(*layer, keep, keep + 1, cache.capacity - keep, sinks, recent, self._target_from(keep),
-                                *self._step_options())
+                                *self._step_options(), heads=self.heads)
         elif self.heads.world > 1 and self._triton_step(cache):     # the threshold over every rank's heads
             self.compress_layers_into([(cache, keep)])
         elif self._triton_step(cache) and self.heads.world == 1:
@@ -479,23 +478,21 @@ class D2O(Policy):
         budget + 1 (the one-in-one-out step, ``interval`` 1): a row is due exactly when it holds budget + 1
         entries, so compressing every row of the layer at its own budget evicts one entry from each due row
         and nothing from the others; under tensor parallelism too, the threshold gathered from every rank's
-        heads (``interval`` > 1 there: the general path).
+        heads (for ``interval`` > 1 as well).
         Every option: merge_protect and merge_weighting="score" take the plain-torch step (``compress_rows_into``).
         ``interval`` m > 1 (``_many_applies``): where every row's capacity is its budget + m (or at most its budget:
         it never compresses), ``compress_rows_into`` evicts in place from the rows holding budget + m entries, the
         due rows, and leaves the others as they are (rows of one budget too: the runtime then calls
         ``compress_rows_into``, not ``compress_into``, which compresses every row over the budget)."""
-        if self.heads.world != 1 and self.interval != 1:
-            return False
         if self.interval == 1:
             return all(1 <= cap <= keep + 1 for keep, cap in zip(budgets, capacities, strict=True))
         return self._many_applies() and all(1 <= cap <= keep or cap == keep + self.interval
                                             for keep, cap in zip(budgets, capacities, strict=True))
 
     def _many_applies(self) -> bool:
-        """Whether ``interval`` > 1 compresses in place (``evict_many_in_place``): one process (tensor parallel:
-        the general path; the threshold spans ranks)."""
-        return self.in_place_many and self.interval > 1 and self.heads.world == 1
+        """Whether ``interval`` > 1 compresses in place (``evict_many_in_place``; under tensor parallelism with
+        ``heads``)."""
+        return self.in_place_many and self.interval > 1
 
     def split_rows(self, keep: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``split`` per batch row: keep [B] int64 -> (sinks, important N incl. sinks, recent M), each [B]."""
@@ -516,9 +513,6 @@ class D2O(Policy):
         merge_protect (floor(merge_protect * keep[b]) protected per row, on the device) or
         merge_weighting="score", which the kernels lack, the plain-torch step ``evict_one_in_place``, batched
         and capturable all the same (tests/kernels/test_d2o_evict_ragged.py: each row as ``_compress_one`` alone)."""
-        if self.heads.world > 1 and self.interval > 1:
-            raise NotImplementedError("d2o: interval > 1 with per-row budgets in one call needs one process "
-                                      "(rows_in_one_call)")
         keep = keep.to(device=cache.k.device, dtype=torch.long).contiguous()
         sinks, _, recent = self.split_rows(keep)
         target_from = torch.zeros_like(keep) if self.merge_into_sinks else sinks
@@ -527,7 +521,7 @@ class D2O(Policy):
             self.compress_layers_into([(cache, keep)])
         elif self.interval > 1:                   # the due rows (budget + interval entries) evict interval entries
             evict_many_in_place(*layer, keep, keep + self.interval, self.interval, sinks, recent, target_from,
-                                *self._step_options())
+                                *self._step_options(), heads=self.heads)
         elif self._triton_step(cache) and self.heads.world == 1:
             torch.ops.kvpass.d2o_evict_one_ragged(*layer, keep, sinks, recent, target_from, self.beta,
                                                   self.d2o_variant, self._min_cos(), self.merge_bias)

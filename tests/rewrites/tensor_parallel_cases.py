@@ -27,9 +27,10 @@ class Case:
 
 def case_for(policy: str, arch: str = "llama", heads: tuple[int, int] = (4, 2), sample: bool = False,
              via_apply: bool = False, prefill_chunk: int | None = None, batch: int = 1,
-             budget: float | int | None = None) -> Case:
+             budget: float | int | None = None, **policy_kwargs) -> Case:
     """A case whose budget (16, or the policy's minimum + 8) is well below its prompt; with ``prefill_chunk``
-    the prompt is prefilled in chunks of that many tokens (the reference likewise)."""
+    the prompt is prefilled in chunks of that many tokens (the reference likewise); ``policy_kwargs``: the
+    policy's options (``kvpass.apply``'s)."""
     from kvpass.policies import get_policy
 
     tokens = max(16, get_policy(policy).min_budget() + 8)
@@ -37,8 +38,9 @@ def case_for(policy: str, arch: str = "llama", heads: tuple[int, int] = (4, 2), 
     budget = budget if budget is not None else tokens if batch == 1 else 0.4
     key = (f"{arch}-{policy}-{heads[0]}q{heads[1]}kv" + ("-sampled" if sample else "")
            + ("-via_apply" if via_apply else "") + (f"-chunk{prefill_chunk}" if prefill_chunk else "")
-           + (f"-batch{batch}" if batch > 1 else "") + (f"-budget{budget}" if budget not in (tokens, 0.4) else ""))
-    kwargs = {"budget": budget, **({"prefill_chunk": prefill_chunk} if prefill_chunk else {})}
+           + (f"-batch{batch}" if batch > 1 else "") + (f"-budget{budget}" if budget not in (tokens, 0.4) else "")
+           + "".join(f"-{k}{v}" for k, v in sorted(policy_kwargs.items())))
+    kwargs = {"budget": budget, **({"prefill_chunk": prefill_chunk} if prefill_chunk else {}), **policy_kwargs}
     return Case(key, arch, policy, heads, kwargs, prompt=tokens + 24, sample=sample, batch=batch)
 
 

@@ -24,7 +24,10 @@ CASES = {2: [case_for(p) for p in sorted(POLICIES)]
                case_for("d2o", via_apply=True)]
             + [case_for(p, prefill_chunk=12) for p in ("d2o", "snapkv", "adakv", "streamingllm", "kvmerger")]
             + [case_for(p, batch=2) for p in ("d2o", "pyramidkv", "streamingllm")]
-            + [case_for("d2o", heads=(4, 4), batch=2, budget=17)],     # rows of one budget, 2 KV heads a rank
+            + [case_for("d2o", heads=(4, 4), batch=2, budget=17)]      # rows of one budget, 2 KV heads a rank
+            # interval > 1: the in-place evict-many step with the threshold gathered (rows of their own budgets too)
+            + [case_for("d2o", interval=4), case_for("d2o", batch=2, interval=4),
+               case_for("d2o", interval=4, d2o_variant="code")],
          4: [case_for(p, heads=(4, 4)) for p in sorted(POLICIES)]
             + [case_for("full", "qwen2", heads=(4, 4)), case_for("full", "gemma3", heads=(4, 4))]}
 
