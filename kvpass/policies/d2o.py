@@ -517,7 +517,7 @@ class D2O(Policy):
         sinks, _, recent = self.split_rows(keep)
         target_from = torch.zeros_like(keep) if self.merge_into_sinks else sinks
         layer = self._in_place_layer(cache)
-        if self.heads.world > 1 and self._triton_step(cache):     # tensor parallel: the threshold spans ranks
+        if self.heads.world > 1 and self.interval == 1 and self._triton_step(cache):   # the threshold spans ranks
             self.compress_layers_into([(cache, keep)])
         elif self.interval > 1:                   # the due rows (budget + interval entries) evict interval entries
             evict_many_in_place(*layer, keep, keep + self.interval, self.interval, sinks, recent, target_from,

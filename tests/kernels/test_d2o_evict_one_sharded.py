@@ -135,6 +135,15 @@ def _policy_layers(rank: int, n: int, heads) -> dict:
                 policy.compress_into(c, KEEP)
         out[("policy", together)] = {"gathers": heads.collectives - before, "caches": [c.tensors() for c in caches],
                                      "full": (full, [int((c.length == KEEP + 1).sum()) for c in caches])}
+    # interval 4, rows of their own budgets (capacity = budget + 4): the evict-many step in place
+    many = get_policy("d2o", interval=4).with_heads(heads)
+    cache = LayerCache(**{name: x[:, rank * n:(rank + 1) * n].clone() for name, x in layers[0].items()
+                          if name in ("k", "v", "log_weight", "length", "position")},
+                       slot_meta={"col_sum": layers[0]["col_sum"][:, rank * n:(rank + 1) * n].clone()},
+                       state={TAU: layers[0]["tau"].clone(), TAU_SET: layers[0]["tau_set"].clone()})
+    due = int((cache.length == KEEP + 1).sum())
+    many.compress_layers_into([(cache, torch.full((3,), KEEP - 3))])
+    out["many"] = (due, int((cache.length > KEEP - 3).sum()))
     return out
 
 
@@ -177,5 +186,7 @@ def test_d2o_compresses_a_steps_layers_with_one_gather(sharded_results) -> None:
         assert (together["gathers"], alone["gathers"]) == (1, 3)
         for a, b in zip(together["caches"], alone["caches"], strict=True):
             assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), f"rank {rank}"
+        due, over_budget = results["many"]
+        assert due > 0 and over_budget == 0, results["many"]     # interval 4 evicted in place (no recursion)
         full_before, full_after = together["full"]
         assert all(f > 0 for f in full_before) and not any(full_after), together["full"]   # every full row evicted
