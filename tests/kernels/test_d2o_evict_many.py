@@ -166,7 +166,7 @@ def test_generation_equals_the_general_path(kwargs: dict, prompt_ids: torch.Tens
 
     calls = []
     real = d2o_module.evict_many_in_place
-    monkeypatch.setattr(d2o_module, "evict_many_in_place", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(d2o_module, "evict_many_in_place", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     out = {}
     for in_place in (True, False):
         monkeypatch.setattr(D2O, "in_place_many", in_place)

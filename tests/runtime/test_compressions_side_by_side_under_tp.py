@@ -11,10 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kvpass
 from kvpass.head_group import HeadGroup
 from kvpass.policies import POLICIES, get_policy
-from kvpass.rewrites import capture_model, compile_model
-from kvpass.runtime.model import KVPassModel
 from tests.conftest import tiny_model
 
 
@@ -42,10 +41,10 @@ class _RankOfTwoAlone(HeadGroup):
 def _decode(policy_name: str, **kwargs) -> _RankOfTwoAlone:
     model = tiny_model("llama")
     policy = get_policy(policy_name, **kwargs)
-    captured = capture_model(model)
-    heads = _RankOfTwoAlone()
     budget = max(16, policy.min_budget() + 8)
-    km = KVPassModel(model, policy, budget, captured, compile_model(captured, policy), heads=heads)
+    km = kvpass.apply(model, policy=policy_name, budget=budget, **kwargs)
+    heads = _RankOfTwoAlone()                               # the model's heads as a rank of two would see them
+    km.heads, km.policy = heads, km.policy.with_heads(heads)
     ids = torch.randint(1, model.config.vocab_size, (1, budget + 24), generator=torch.Generator().manual_seed(0))
     steps = policy.interval + 4                             # at least one decode-time compression
     session = km.start(ids, max_new_tokens=steps)
