@@ -171,9 +171,13 @@ class DecodeSession:
                 self.compressions += 1
         due = tuple(whole)
         if due and not self.owner.decode_step.graphed(self.logits.device, due):
+            if self.owner.heads.world > 1 and self.policy.gathers_across_heads():
+                self.compress_layers(due)         # tensor parallel: one call (D2O gathers once for all)
+            else:
+                for i in due:
+                    self._compress_layer(self.layers[i])
             for i in due:                         # eager: compress, check the budget (a sync), then the step
                 lay = self.layers[i]
-                self._compress_layer(lay)
                 lay.set_row_len(self.owner.heads.max(lay.cache.length.amax(-1)).tolist())
                 check_within_budget(self.owner, lay)
             due_in_step: tuple[int, ...] = ()
