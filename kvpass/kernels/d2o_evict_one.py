@@ -166,12 +166,13 @@ def ema_threshold(u_star: Tensor, valid: Tensor, prev: Tensor, was_set: Tensor, 
     return torch.where(has, torch.where(was_set, ema, current), prev), was_set | has
 
 
-def every_head(heads: HeadGroup, u_star: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-    """(u_star, valid) [B, Hkv, E] of every KV head of the layer from this rank's [B, Hkv / N, E], in one
-    all-gather (the two stacked as fp32: valid is 0 or 1, exact); the inputs as they are in one process."""
+def every_head(heads: HeadGroup, u_star: Tensor, valid: Tensor, dim: int = 1) -> tuple[Tensor, Tensor]:
+    """(u_star, valid) [B, Hkv, E] of every KV head of the layer from this rank's [B, Hkv / N, E] (the heads along
+    ``dim``: [L, B, Hkv] for L layers at once), in one all-gather (the two stacked as fp32: valid is 0 or 1,
+    exact); the inputs as they are in one process."""
     if heads.world == 1:
         return u_star, valid
-    both = heads.gather(torch.stack((u_star.float(), valid.float())), dim=2)
+    both = heads.gather(torch.stack((u_star.float(), valid.float())), dim=dim + 1)
     return both[0], both[1] > 0
 
 
@@ -633,10 +634,10 @@ def run_layers(steps: list[Generator[Gathered, Gathered, None]], heads: HeadGrou
         for i, (u, _) in enumerate(wanted):
             by_shape.setdefault(tuple(u.shape), []).append(i)
         for members in by_shape.values():
-            both = torch.stack([torch.stack((wanted[i][0].float(), wanted[i][1].float())) for i in members])
-            every = heads.gather(both, dim=3)                                   # [L, 2, B, H_ALL]
+            u_all, ev_all = every_head(heads, torch.stack([wanted[i][0] for i in members]),
+                                       torch.stack([wanted[i][1] for i in members]), dim=2)     # [L, B, H_ALL]
             for j, i in enumerate(members):
-                got[i] = (every[j, 0].contiguous(), (every[j, 1] > 0).contiguous().view(torch.uint8))
+                got[i] = (u_all[j].contiguous(), ev_all[j].contiguous().view(torch.uint8))
     for step, gathered in zip(steps, got, strict=True):
         try:
             step.send(gathered)

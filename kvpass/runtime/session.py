@@ -171,7 +171,7 @@ class DecodeSession:
                 self.compressions += 1
         due = tuple(whole)
         if due and not self.owner.decode_step.graphed(self.logits.device, due):
-            if self.owner.heads.world > 1 and self.policy.gathers_across_heads():
+            if self._gathers_over_ranks():
                 self.compress_layers(due)         # tensor parallel: one call (D2O gathers once for all)
             else:
                 for i in due:
@@ -235,11 +235,17 @@ class DecodeSession:
         the CUDA-graphed step takes the same call whichever rows are due."""
         return not lay.one_budget or getattr(self.policy, "interval", 1) > 1
 
+    def _gathers_over_ranks(self) -> bool:
+        """Tensor parallel with a policy whose compression gathers across heads: its layers compress in one call,
+        one after another, every rank's collectives in one order (``Policy.gathers_across_heads``)."""
+        return self.owner.heads.world > 1 and self.policy.gathers_across_heads()
+
     def _compress_layer(self, lay: Layer) -> None:
         """The whole layer in its own buffers (``_compress_job``: ``compress_rows_into`` at each row's own budget,
-        only the due rows evicting, or ``compress_into`` at the layer's budget). No host sync. Under tensor parallelism, a policy that says its compression gathers nothing across heads
-        (whose layers ``compress_layers`` runs side by side) is held to it: a collective asked for is refused here,
-        at its first compression, where side by side it could meet the other ranks' collectives out of order."""
+        only the due rows evicting, or ``compress_into`` at the layer's budget). No host sync. Under tensor
+        parallelism, a policy that says its compression gathers nothing across heads (whose layers
+        ``compress_layers`` runs side by side) is held to it: a collective asked for is refused here, at its first
+        compression, where side by side it could meet the other ranks' collectives out of order."""
         asked = self.owner.heads.collectives
         self.policy.compress_layers_into([self._compress_job(lay)])
         if self.owner.heads.collectives != asked and not self.policy.gathers_across_heads():
@@ -365,11 +371,11 @@ class DecodeSession:
         step joins what is left after the graph). Under tensor parallelism too, unless the policy's compression
         gathers across heads (``Policy.gathers_across_heads``): then one layer after another, every rank's
         collectives in one order."""
-        calls = [functools.partial(self._compress_layer, self.layers[i]) for i in indices]
-        if self.owner.heads.world > 1 and self.policy.gathers_across_heads():
+        if self._gathers_over_ranks():
             # tensor parallel: the policy's collectives in one order, in one call (it may gather once for all)
             self.policy.compress_layers_into([self._compress_job(self.layers[i]) for i in indices])
             return
+        calls = [functools.partial(self._compress_layer, self.layers[i]) for i in indices]
         if calls and self.logits.is_cuda and not join:
             streams = self.owner.decode_step.side_streams(self.logits.device)
             fork_side_by_side([(self.layers[i].cache.k, c) for i, c in zip(indices, calls, strict=True)], streams)
