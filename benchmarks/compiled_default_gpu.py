@@ -12,10 +12,12 @@ compiles the decode step: docs/compiled-decode.md):
   (the compilation, the CUDA-graph captures, the first compressions), then ``--steps`` steps timed with CUDA
   events (whole compression periods: 64 steps by default, a multiple of every interval here);
   ``generate_ms_per_token`` and ``ttft_s``: through ``generate`` (``generate_speed``: TTFT the median of 3
-  one-token calls; per token, a repeated call of ``--steps`` + 1 tokens, which replays the graphs the first
-  call at that length captured, less the TTFT; the first call's own figure and its captures beside it.
+  one-token calls; per token, a repeated call of ``--generate-new`` (513) tokens, which replays the graphs the
+  first call at that length captured, less the TTFT; the first call's own figure and its captures beside it.
   Before 2026-11-26 it was the difference of a 2-token and a 130-token call, which held the longer call's
-  captures);
+  captures; until session 29 the call had ``--steps`` + 1 tokens, 129 in the commands of the results, where 30 ms
+  between two prefills moved a token's figure by 4%: two H100 runs read 1.150x and 1.095x for one policy whose
+  event-timed steps agreed to 0.1%);
 * the floor: (weight bytes a step reads + the cache bytes it holds) / the measured copy bandwidth, the
   formula and code of benchmarks/speed.py (``benchmarks.bench.models.weight_bytes_per_step``,
   ``benchmarks.bench.timing.copy_bandwidth``; cache bytes from ``last_report.cache_bytes``), and
@@ -156,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=None, help="the speed rows' prompt (default 32768; 192 smoke)")
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--generate-new", type=int, default=None,
+                    help="new tokens of the timed generate call (default 513; --steps + 1 with --smoke): the longer, "
+                         "the less a prefill's run-to-run spread moves the per-token figure")
     ap.add_argument("--sweep", type=int, default=None, help="random-length prompts (default 100; 6 smoke)")
     ap.add_argument("--sweep-min", type=int, default=None)
     ap.add_argument("--sweep-max", type=int, default=None)
@@ -177,16 +182,17 @@ def main(argv: list[str] | None = None) -> int:
     prompt = args.prompt or (192 if smoke else 32768)
     warmup = args.warmup if args.warmup is not None else (4 if smoke else 24)
     steps = args.steps or (16 if smoke else 64)
+    generate_new = args.generate_new or (steps + 1 if smoke else 513)
     count = args.sweep if args.sweep is not None else (6 if smoke else 100)
     lo, hi = args.sweep_min or (16 if smoke else 1024), args.sweep_max or (256 if smoke else 32768)
-    context = max(prompt, hi) + warmup + steps + 64
+    context = max(prompt, hi) + max(warmup + steps, generate_new) + 64
     compile_arg = True if device.type == "cpu" else None      # None: kvpass's default (compiled on CUDA)
     policies = split_specs(args.policies)
 
     results: dict = {"config": {"smoke": smoke, "device": gpu_name(device) if device.type == "cuda" else "cpu",
                                 "dtype": str(dtype), "layers": layers, "model_layers": base["num_hidden_layers"],
                                 "budget": args.budget, "prompt": prompt, "batch": args.batch, "warmup": warmup,
-                                "steps": steps, "compile_argument": compile_arg, "policies": policies,
+                                "steps": steps, "generate_new": generate_new, "compile_argument": compile_arg, "policies": policies,
                                 "torch": torch.__version__, "argv": sys.argv[1:] if argv is None else argv}}
     t0 = time.monotonic()
     model = build_model({**base, "num_hidden_layers": layers}, device, dtype, context)
@@ -217,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             if device.type == "cuda":
                 row["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             if not args.no_generate:
-                row.update(generate_speed(kv, ids, 1 + steps, device))
+                row.update(generate_speed(kv, ids, generate_new, device))
             floor = (weights + row["cache_bytes"]) / bandwidth
             row["floor_ms"] = floor * 1e3
             row["over_floor"] = row["ms_per_token"] / row["floor_ms"]

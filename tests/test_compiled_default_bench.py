@@ -18,11 +18,12 @@ def test_split_specs_keeps_commas_inside_brackets():
 def test_smoke_writes_speed_floor_and_sweep(tmp_path):
     out = tmp_path / "smoke.json"
     assert main(["--smoke", "--out", str(out), "--policies", "streamingllm", "--sweep-policy", "streamingllm",
-                 "--sweep", "3", "--steps", "8"]) == 0
+                 "--sweep", "3", "--steps", "8", "--generate-new", "12"]) == 0
     results = json.loads(out.read_text())
     row = results["speed"]["streamingllm"]
     assert row["compiled"] and row["ms_per_token"] > 0 and row["generate_ms_per_token"] > 0
     assert row["over_floor"] == pytest.approx(row["ms_per_token"] / row["floor_ms"])
+    assert row["new_tokens"] == results["config"]["generate_new"] == 12     # the timed generate call's length
     assert row["compile"]["compilations"] == 1 and row["compile"]["compile_seconds"] > 0
     assert row["cache_bytes"] < row["full_cache_bytes"]
     sweep = results["sweep"]
