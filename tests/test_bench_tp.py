@@ -32,6 +32,10 @@ def test_tp_gpu_script_runs_on_cpu_with_gloo(tmp_path: Path) -> None:
     assert by_tp[2]["weight_bytes_per_rank"] < by_tp[1]["weight_bytes_per_rank"]
     assert 0.5 <= by_tp[2]["cache_bytes_per_rank"] / by_tp[1]["cache_bytes_per_rank"] < 0.51
     assert all(r["tpot_ms"] > 0 and r["ttft_s"] > 0 and r["floor_ms"] > 0 for r in rows)
+    # a batch's row (its TTFT and cache bytes from the stepped decode's start) holds every row's cache
+    for r in rows:
+        if r["batch"] == 2:
+            assert 1.9 < r["cache_bytes_per_rank"] / by_tp[r["tp"]]["cache_bytes_per_rank"] < 2.1
 
 
 def test_cli_tp_outside_torchrun_is_refused(capsys, monkeypatch) -> None:

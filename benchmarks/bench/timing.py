@@ -179,7 +179,9 @@ def greedy_step_seconds(step: Callable[[torch.Tensor], torch.Tensor], tok: torch
 
 
 def stepped_tpot(kv, ids: torch.Tensor, device: torch.device, warm: int = 8, steps: int = 48) -> dict:
-    """kvpass's time per output token without prefill noise: after ``start``, ``warm`` steps (CUDA
+    """kvpass's time per output token without prefill noise: after ``start`` (its wall seconds: ``start_s``, the
+    prefill, prompt compression and first logits of the batch; the cache bytes then: ``start_cache_bytes``),
+    ``warm`` steps (CUDA
     graph captures, the first compressions), then the mean of ``steps`` timed steps (greedy tokens).
     A policy compressing every ``interval`` > 1 steps gets ``interval`` more warm-up steps (its first
     compression and that step's graph capture) and at least 2 x ``interval`` timed steps, so the timed
@@ -191,11 +193,16 @@ def stepped_tpot(kv, ids: torch.Tensor, device: torch.device, warm: int = 8, ste
     interval = getattr(kv.policy, "interval", 1) if kv.policy.compresses else 1
     if interval > 1:
         warm, steps = warm + interval, max(steps, 2 * interval)
+    sync(device)
+    t0 = time.perf_counter()
     session = kv.start(ids, max_new_tokens=warm + steps)
+    sync(device)
+    start_s = time.perf_counter() - t0
+    start_cache_bytes = session.report().cache_bytes     # as ``generate(max_new_tokens=1)``'s: the prompt compressed
     tpot = greedy_step_seconds(lambda tok: session.step(tok).argmax(-1), session.logits.argmax(-1), device,
                                 warm, steps)
     out = {"tpot_ms": tpot * 1e3, "decode_tokens_per_s": ids.shape[0] / tpot, "tpot_method": f"{steps} stepped tokens",
-           "interval": interval}
+           "interval": interval, "start_s": start_s, "start_cache_bytes": start_cache_bytes}
     due = [i for i, lay in enumerate(session.layers) if lay.compressible]
     layers = [session.layers[i] for i in due]
     if layers:

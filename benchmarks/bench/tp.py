@@ -95,8 +95,9 @@ def _weight_bytes(model) -> int:
 
 def measure(model, policy: str, budget: float, ids: torch.Tensor, tp: int | None, device: torch.device,
             copy_bw: float, steps: int, compile: bool | None = None, prefill_chunk: int | None = None) -> dict:
-    """One policy at one batch: TTFT (median of 2 ``generate(max_new_tokens=1)``, one above batch 1, after an untimed
-    one of the first row), ms/token from stepped
+    """One policy at one batch: TTFT (batch 1: the median of 2 ``generate(max_new_tokens=1)``; above, the stepped
+    decode's ``start``, so that every row is prefilled once; both after an untimed call on the first row), ms/token
+    from stepped
     greedy tokens (``benchmarks.bench.timing.stepped_tpot``), peak memory, cache bytes and the copy floor.
     ``compile``: ``kvpass.apply``'s (None: its default, compiled on CUDA)."""
     import kvpass
@@ -108,18 +109,23 @@ def measure(model, policy: str, budget: float, ids: torch.Tensor, tp: int | None
     kv.prefill_rows = 1
     _peak_reset(device)
     kv.generate(ids[:1], max_new_tokens=1)        # untimed: the first call's Triton compilations and plans
-    first = [timed(device, lambda: kv.generate(ids, max_new_tokens=1)) for _ in range(2 if ids.shape[0] == 1 else 1)]
-    ttft = statistics.median(first)
-    _say(f"{where}: TTFT {ttft:.2f} s; stepped decode")
-    report = kv.last_report
+    if ids.shape[0] == 1:
+        ttft = statistics.median(timed(device, lambda: kv.generate(ids, max_new_tokens=1)) for _ in range(2))
+        _say(f"{where}: TTFT {ttft:.2f} s; stepped decode")
+    else:                                         # a batch is prefilled once: the stepped decode's start is its TTFT
+        _say(f"{where}: stepped decode (its start is the TTFT)")
     stepped = stepped_tpot(kv, ids, device, warm=4, steps=steps)
+    cache_bytes = stepped["start_cache_bytes"]   # after the prompt's compression, as a generate's report has it
+    if ids.shape[0] > 1:
+        ttft = stepped["start_s"]
+        _say(f"{where}: TTFT {ttft:.2f} s")
     weights = _weight_bytes(model)
     compiled = kv.compile_report
     row = {"policy": policy, "tp": tp or 1, "batch": ids.shape[0], "prompt": ids.shape[1], "ttft_s": ttft,
            "tpot_ms": stepped["tpot_ms"], "tokens_per_s": stepped["decode_tokens_per_s"],
            "peak_memory_gib": _peak_gib(device), "weight_bytes_per_rank": weights,
-           "cache_bytes_per_rank": report.cache_bytes,
-           "floor_ms": (weights + report.cache_bytes) / copy_bw * 1e3,
+           "cache_bytes_per_rank": cache_bytes,
+           "floor_ms": (weights + cache_bytes) / copy_bw * 1e3,
            "compiled": compiled["compiled"], "compile_seconds": compiled["compile_seconds"],
            "compile_failure": compiled.get("failure"), "graph_captures": kv.decode_step.captures,
            "prefill_chunk": prefill_chunk, **{k: v for k, v in stepped.items() if k.startswith("decode_compress")}}
@@ -148,8 +154,9 @@ def _largest_batch(make_model, policy, budget, prompt, tp, device, copy_bw, step
         spare = 0.9 * total - one["peak_memory_gib"] * 2**30
         batch = min(max_batch, 1 + int(spare // per_row))
     while batch > 1:
-        # two prefills of every row (TTFT, steps), the warm row, a compilation at the new batch and a build, roughly
-        need = (2 * batch + 1) * one["ttft_s"] + 1.5 * (one.get("compile_seconds") or 30) + 60
+        # one prefill of every row (the steps' start, its TTFT), the warm row, a compilation at the new batch and a
+        # build, roughly
+        need = (batch + 1) * one["ttft_s"] + 1.5 * (one.get("compile_seconds") or 30) + 60
         if not _have_time(need, collective, device):
             batch //= 2                             # the time box, not memory, limits this one
             continue
