@@ -9,8 +9,11 @@ import statistics
 import time
 import traceback
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 class Deadline:
@@ -140,11 +143,16 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
 
 
 def timed(device: torch.device, fn: Callable[[], object]) -> float:
+    return timed_call(device, fn)[0]
+
+
+def timed_call(device: torch.device, fn: Callable[[], T]) -> tuple[float, T]:
+    """(wall seconds of ``fn()``, synchronised with the device before and after, its result)."""
     sync(device)
     t0 = time.perf_counter()
-    fn()
+    out = fn()
     sync(device)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, out
 
 
 def measure_generate(device, gen: Callable[[int], object], n1: int, n2: int, warm: Callable[[], object]) -> dict:
@@ -193,11 +201,7 @@ def stepped_tpot(kv, ids: torch.Tensor, device: torch.device, warm: int = 8, ste
     interval = getattr(kv.policy, "interval", 1) if kv.policy.compresses else 1
     if interval > 1:
         warm, steps = warm + interval, max(steps, 2 * interval)
-    sync(device)
-    t0 = time.perf_counter()
-    session = kv.start(ids, max_new_tokens=warm + steps)
-    sync(device)
-    start_s = time.perf_counter() - t0
+    start_s, session = timed_call(device, lambda: kv.start(ids, max_new_tokens=warm + steps))
     start_cache_bytes = session.report().cache_bytes     # as ``generate(max_new_tokens=1)``'s: the prompt compressed
     tpot = greedy_step_seconds(lambda tok: session.step(tok).argmax(-1), session.logits.argmax(-1), device,
                                 warm, steps)

@@ -58,10 +58,8 @@ from kvpass.kernels.cosine_match import cosine_match_reference
 from kvpass.kernels.d2o_evict_one import (
     SCORE_EPS,
     _rows,
-    ema_threshold,
-    every_head,
-    merge_weights,
     protected_count,
+    threshold_and_merge_in_place,
     unprotected,
 )
 
@@ -117,12 +115,8 @@ def evict_many_in_place(k: Tensor, v: Tensor, score: Tensor, position: Tensor, l
     matched = valid & (nearest >= 0) if protect > 0 else valid              # no target left: evicted without trace
     nearest = nearest.clamp(min=0)
     u_star = torch.where(matched, u_star, 0.0)
-    u_all, matched_all = every_head(heads, u_star, matched)                 # [B, every rank's Hkv, m]
-    new_tau, new_set = ema_threshold(u_all, matched_all, tau, tau_set, beta)
-    tau.copy_(new_tau)
-    tau_set.copy_(new_set)
-    merged, w_e, w_self = merge_weights(u_all, matched_all, new_tau, variant, min_cos)
-    merged, w_e = heads.local(merged).contiguous(), heads.local(w_e).contiguous()      # [B, Hkv, m], this rank's
+    merged, w_e, w_self = threshold_and_merge_in_place(heads, u_star, matched, tau, tau_set, beta, variant,
+                                                       min_cos)                            # [B, Hkv, m]
     if score_weights:                       # each entry weighs its score + SCORE_EPS (the target's: per evicted f)
         w_e = torch.where(merged, torch.gather(score.float(), 2, e_idx) + SCORE_EPS, 0.0)
         w_self = (torch.gather(score.float(), 2, nearest) + SCORE_EPS)[..., None]          # [B, Hkv, m, 1]

@@ -190,6 +190,19 @@ def merge_weights(u_star: Tensor, valid: Tensor, tau: Tensor, variant: str, min_
     return merged, torch.where(merged, u_star, 0.0), 1.0
 
 
+def threshold_and_merge_in_place(heads: HeadGroup, u_star: Tensor, valid: Tensor, tau: Tensor, tau_set: Tensor,
+                                 beta: float, variant: str, min_cos: float) -> tuple[Tensor, Tensor, float]:
+    """§5.6 steps 2-4 of a layer's evictions u_star, valid [B, Hkv / N, E] (this rank's heads): the EMA threshold
+    over every rank's heads (``every_head``: one all-gather), written into ``tau``, ``tau_set`` [B], and
+    (merged, w_e [B, Hkv / N, E] contiguous, this rank's part; w_self), as one process decides them."""
+    u_all, valid_all = every_head(heads, u_star, valid)
+    new_tau, new_set = ema_threshold(u_all, valid_all, tau, tau_set, beta)
+    tau.copy_(new_tau)
+    tau_set.copy_(new_set)
+    merged, w_e, w_self = merge_weights(u_all, valid_all, new_tau, variant, min_cos)
+    return heads.local(merged).contiguous(), heads.local(w_e).contiguous(), w_self
+
+
 def merged_log_weight(into: Tensor, src: Tensor) -> Tensor:
     """log(exp(into) + exp(src)) in fp32, written out (max + log of the sum of shifted exps) so that the
     Triton kernel computes the same expression: the log-size of an entry that absorbed another."""
@@ -243,12 +256,8 @@ def evict_one_in_place(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, 
     b, h, c, d = k.shape
     evict = length > _rows(keep, b, 1)                                     # [B, Hkv]
     pick = pick_one(k, v, col_sum, position, length, keep, sinks, recent, target_from, protect)
-    u_all, valid_all = every_head(heads, pick.u_star, pick.valid)
-    new_tau, new_set = ema_threshold(u_all, valid_all, tau, tau_set, beta)
-    tau.copy_(new_tau)
-    tau_set.copy_(new_set)
-    merged, w_e, w_self = merge_weights(u_all, valid_all, new_tau, variant, min_cos)
-    merged, w_e = heads.local(merged).contiguous(), heads.local(w_e).contiguous()      # [B, Hkv, 1], as in one process
+    merged, w_e, w_self = threshold_and_merge_in_place(heads, pick.u_star, pick.valid, tau, tau_set, beta, variant,
+                                                       min_cos)                            # [B, Hkv, 1]
     ragged = not isinstance(keep, int)
     row0 = torch.arange(b * h, device=k.device).view(b, h, 1) * c
     last = newest_slot(length, evict, c)[..., None] if ragged else c - 1
