@@ -197,16 +197,20 @@ def stepped_tpot(kv, ids: torch.Tensor, device: torch.device, warm: int = 8, ste
     compressed layer (``DecodeSession.compress_layers``, what the steps run) timed on its own from a
     CUDA graph: before each timed call every layer's lengths are set back to its capacity (a full
     buffer, as when a step compresses), else every call after the first would find nothing to evict;
-    that re-arming is timed alone and subtracted."""
+    that re-arming is timed alone and subtracted. ``memory`` (CUDA; None elsewhere): the peak allocated bytes up to the
+    end of ``start`` (the caller's reset onwards), after it, the peak of the steps, and of the compression's timing
+    (each phase's peak is reset before it; the caller's overall peak is their max)."""
     interval = getattr(kv.policy, "interval", 1) if kv.policy.compresses else 1
     if interval > 1:
         warm, steps = warm + interval, max(steps, 2 * interval)
     start_s, session = timed_call(device, lambda: kv.start(ids, max_new_tokens=warm + steps))
     start_cache_bytes = session.report().cache_bytes     # as ``generate(max_new_tokens=1)``'s: the prompt compressed
+    memory = {"start_peak_bytes": _peak_bytes(device, reset=True), "start_allocated_bytes": _allocated_bytes(device)}
     tpot = greedy_step_seconds(lambda tok: session.step(tok).argmax(-1), session.logits.argmax(-1), device,
                                 warm, steps)
+    memory["steps_peak_bytes"] = _peak_bytes(device)
     out = {"tpot_ms": tpot * 1e3, "decode_tokens_per_s": ids.shape[0] / tpot, "tpot_method": f"{steps} stepped tokens",
-           "interval": interval, "start_s": start_s, "start_cache_bytes": start_cache_bytes}
+           "interval": interval, "start_s": start_s, "start_cache_bytes": start_cache_bytes, "memory": memory}
     due = [i for i, lay in enumerate(session.layers) if lay.compressible]
     layers = [session.layers[i] for i in due]
     if layers:
@@ -224,7 +228,22 @@ def stepped_tpot(kv, ids: torch.Tensor, device: torch.device, warm: int = 8, ste
         how = "CUDA graph" if graphed else "eager (capture failed)" if device.type == "cuda" else "eager"
         out.update(decode_compress_ms=ms, decode_compress_frac_of_tpot=ms / interval / out["tpot_ms"],
                    decode_compress_timed=how)
+        memory["compress_timing_peak_bytes"] = _peak_bytes(device)
     return out
+
+
+def _peak_bytes(device: torch.device, reset: bool = False) -> int | None:
+    """CUDA's peak allocated bytes since the last reset (then reset it when ``reset``); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    peak = torch.cuda.max_memory_allocated(device)
+    if reset:
+        torch.cuda.reset_peak_memory_stats(device)
+    return peak
+
+
+def _allocated_bytes(device: torch.device) -> int | None:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
 
 
 def transformers_stepped_tpot(model, ids: torch.Tensor, device: torch.device, warm: int = 8, steps: int = 48) -> float:

@@ -77,8 +77,13 @@ def _peak_reset(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def _peak_gib(device: torch.device) -> float | None:
-    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+def _peak_gib(device: torch.device, phases: dict | None = None) -> float | None:
+    """The peak allocated memory since ``_peak_reset``, with the peaks of ``phases`` (``stepped_tpot``'s
+    ``memory``, which resets the counter between them)."""
+    if device.type != "cuda":
+        return None
+    peaks = [v for k, v in (phases or {}).items() if k.endswith("peak_bytes") and v is not None]
+    return max([torch.cuda.max_memory_allocated(device), *peaks]) / 2**30
 
 
 def _weight_bytes(model) -> int:
@@ -123,7 +128,8 @@ def measure(model, policy: str, budget: float, ids: torch.Tensor, tp: int | None
     compiled = kv.compile_report
     row = {"policy": policy, "tp": tp or 1, "batch": ids.shape[0], "prompt": ids.shape[1], "ttft_s": ttft,
            "tpot_ms": stepped["tpot_ms"], "tokens_per_s": stepped["decode_tokens_per_s"],
-           "peak_memory_gib": _peak_gib(device), "weight_bytes_per_rank": weights,
+           "peak_memory_gib": _peak_gib(device, stepped["memory"]), "memory_phases": stepped["memory"],
+           "weight_bytes_per_rank": weights,
            "cache_bytes_per_rank": cache_bytes,
            "floor_ms": (weights + cache_bytes) / copy_bw * 1e3,
            "compiled": compiled["compiled"], "compile_seconds": compiled["compile_seconds"],
@@ -141,39 +147,68 @@ def measure(model, policy: str, budget: float, ids: torch.Tensor, tp: int | None
 _PARTIAL: dict = {"path": None, "rows": []}
 
 
+def _try_batch(make_model, policy, budget, prompt, tp, device, copy_bw, steps, batch: int, collective: bool,
+               compile: bool | None) -> dict | None:
+    """``measure`` at ``batch`` rows of a fresh model (``make_model()``); None where any rank ran out of memory."""
+    from kvpass.errors import OutOfDeviceMemory
+
+    row, ok = None, True
+    try:
+        model = make_model()
+        ids = torch.randint(1, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(1))
+        row = measure(model, policy, budget, ids.to(device), tp, device, copy_bw, steps, compile)
+    except (torch.OutOfMemoryError, OutOfDeviceMemory) as err:
+        _say(f"{policy} tp={tp or 1} batch={batch}: out of memory ({type(err).__name__})")
+        ok = False
+    model = None
+    _peak_reset(device)
+    return row if (_all_ok(ok, device) if collective else ok) and row is not None else None
+
+
+def rows_that_fit(one: dict, two: dict, total_bytes: int, fill: float) -> tuple[int, float]:
+    """(the most rows whose peak stays within ``fill`` x ``total_bytes``, the bytes one more row costs), from the
+    rows of batch 1 (``one``) and 2 (``two``): a row costs the larger of the two peaks' difference and of their
+    cache bytes' (a peak can hide a row's cost under the prefill's transients, never below its cache)."""
+    per_row = max((two["peak_memory_gib"] - one["peak_memory_gib"]) * 2**30,
+                  two["cache_bytes_per_rank"] - one["cache_bytes_per_rank"], 1.0)
+    room = fill * total_bytes - two["peak_memory_gib"] * 2**30
+    return max(2 + int(room // per_row), 1), per_row
+
+
 def _largest_batch(make_model, policy, budget, prompt, tp, device, copy_bw, steps, one: dict, max_batch: int,
-                   collective: bool, compile: bool | None) -> dict | None:
-    """The largest batch that fits, from batch 1's peak and cache bytes (memory left / bytes per row),
-    halved on out-of-memory (all ranks agree before trying the next). ``make_model()``: the model to run
-    (a fresh one per try under tp, whose apply shards it). None when only batch 1 fits."""
-    if device.type != "cuda":
-        batch = min(max_batch, 2)
-    else:
-        total = torch.cuda.get_device_properties(device).total_memory
-        per_row = max(one["cache_bytes_per_rank"], 1)
-        spare = 0.9 * total - one["peak_memory_gib"] * 2**30
-        batch = min(max_batch, 1 + int(spare // per_row))
-    while batch > 1:
-        # one prefill of every row (the steps' start, its TTFT), the warm row, a compilation at the new batch and a
-        # build, roughly
-        need = (batch + 1) * one["ttft_s"] + 1.5 * (one.get("compile_seconds") or 30) + 60
-        if not _have_time(need, collective, device):
-            batch //= 2                             # the time box, not memory, limits this one
-            continue
-        row, ok = None, True
-        _say(f"{policy} tp={tp or 1}: trying batch {batch} (estimated {need:.0f} s)")
-        try:
-            model = make_model()
-            ids = torch.randint(1, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(1))
-            row = measure(model, policy, budget, ids.to(device), tp, device, copy_bw, steps, compile)
-        except torch.OutOfMemoryError:
-            ok = False
-        model = None
-        _peak_reset(device)
-        if (_all_ok(ok, device) if collective else ok) and row is not None:
-            return row
-        batch //= 2
-    return None
+                   collective: bool, compile: bool | None, fill: float = 0.92) -> list[dict]:
+    """Batch 2, then the largest batch that fits: what one more row costs is batch 2's peak memory less batch 1's
+    (``one``; the caches and all else that grows with the batch), and the batch is the largest whose peak so
+    estimated stays within ``fill`` of the GPU, capped by ``max_batch`` and by the time box; 15% fewer rows on
+    out-of-memory (all ranks agree before the next try). Off CUDA: batch 2 alone. The largest row's ``largest``
+    says what limited it and the estimate. ``make_model()``: the model to run (a fresh one per try under tp,
+    whose apply shards it)."""
+    def need_s(batch: int) -> float:     # every row's prefill (the steps' start), the warm row, a compile, a build
+        return (batch + 1) * one["ttft_s"] + 1.5 * (one.get("compile_seconds") or 30) + 60
+
+    if max_batch < 2 or not _have_time(need_s(2), collective, device):
+        return []
+    _say(f"{policy} tp={tp or 1}: batch 2 (what a row costs)")
+    two = _try_batch(make_model, policy, budget, prompt, tp, device, copy_bw, steps, 2, collective, compile)
+    if two is None or device.type != "cuda":
+        return [two] if two is not None else []
+    fits, per_row = rows_that_fit(one, two, torch.cuda.get_device_properties(device).total_memory, fill)
+    batch, limit = (fits, "memory") if fits <= max_batch else (max_batch, "max_batch")
+    left = _CLOCK["total_s"] - (time.monotonic() - _CLOCK["start"])
+    if need_s(batch) > left:                  # the time box, not memory, limits this one
+        batch, limit = int((left - need_s(0)) // one["ttft_s"]) - 1, "time"
+    if collective:                            # every rank tries rank 0's batch (peaks and clocks differ a little)
+        batch, limit, fits, per_row = _broadcast_row((batch, limit, fits, per_row), device)
+    while batch > 2:
+        _say(f"{policy} tp={tp or 1}: trying batch {batch} (limited by {limit}; estimated {need_s(batch):.0f} s; "
+             f"{per_row / 2**30:.3f} GiB a row, {fits} rows fit)")
+        row = _try_batch(make_model, policy, budget, prompt, tp, device, copy_bw, steps, batch, collective, compile)
+        if row is not None:
+            row["largest"] = {"limited_by": limit, "rows_estimated_to_fit": fits, "bytes_per_row": per_row,
+                              "fill": fill}
+            return [two, row]
+        batch, limit = int(batch * 0.85), "memory (out of memory at a larger batch)"
+    return [two]
 
 
 def section_speed(model_kwargs: dict, label: str, world: int, rank: int, device: torch.device, copy_bw: float,
@@ -212,23 +247,23 @@ def section_speed(model_kwargs: dict, label: str, world: int, rank: int, device:
     for policy in methods:                         # what is left of the time box: the largest batches
         if policy in tp1:
             model = fresh()
-            big = _largest_batch(lambda m=model: m, policy, budget, prompt, None, device, copy_bw, steps,
-                                 tp1[policy], max_batch, False, None)
-            rows += [{"model": label, **big}] if big is not None else []
+            rows += [{"model": label, **r} for r in _largest_batch(lambda m=model: m, policy, budget, prompt, None,
+                                                                    device, copy_bw, steps, tp1[policy], max_batch,
+                                                                    False, None)]
             del model
             _peak_reset(device)
         if with_tp1:
             _barrier()
         if world > 1:
             one = _broadcast_row(tpn[policy], device)
-            big = _largest_batch(fresh, policy, budget, prompt, world, device, copy_bw, steps, one, max_batch, True,
-                                 compile)
-            rows += [{"model": label, **big}] if big is not None else []
+            rows += [{"model": label, **r} for r in _largest_batch(fresh, policy, budget, prompt, world, device,
+                                                                    copy_bw, steps, one, max_batch, True, compile)]
     return rows
 
 
-def _broadcast_row(row: dict, device: torch.device) -> dict:
-    """Every rank's batch-1 row is its own; the batch search needs the same start on all: rank 0's."""
+def _broadcast_row(row, device: torch.device):
+    """Rank 0's ``row`` on every rank (a picklable object): every rank's batch-1 row is its own, and the batch
+    search needs the same start, and the same batch, on all."""
     import torch.distributed as dist
     box = [row]
     dist.broadcast_object_list(box, src=0)
@@ -292,6 +327,13 @@ def markdown(results: dict) -> str:
         lines.append(f"| {r['model']} | {r['policy']} | {r['tp']} | {r['batch']} | {r['prompt']} | {r['ttft_s']:.3g} | "
                      f"{r['tpot_ms']:.3g} | {r['tokens_per_s']:.4g} | {peak} | {r['floor_ms']:.3g} | "
                      f"{r['tpot_ms'] / r['floor_ms']:.2f} | {r.get('compiled')} | {r.get('graph_captures')} |")
+    for r in results.get("rows", []):
+        if "largest" in r:
+            big = r["largest"]
+            lines.append(f"\nlargest batch, {r['policy']} tp={r['tp']}: {r['batch']} rows, limited by "
+                         f"{big['limited_by']} ({big['rows_estimated_to_fit']} estimated to fit in "
+                         f"{big['fill']:.0%} of the GPU at {big['bytes_per_row'] / 2**30:.3f} GiB a row, from "
+                         f"batch 2's peak less batch 1's)")
     for k, v in results.get("errors", {}).items():
         lines.append(f"\n{k}: {v}")
     return "\n".join(lines) + "\n"
