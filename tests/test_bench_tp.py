@@ -109,16 +109,13 @@ def test_time_fn_under_tp_takes_the_fixed_count(monkeypatch) -> None:
     assert len(calls) == 5 + 25
 
 
-def test_rows_that_fit_take_what_a_row_costs_from_batch_2() -> None:
+def test_rows_that_fit_take_a_row_as_its_cache_past_batch_2() -> None:
     from benchmarks.bench.tp import rows_that_fit
 
     gib = 2**30
-    one = {"peak_memory_gib": 13.0, "cache_bytes_per_rank": 0.4 * gib}
-    two = {"peak_memory_gib": 14.0, "cache_bytes_per_rank": 0.8 * gib}
+    one = {"peak_memory_gib": 13.0, "cache_bytes_per_rank": 0.5 * gib}
+    two = {"peak_memory_gib": 14.0, "cache_bytes_per_rank": 1.0 * gib}
     fits, per_row = rows_that_fit(one, two, 100 * gib, 0.9)
-    assert per_row == gib and fits == 2 + 76          # (90 - 14) GiB left at 1 GiB a row
-    # a row's peak hidden under the prefill's transients still costs its cache bytes
-    fits, per_row = rows_that_fit(one, {**two, "peak_memory_gib": 13.0}, 100 * gib, 0.9)
-    assert per_row == 0.4 * gib and fits == 2 + int(77 / 0.4)
+    assert per_row == 0.5 * gib and fits == 2 + 152   # (90 - 14) GiB left at 0.5 GiB a row
     fits, _ = rows_that_fit(one, {**two, "peak_memory_gib": 95.0}, 100 * gib, 0.9)
     assert fits == 1                                   # batch 2 is already past the fill

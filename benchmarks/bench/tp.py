@@ -167,19 +167,20 @@ def _try_batch(make_model, policy, budget, prompt, tp, device, copy_bw, steps, b
 
 def rows_that_fit(one: dict, two: dict, total_bytes: int, fill: float) -> tuple[int, float]:
     """(the most rows whose peak stays within ``fill`` x ``total_bytes``, the bytes one more row costs), from the
-    rows of batch 1 (``one``) and 2 (``two``): a row costs the larger of the two peaks' difference and of their
-    cache bytes' (a peak can hide a row's cost under the prefill's transients, never below its cache)."""
-    per_row = max((two["peak_memory_gib"] - one["peak_memory_gib"]) * 2**30,
-                  two["cache_bytes_per_rank"] - one["cache_bytes_per_rank"], 1.0)
+    rows of batch 1 (``one``) and 2 (``two``). A row costs its cache: the difference of the two rows' cache bytes.
+    Batch 2's peak already holds what a batch of several rows adds once (one row's prefill beside the batch's
+    buffers, which batch 1 does not have), so batch 2's peak less batch 1's is no row's cost: 0.97 GiB against
+    0.41 GiB of cache at tp=2 for Llama-3.1-8B at 32k, where batch 120 then peaked at 2's + 118 x 0.415 GiB
+    (benchmarks/results/tp-h200-session30/)."""
+    per_row = max(two["cache_bytes_per_rank"] - one["cache_bytes_per_rank"], 1.0)
     room = fill * total_bytes - two["peak_memory_gib"] * 2**30
     return max(2 + int(room // per_row), 1), per_row
 
 
 def _largest_batch(make_model, policy, budget, prompt, tp, device, copy_bw, steps, one: dict, max_batch: int,
-                   collective: bool, compile: bool | None, fill: float = 0.92) -> list[dict]:
-    """Batch 2, then the largest batch that fits: what one more row costs is batch 2's peak memory less batch 1's
-    (``one``; the caches and all else that grows with the batch), and the batch is the largest whose peak so
-    estimated stays within ``fill`` of the GPU, capped by ``max_batch`` and by the time box; 15% fewer rows on
+                   collective: bool, compile: bool | None, fill: float = 0.9) -> list[dict]:
+    """Batch 2, then the largest batch that fits: the largest whose peak, batch 2's and a cache for each further
+    row (``rows_that_fit``), stays within ``fill`` of the GPU, capped by ``max_batch`` and by the time box; 15% fewer rows on
     out-of-memory (all ranks agree before the next try). Off CUDA: batch 2 alone. The largest row's ``largest``
     says what limited it and the estimate. ``make_model()``: the model to run (a fresh one per try under tp,
     whose apply shards it)."""
@@ -332,8 +333,8 @@ def markdown(results: dict) -> str:
             big = r["largest"]
             lines.append(f"\nlargest batch, {r['policy']} tp={r['tp']}: {r['batch']} rows, limited by "
                          f"{big['limited_by']} ({big['rows_estimated_to_fit']} estimated to fit in "
-                         f"{big['fill']:.0%} of the GPU at {big['bytes_per_row'] / 2**30:.3f} GiB a row, from "
-                         f"batch 2's peak less batch 1's)")
+                         f"{big['fill']:.0%} of the GPU: batch 2's peak and {big['bytes_per_row'] / 2**30:.3f} GiB "
+                         f"of cache a row)")
     for k, v in results.get("errors", {}).items():
         lines.append(f"\n{k}: {v}")
     return "\n".join(lines) + "\n"
