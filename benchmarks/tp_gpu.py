@@ -2,7 +2,7 @@
 (``benchmarks/tp_gpu.sh N`` does it with ``NCCL_NVLS_ENABLE=0``). Rank 0 writes
 ``benchmarks/results/tp-<gpu>-x<N>-<sections>.{json,md}``. Within a 10-minute command, run the sections
 apart, e.g. ``benchmarks/tp_gpu.sh 8 --sections correctness,8b --total-s 500`` and then
-``benchmarks/tp_gpu.sh 8 --sections 70b`` (``--total-s`` halves the largest batch until its estimated
+``benchmarks/tp_gpu.sh 8 --sections 70b`` (``--total-s`` cuts the largest batch to what its estimated
 time fits).
 
     correctness  greedy tokens of ``full`` in fp32 on a small Llama at tp=N equal tp=1
