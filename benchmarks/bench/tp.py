@@ -199,7 +199,7 @@ def _largest_batch(make_model, policy, budget, prompt, tp, device, copy_bw, step
     if need_s(batch) > left:                  # the time box, not memory, limits this one
         batch, limit = int((left - need_s(0)) // one["ttft_s"]) - 1, "time"
     if collective:                            # every rank tries rank 0's batch (peaks and clocks differ a little)
-        batch, limit, fits, per_row = _broadcast_row((batch, limit, fits, per_row), device)
+        batch, limit, fits, per_row = _from_rank0((batch, limit, fits, per_row), device)
     while batch > 2:
         _say(f"{policy} tp={tp or 1}: trying batch {batch} (limited by {limit}; estimated {need_s(batch):.0f} s; "
              f"{per_row / 2**30:.3f} GiB a row, {fits} rows fit)")
@@ -256,17 +256,17 @@ def section_speed(model_kwargs: dict, label: str, world: int, rank: int, device:
         if with_tp1:
             _barrier()
         if world > 1:
-            one = _broadcast_row(tpn[policy], device)
+            one = _from_rank0(tpn[policy], device)
             rows += [{"model": label, **r} for r in _largest_batch(fresh, policy, budget, prompt, world, device,
                                                                     copy_bw, steps, one, max_batch, True, compile)]
     return rows
 
 
-def _broadcast_row(row, device: torch.device):
-    """Rank 0's ``row`` on every rank (a picklable object): every rank's batch-1 row is its own, and the batch
+def _from_rank0(obj, device: torch.device):
+    """Rank 0's ``obj`` (any picklable object) on every rank: every rank's batch-1 row is its own, and the batch
     search needs the same start, and the same batch, on all."""
     import torch.distributed as dist
-    box = [row]
+    box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
