@@ -119,3 +119,13 @@ def test_rows_that_fit_take_a_row_as_its_cache_past_batch_2() -> None:
     assert per_row == 0.5 * gib and fits == 2 + 152   # (90 - 14) GiB left at 0.5 GiB a row
     fits, _ = rows_that_fit(one, {**two, "peak_memory_gib": 95.0}, 100 * gib, 0.9)
     assert fits == 1                                   # batch 2 is already past the fill
+
+
+def test_batch_in_time_is_the_largest_whose_estimate_fits() -> None:
+    from benchmarks.bench.tp import batch_in_time
+
+    # (batch + 1) x 2 s of prefills + 100 s: batch 49 needs exactly 200 s, batch 50 would need 202
+    assert batch_in_time(200.0, 2.0, 100.0) == 49
+    assert batch_in_time(201.9, 2.0, 100.0) == 49
+    assert batch_in_time(202.0, 2.0, 100.0) == 50
+    assert batch_in_time(50.0, 2.0, 100.0) == 0        # not even the fixed part fits

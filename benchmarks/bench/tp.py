@@ -177,6 +177,12 @@ def rows_that_fit(one: dict, two: dict, total_bytes: int, fill: float) -> tuple[
     return max(2 + int(room // per_row), 1), per_row
 
 
+def batch_in_time(left_s: float, ttft_s: float, fixed_s: float) -> int:
+    """The largest batch whose estimate, (batch + 1) prefills of ``ttft_s`` (every row's and the warm row's) and
+    ``fixed_s``, fits in ``left_s`` seconds (0 where none does)."""
+    return max(int((left_s - fixed_s) // ttft_s) - 1, 0)
+
+
 def _largest_batch(make_model, policy, budget, prompt, tp, device, copy_bw, steps, one: dict, max_batch: int,
                    collective: bool, compile: bool | None, fill: float = 0.9) -> list[dict]:
     """Batch 2, then the largest batch that fits: the largest whose peak, batch 2's and a cache for each further
@@ -184,8 +190,10 @@ def _largest_batch(make_model, policy, budget, prompt, tp, device, copy_bw, step
     out-of-memory (all ranks agree before the next try). Off CUDA: batch 2 alone. The largest row's ``largest``
     says what limited it and the estimate. ``make_model()``: the model to run (a fresh one per try under tp,
     whose apply shards it)."""
-    def need_s(batch: int) -> float:     # every row's prefill (the steps' start), the warm row, a compile, a build
-        return (batch + 1) * one["ttft_s"] + 1.5 * (one.get("compile_seconds") or 30) + 60
+    fixed_s = 1.5 * (one.get("compile_seconds") or 30) + 60      # a compile and a build
+
+    def need_s(batch: int) -> float:     # every row's prefill (the steps' start) and the warm row's, and fixed_s
+        return (batch + 1) * one["ttft_s"] + fixed_s
 
     if max_batch < 2 or not _have_time(need_s(2), collective, device):
         return []
@@ -197,7 +205,7 @@ def _largest_batch(make_model, policy, budget, prompt, tp, device, copy_bw, step
     batch, limit = (fits, "memory") if fits <= max_batch else (max_batch, "max_batch")
     left = _CLOCK["total_s"] - (time.monotonic() - _CLOCK["start"])
     if need_s(batch) > left:                  # the time box, not memory, limits this one
-        batch, limit = int((left - need_s(0)) // one["ttft_s"]) - 1, "time"
+        batch, limit = batch_in_time(left, one["ttft_s"], fixed_s), "time"
     if collective:                            # every rank tries rank 0's batch (peaks and clocks differ a little)
         batch, limit, fits, per_row = _from_rank0((batch, limit, fits, per_row), device)
     while batch > 2:
