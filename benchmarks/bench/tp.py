@@ -350,13 +350,13 @@ def markdown(results: dict) -> str:
 
 def run(out: Path, smoke: bool, sections: tuple[str, ...], prompt: int | None, budget: float,
         methods: tuple[str, ...], max_batch: int, with_tp1: bool = True, total_s: float = float("inf"),
-        compile: bool | None = None, chunk_70b: int | None = 4096) -> dict:
+        compile: bool | None = None, chunk_70b: int | None = 4096, steps: int | None = None) -> dict:
     _CLOCK.update(start=time.monotonic(), total_s=total_s)
     rank, world, device = init_distributed()
     if device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     prompt = prompt or (40 if smoke else 32768)
-    steps = 4 if smoke else 32
+    steps = steps or (4 if smoke else 32)
     copy_bw = copy_bandwidth(device, (1 << 20) if smoke else (2 << 30))
     tag = "" if compile is None else f"-compile-{'on' if compile else 'off'}"
     stem = out / f"tp-{slug(gpu_name(device))}-x{world}-{'-'.join(sections)}{tag}"
@@ -416,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=None, help="the processes torchrun starts (checked; default: all)")
     ap.add_argument("--compile", choices=("default", "on", "off"), default="default",
                     help="compiled decode at tp=N (default: kvpass's, compiled on CUDA); tp=1 rows keep kvpass's default")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="timed decode steps a row (default 32; 4 with --smoke; cover an interval policy's compressions, "
+                         "e.g. 128 for d2o[interval=64])")
     ap.add_argument("--prefill-chunk-70b", type=int, default=4096,
                     help="the 70b section's chunked prefill (0: the whole prompt at once)")
     args = ap.parse_args(argv)
@@ -425,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"`torchrun --nproc-per-node {args.tp} -m kvpass.cli bench --tp {args.tp}`")
     results = run(Path(args.out), args.smoke, tuple(s for s in args.sections.split(",") if s), args.prompt, args.budget,
                   tuple(m for m in args.methods.split(",") if m), args.max_batch, not args.no_tp1, args.total_s,
-                  {"default": None, "on": True, "off": False}[args.compile], args.prefill_chunk_70b or None)
+                  {"default": None, "on": True, "off": False}[args.compile], args.prefill_chunk_70b or None,
+                  args.steps)
     return 1 if results["errors"] or (results.get("correctness") or {}).get("tokens_equal") is False else 0
 
 
