@@ -36,11 +36,14 @@ what capturing cost (warm-up and recording; ``GenerationReport.graph_captures``)
 
 The returned first output (the logits) is a copy; later outputs are the graph's static tensors,
 overwritten by the next replay. On CPU, with ``KVPASS_CUDA_GRAPH=0``, with ``enabled = False``, or if
-capture fails (an op that synchronises, say), ``fn`` runs eagerly: same inputs, same outputs.
+capture fails (an op that synchronises, say), ``fn`` runs eagerly: same inputs, same outputs. A failed
+capture's memory pool is given back (``release_failed_capture``), and where the driver has less memory free
+than the allocator's cache holds unused, the cache is emptied before recording (``make_room_for_capture``).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -178,14 +181,65 @@ class StaticDecodeStep:
         prefill would allocate them again."""
         graph, capture = torch.cuda.CUDAGraph(), torch.cuda.Stream()
         torch.cuda.synchronize()
-        with torch.cuda.stream(capture):
-            graph.capture_begin()
-            try:
-                outs = tuple(fn(*static))
-            finally:
-                graph.capture_end()
+        make_room_for_capture(static[0].device)
+        pool = torch.cuda.graph_pool_handle()    # ours, not graph.pool(): that refuses a failed capture
+        try:
+            with torch.cuda.stream(capture):
+                graph.capture_begin(pool=pool)
+                try:
+                    outs = tuple(fn(*static))
+                finally:
+                    graph.capture_end()
+        except BaseException:
+            release_failed_capture(graph, pool, static[0].device)
+            raise
         torch.cuda.current_stream().wait_stream(capture)
         return graph, outs
+
+
+def make_room_for_capture(device: torch.device) -> None:
+    """Empty the allocator's cache before a capture where the driver has less memory free than the cache holds
+    unused. A capture allocates from a pool of its own, which cannot take the cache's unused blocks, and the
+    allocator cannot give them back to the driver while a capture runs (that invalidates the capture: an H100
+    at batch 53, 32k, failed so, as "capturing stream has unjoined work"). Otherwise the cache is kept, so that
+    the next prefill does not allocate its gigabytes from the driver again."""
+    free, _ = torch.cuda.mem_get_info(device)
+    unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if free < unused:
+        torch.cuda.empty_cache()
+
+
+def release_failed_capture(graph: torch.cuda.CUDAGraph, pool: tuple[int, int], device: torch.device) -> None:
+    """Give back the memory pool of a capture that failed. torch before pytorch/pytorch#190348 never drops a
+    failed capture's use of its pool, so the pool's memory stays reserved until the process exits (where
+    the capture failed for want of memory, every later call then fails too). After the graph's own
+    ``reset``, where segments of the pool remain, its use is dropped here and the cache emptied. ``pool``: the
+    id the capture was begun with (``torch.cuda.graph_pool_handle()``)."""
+    pool, index = tuple(pool), device.index or 0
+    try:                                         # torch before #180395: an end of capture that failed left
+        torch._C._cuda_endAllocateToPool(index, pool)    # the allocator routing to the pool
+    except (AttributeError, RuntimeError):       # routing had ended (the usual case)
+        pass
+    try:
+        graph.reset()
+    except RuntimeError as exc:
+        log.debug("reset of a failed capture: %s", exc)
+    gc.collect()
+    torch.cuda.empty_cache()
+    if not pool_segments(device, pool):
+        return
+    try:
+        torch._C._cuda_releasePool(index, pool)
+    except (AttributeError, RuntimeError) as exc:   # a torch without it, or the pool already released
+        log.warning("could not release the memory pool of a failed CUDA graph capture: %s", exc)
+    torch.cuda.empty_cache()
+
+
+def pool_segments(device: torch.device, pool: tuple[int, int]) -> int:
+    """Bytes of the allocator's segments that belong to memory pool ``pool`` on ``device``."""
+    index = device.index or 0
+    return sum(s["total_size"] for s in torch.cuda.memory_snapshot()
+               if s.get("device", index) == index and tuple(s.get("segment_pool_id", ())) == pool)
 
 
 def _branches(calls: Sequence[Callable[[], object]], streams: Sequence[torch.cuda.Stream]) -> Iterator[torch.cuda.Stream]:

@@ -208,3 +208,86 @@ def test_compiled_decode_with_forked_compression_matches_eager():
     got = kv.generate(ids, max_new_tokens=24, do_sample=False)
     assert kv.last_report.compressions > 20 and kv.decode_step.captures >= 1
     assert torch.equal(got, want)
+
+
+class _Graph:
+    """A stand-in for a CUDAGraph whose capture failed: reset() runs, and nothing else is asked of it."""
+
+    def __init__(self):
+        self.resets = 0
+
+    def reset(self):
+        self.resets += 1
+
+
+@pytest.mark.parametrize("torch_released_it", [False, True])
+def test_a_failed_capture_pool_is_released_only_where_torch_kept_it(monkeypatch, torch_released_it):
+    """torch before pytorch#190348 keeps a failed capture's pool (its segments stay after reset and
+    empty_cache): then, and only then, kvpass drops the pool's use (releasePool) and empties the cache again."""
+    pool, other = (7, 1), (0, 3)
+    state = {"kept": not torch_released_it, "released": [], "ended": [], "emptied": 0}
+
+    def snapshot():
+        segs = [{"device": 0, "total_size": 1 << 20, "segment_pool_id": other}]
+        return segs + ([{"device": 0, "total_size": 1 << 30, "segment_pool_id": pool}] if state["kept"] else [])
+
+    def release(index, p):
+        state["released"].append((index, tuple(p)))
+        state["kept"] = False
+
+    def end(index, p):
+        state["ended"].append((index, tuple(p)))
+        raise RuntimeError("endAllocatePool: not currently recording to mempool_id")   # routing had ended
+
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", snapshot)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: state.__setitem__("emptied", state["emptied"] + 1))
+    monkeypatch.setattr(torch._C, "_cuda_releasePool", release, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end, raising=False)
+    graph = _Graph()
+    ds.release_failed_capture(graph, pool, torch.device("cuda", 0))
+    assert graph.resets == 1 and state["ended"] == [(0, pool)]
+    assert state["released"] == ([] if torch_released_it else [(0, pool)])
+    assert state["emptied"] == (1 if torch_released_it else 2)
+    assert ds.pool_segments(torch.device("cuda", 0), pool) == 0
+    assert ds.pool_segments(torch.device("cuda", 0), other) == 1 << 20
+
+
+@pytest.mark.parametrize(("free", "unused", "empties"), [(10, 4, False), (3, 4, True), (0, 0, False)])
+def test_cache_is_emptied_before_a_capture_only_where_the_driver_has_less_free(monkeypatch, free, unused, empties):
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: (20 + unused) << 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 20 << 30)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    ds.make_room_for_capture(torch.device("cuda", 0))
+    assert bool(emptied) == empties
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_capture_that_fails_runs_eagerly_and_gives_its_memory_back():
+    """A step that allocates 256 MiB and then synchronises (not allowed while capturing): the step runs eagerly,
+    with the eager result, and the failed capture's pool does not stay reserved (torch 2.11 kept it)."""
+    x = torch.arange(1 << 10, device="cuda", dtype=torch.float32)
+
+    def fn(t):
+        big = torch.empty(1 << 26, device="cuda")               # 256 MiB, from the capture's pool
+        big.fill_(1.0)
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()                            # fails the capture
+        return (t + big[: t.numel()],)
+
+    step = StaticDecodeStep()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    out = step(fn, [x], [])
+    assert torch.equal(out[0], x + 1)
+    assert not step.graphed(x.device)                           # eager from now on
+    torch.cuda.synchronize()
+    del out
+    torch.cuda.empty_cache()
+    pools = [s for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) != (0, 0)]
+    assert pools == [], pools
+    assert torch.cuda.memory_reserved() <= before + (1 << 26) + (32 << 20)   # the warm-up's block, at most
+    assert torch.equal(step(fn, [x], [])[0], x + 1)
