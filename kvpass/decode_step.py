@@ -141,7 +141,7 @@ class StaticDecodeStep:
         try:
             graph, graph_outs = self._record(fn, static)
         except Exception as exc:    # noqa: BLE001  (any capture failure: stay correct, run eagerly)
-            log.warning("CUDA graph capture of the decode step %s failed (%s); running it eagerly", key[0], exc)
+            log.warning("CUDA graph capture of the decode step %s failed (%s); running it eagerly", key[0], str(exc))
             self._eager.add(key[0])
             if static[0].is_cuda:
                 torch.cuda.synchronize()
@@ -183,6 +183,7 @@ class StaticDecodeStep:
         torch.cuda.synchronize()
         make_room_for_capture(static[0].device)
         pool = torch.cuda.graph_pool_handle()    # ours, not graph.pool(): that refuses a failed capture
+        failure = None
         try:
             with torch.cuda.stream(capture):
                 graph.capture_begin(pool=pool)
@@ -190,11 +191,17 @@ class StaticDecodeStep:
                     outs = tuple(fn(*static))
                 finally:
                     graph.capture_end()
-        except BaseException:
+        except Exception as exc:    # noqa: BLE001  (its traceback holds the capture's tensors: let them go first)
+            failure = f"{type(exc).__name__}: {exc}"
+        if failure is not None:
             release_failed_capture(graph, pool, static[0].device)
-            raise
+            raise CaptureFailed(failure)
         torch.cuda.current_stream().wait_stream(capture)
         return graph, outs
+
+
+class CaptureFailed(RuntimeError):
+    """A CUDA graph capture of the decode step failed (the message is the cause's); its memory pool was given back."""
 
 
 def make_room_for_capture(device: torch.device) -> None:
