@@ -356,11 +356,11 @@ def build_decode(gm: GraphModule, sites: list[AttentionSite], policy: Policy,
                 attn, res = _split_attend(graph, site, attend, cache, extra, want, split[site.layer], full_cache,
                                           q, k, v, pos)
             else:
-                if site.layer in deferred:
-                    recent = [next(inputs) for _ in RECENT_INPUTS]
-                    graph.call_function(ops.write_query.default, (*recent, pos, q))
+                recent = [next(inputs) for _ in RECENT_INPUTS] if site.layer in deferred else None
                 res = _write_and_attend(graph, site, attend, q, k, v, pos, cache, extra, want)
                 attn = graph.call_function(operator.getitem, (res, 0))
+                if recent is not None:     # after the write: rope_into_write_kv folds rope(q) only where every
+                    graph.call_function(ops.write_query.default, (*recent, pos, q))     # reader follows it
             if want:
                 scores.append(graph.call_function(operator.getitem, (res, 1)))
                 score_layers.append(site.layer)

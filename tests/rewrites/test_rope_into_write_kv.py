@@ -21,6 +21,7 @@ def _count(gm, target) -> int:
 
 @pytest.mark.parametrize("name, policy, dtype", [("llama", "streamingllm", torch.float32),
                                                  ("llama", "d2o", torch.bfloat16),
+                                                 ("llama", "d2o[interval=4]", torch.float32),   # the query ring
                                                  ("qwen2", "snapkv", torch.float32),
                                                  ("gemma3", "h2o", torch.float32)])
 def test_rotations_fold_into_the_write_and_logits_stay(name, policy, dtype):
@@ -37,7 +38,9 @@ def test_rotations_fold_into_the_write_and_logits_stay(name, policy, dtype):
     assert (_count(decode, WRITE_KV), _count(decode, ROPE_WRITE_KV)) == (0, writes)
     assert _count(decode, torch.ops.aten.cat.default) == cats - 2 * writes     # rotate_half's cat of q and k
     fused = [n for n in decode.graph.nodes if n.target is ROPE_WRITE_KV]
-    assert all(u.target is torch.ops.kvpass.decode_attention.default for n in fused for u in n.users)
+    readers = {torch.ops.kvpass.decode_attention.default, torch.ops.kvpass.write_query.default}
+    assert all(u.target in readers for n in fused for u in n.users)
+    assert _count(decode, torch.ops.kvpass.write_query.default) == (writes if "interval" in policy else 0)
     kv.decode_step.reset()
     torch.testing.assert_close(kv.start(ids, max_new_tokens=8).feed(fed), want, rtol=0, atol=0)
 
