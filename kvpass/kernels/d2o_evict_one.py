@@ -190,17 +190,26 @@ def merge_weights(u_star: Tensor, valid: Tensor, tau: Tensor, variant: str, min_
     return merged, torch.where(merged, u_star, 0.0), 1.0
 
 
+def threshold_and_merge(heads: HeadGroup, u_star: Tensor, valid: Tensor, prev: Tensor, was_set: Tensor, beta: float,
+                        variant: str, min_cos: float) -> tuple[Tensor, Tensor, Tensor, Tensor, float]:
+    """§5.6 steps 2-4 of a layer's evictions u_star, valid [B, Hkv / N, E] (this rank's heads), from the previous
+    threshold ``prev``, ``was_set`` [B]: (tau, tau_set [B], the EMA over every rank's heads (``every_head``: one
+    all-gather); merged, w_e [B, Hkv / N, E] contiguous, this rank's part; w_self), as one process decides them."""
+    u_all, valid_all = every_head(heads, u_star, valid)
+    tau, tau_set = ema_threshold(u_all, valid_all, prev, was_set, beta)
+    merged, w_e, w_self = merge_weights(u_all, valid_all, tau, variant, min_cos)
+    return tau, tau_set, heads.local(merged).contiguous(), heads.local(w_e).contiguous(), w_self
+
+
 def threshold_and_merge_in_place(heads: HeadGroup, u_star: Tensor, valid: Tensor, tau: Tensor, tau_set: Tensor,
                                  beta: float, variant: str, min_cos: float) -> tuple[Tensor, Tensor, float]:
-    """§5.6 steps 2-4 of a layer's evictions u_star, valid [B, Hkv / N, E] (this rank's heads): the EMA threshold
-    over every rank's heads (``every_head``: one all-gather), written into ``tau``, ``tau_set`` [B], and
-    (merged, w_e [B, Hkv / N, E] contiguous, this rank's part; w_self), as one process decides them."""
-    u_all, valid_all = every_head(heads, u_star, valid)
-    new_tau, new_set = ema_threshold(u_all, valid_all, tau, tau_set, beta)
+    """``threshold_and_merge`` with the layer's threshold state ``tau``, ``tau_set`` [B] read and written in place
+    (the decode step's buffers): (merged, w_e, w_self)."""
+    new_tau, new_set, merged, w_e, w_self = threshold_and_merge(heads, u_star, valid, tau, tau_set, beta, variant,
+                                                                min_cos)
     tau.copy_(new_tau)
     tau_set.copy_(new_set)
-    merged, w_e, w_self = merge_weights(u_all, valid_all, new_tau, variant, min_cos)
-    return heads.local(merged).contiguous(), heads.local(w_e).contiguous(), w_self
+    return merged, w_e, w_self
 
 
 def merged_log_weight(into: Tensor, src: Tensor) -> Tensor:

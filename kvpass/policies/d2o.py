@@ -20,14 +20,13 @@ from kvpass.kernels.d2o_evict_one import (
     Gathered,
     OneEviction,
     d2o_evict_one_steps,
-    ema_threshold,
     evict_one_in_place,
-    merge_weights,
     merged_log_weight,
     pick_one,
     protected_count,
     run_layers,
     score_merged_rows,
+    threshold_and_merge,
     unprotected,
 )
 from kvpass.kernels.d2o_evict_one import merged_rows as _merged_rows
@@ -325,15 +324,11 @@ class D2O(Policy):
         its fast form, with the plain-torch definition every op has and a Triton kernel; ``_compress_one`` is
         the op's step as a pure function (shift instead of move), kept for the callers of ``compress`` at
         capacity keep + 1 (tensor parallel decode, stacked or per-row copies), where the general path would
-        sort every step. All share ``pick_one`` / ``merge_weights`` / ``merged_rows``."""
+        sort every step. All share ``pick_one`` / ``threshold_and_merge`` / ``merged_rows``."""
         sinks, _, recent = self.split(keep)
         if cache.capacity == keep + 1:
             return self._compress_one(cache, keep)
         return self._compress_general(cache, keep, sinks, recent)
-
-    def _merge_weights(self, u_star: Tensor, valid: Tensor, tau: Tensor) -> tuple[Tensor, Tensor, float]:
-        """(merged [B, Hkv, E] bool, w_e [B, Hkv, E] fp32, w_self) of §5.6 steps 3-4 (and the floor)."""
-        return merge_weights(u_star, valid, tau, self.d2o_variant, self._min_cos())
 
     def _compress_general(self, cache: LayerCache, keep: int, sinks: int, recent: int) -> LayerCache:
         kept = select_kept(self._score(cache), cache.length, keep, sinks, recent)
@@ -569,22 +564,15 @@ class D2O(Policy):
     def _threshold_and_merge(self, state: dict[str, Tensor], u_star: Tensor, valid: Tensor
                              ) -> tuple[Tensor, Tensor, float]:
         """§5.6 steps 2-4 from this layer's u_star, valid [B, Hkv, E]: the EMA threshold (written to
-        ``state``) and (merged, w_e [B, Hkv, E], w_self). Both the threshold and the "code" merge decision
-        are statistics over every KV head of the layer: taken over ``self.heads.gather`` (every rank's
-        heads under tensor parallelism, the identity otherwise), the rank keeping its own heads' part."""
-        u_all, valid_all = self.heads.gather(u_star), self.heads.gather(valid)
-        tau = self._update_tau(state, u_all, valid_all)                                     # [B]
-        merged, w_e, w_self = self._merge_weights(u_all, valid_all, tau)
-        return self.heads.local(merged), self.heads.local(w_e), w_self
-
-    def _update_tau(self, state: dict[str, Tensor], u_star: Tensor, valid: Tensor) -> Tensor:
-        """EMA threshold per batch row (§5.6 step 2), written to ``state`` (TAU, TAU_SET).
-        u_star, valid: [B, Hkv, E]. Returns tau [B]."""
+        ``state``) and (merged, w_e [B, Hkv, E], w_self): ``threshold_and_merge``, the decode ops' own, whose
+        threshold and "code" merge decision are statistics over every KV head of the layer (every rank's heads
+        under tensor parallelism, in one all-gather), the rank keeping its own heads' part."""
         b = u_star.shape[0]
         prev = state.get(TAU, torch.zeros(b, device=u_star.device))
         was_set = state.get(TAU_SET, torch.zeros(b, dtype=torch.bool, device=u_star.device))
-        state[TAU], state[TAU_SET] = ema_threshold(u_star, valid, prev, was_set, self.beta)
-        return state[TAU]
+        state[TAU], state[TAU_SET], merged, w_e, w_self = threshold_and_merge(
+            self.heads, u_star, valid, prev, was_set, self.beta, self.d2o_variant, self._min_cos())
+        return merged, w_e, w_self
 
 
 def _sums_into(nearest: Tensor, merged: Tensor, w_e: Tensor, srcs: tuple[Tensor, ...], accs: tuple[Tensor, ...]
