@@ -7,10 +7,12 @@ numbers of live entries (left-padded batches).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
-from kvpass.cache import EMPTY, LayerCache, gather_slots, load_into, put_slots
+from kvpass.cache import EMPTY, LayerCache, gather_slots, keep_slots, load_into, put_slots
 from kvpass.kernels.lowest_slots import lowest_slots
 
 
@@ -139,6 +141,59 @@ def fill_evicted_slots(cache: LayerCache, candidates: Tensor, keep: int) -> None
     for t in cache.slot_meta.values():
         t[:, :, keep:] = 0
     cache.length.clamp_(max=keep)
+
+
+def fill_evicted_rows(cache: LayerCache, candidates: Tensor, keep: Tensor, due: Tensor) -> None:
+    """``fill_evicted_slots`` with a budget per batch row: each ``due`` row evicts its first n = length - keep[b]
+    ``candidates`` and gets exactly what it gets alone (the same holes, movers and pairs); every other row is left
+    as it is, even where it holds more than its budget. Static shapes, no host sync (a CUDA graph captures it).
+    cache: [B, Hkv, C, ...]; candidates: [B, Hkv, E] int64 with n <= E for every due row; keep: [B] int64;
+    due: [B, Hkv] bool. A cache of views (not contiguous) is worked on in a copy, then loaded back."""
+    if not all(t.is_contiguous() for t in cache.tensors()):
+        work = keep_slots(cache, torch.arange(cache.capacity, device=cache.k.device).expand(*cache.length.shape, -1))
+        fill_evicted_rows(work, candidates, keep, due)
+        load_into(cache, work)
+        return
+    c, e = cache.capacity, candidates.shape[-1]
+    device = cache.k.device
+    big = torch.iinfo(torch.long).max
+    kb = keep.view(-1, 1, 1)
+    n = torch.where(due, cache.length - keep[:, None], 0).clamp(min=0)      # [B, Hkv] entries to evict
+    evicted = torch.arange(e, device=device) < n[..., None]                  # [B, Hkv, E]
+    gone = torch.zeros(*cache.length.shape, c, dtype=torch.bool, device=device).scatter_(2, candidates, evicted)
+    holes = torch.where(evicted & (candidates < kb), candidates, big).sort(-1).values
+    raw = (kb + torch.arange(e, device=device)).expand(*cache.length.shape, e)          # slots [keep, keep + E)
+    tail = raw.clamp(max=c - 1)                        # clamped ones are no slot of the row: they pair with themselves
+    stays = due[..., None] & (raw < cache.length[..., None]) & ~gone.gather(2, tail)
+    movers = torch.where(stays, tail, big).sort(-1).values                  # the alone case's tail [keep, C_alone)
+    real = movers < big
+    dst, src = torch.where(real, holes, tail), torch.where(real, movers, tail)
+    for t in (cache.k, cache.v, cache.log_weight, cache.position, *cache.slot_meta.values()):
+        put_slots(t, dst, gather_slots(t, src))
+    clear = due[..., None] & (torch.arange(c, device=device) >= kb)         # [B, Hkv, C]
+    cache.log_weight.masked_fill_(clear, EMPTY)
+    cache.position.masked_fill_(clear, -1)
+    for t in cache.slot_meta.values():
+        t.masked_fill_(clear.view(*clear.shape, *([1] * (t.dim() - 3))), 0)
+    torch.minimum(cache.length, torch.where(due, keep[:, None], cache.length), out=cache.length)
+
+
+def due_at_interval(budgets: Sequence[int], capacities: Sequence[int], interval: int) -> bool:
+    """``Policy.rows_in_one_call`` of the in-place policies (``fill_evicted_rows``): rows of budgets of their own
+    (more than one), each compressed when it holds its budget + ``interval`` entries, or never (a capacity within
+    its budget: a short row)."""
+    return len(set(budgets)) > 1 and all(1 <= cap <= keep or cap == keep + interval
+                                         for keep, cap in zip(budgets, capacities, strict=True))
+
+
+def keep_top_rows_into(cache: LayerCache, priority: Tensor, keep: Tensor, interval: int) -> None:
+    """``keep_top_into`` with a budget per row, keep [B] int64: a row holding keep[b] + ``interval`` entries (due)
+    evicts its ``interval`` live entries of lowest priority as it would alone in a layer of capacity keep[b] +
+    interval, every other row is left as it is (``fill_evicted_rows``). priority: [B, Hkv, C] (the row's own
+    protected entries +inf)."""
+    keep = keep.to(device=cache.k.device, dtype=torch.long)
+    lowest = lowest_slots(priority_key(priority, cache.position, cache.live), min(interval, cache.capacity))
+    fill_evicted_rows(cache, lowest, keep, cache.length >= (keep + interval)[:, None])
 
 
 def keep_top_into(cache: LayerCache, priority: Tensor, keep: int) -> None:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from torch import Tensor
 
 from kvpass.cache import LayerCache, keep_slots
 from kvpass.kernels.lowest_slots import lowest_slots
 from kvpass.policies.base import Policy, require
-from kvpass.policies.selection import fill_evicted_slots, fills_in_place
+from kvpass.policies.selection import due_at_interval, fill_evicted_rows, fill_evicted_slots, fills_in_place
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,25 @@ class StreamingLLM(Policy):
         if not fills_in_place(self, StreamingLLM, cache):
             super().compress_into(cache, keep)              # a subclass's own compress, or views: the generic path
             return
+        fill_evicted_slots(cache, self._oldest(cache, extra), keep)                  # the n oldest leave
+
+    def _oldest(self, cache: LayerCache, n: int) -> Tensor:
+        """[B, Hkv, n] each row's n oldest live non-sink slots (by position; the sinks are each row's lowest
+        positions), oldest first: one Triton launch on CUDA."""
         age = torch.where(cache.live, cache.position, torch.iinfo(torch.long).max)
-        oldest = lowest_slots(age, min(self.sinks + extra, c))[..., self.sinks:]    # one Triton launch on CUDA
-        fill_evicted_slots(cache, oldest, keep)                                     # the n oldest leave
+        return lowest_slots(age, min(self.sinks + n, cache.capacity))[..., self.sinks:]
+
+    def rows_in_one_call(self, budgets: Sequence[int], capacities: Sequence[int]) -> bool:
+        """Rows of budgets of their own (a batch of prompts of different lengths) in one call where each row
+        compresses when it holds its budget + ``interval`` entries (or never: a capacity within its budget):
+        ``compress_rows_into``, in the layer's own buffers, inside the CUDA-graphed step. Rows of one budget keep
+        ``compress_into`` (False here)."""
+        return type(self).compress is StreamingLLM.compress and due_at_interval(budgets, capacities, self.interval)
+
+    def compress_rows_into(self, cache: LayerCache, keep: Tensor) -> None:
+        """``compress_into`` with row b's own budget keep[b] ([B] int64): a row holding keep[b] + interval entries
+        (due) evicts its ``interval`` oldest non-sink entries and its survivors above keep[b] move into their slots,
+        as it would alone in a layer of capacity keep[b] + interval (``fill_evicted_rows``); every other row is left
+        as it is. No host sync. cache: [B, Hkv, C, ...]."""
+        keep = keep.to(device=cache.k.device, dtype=torch.long)
+        fill_evicted_rows(cache, self._oldest(cache, self.interval), keep, cache.length >= (keep + self.interval)[:, None])

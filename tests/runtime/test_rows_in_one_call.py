@@ -90,3 +90,37 @@ def test_rows_in_one_call_accepts_one_in_one_out_and_full_intervals():
     sinks, important, recent = d2o.split_rows(keep)
     for b, k in enumerate(keep.tolist()):
         assert (int(sinks[b]), int(important[b]), int(recent[b])) == d2o.split(k)
+
+
+@pytest.mark.parametrize("policy", ["streamingllm", "snapkv"])
+@pytest.mark.parametrize("lengths", [[40, 23, 31], [40, 9, 31]], ids=["padded", "short-row"])
+def test_in_place_policies_compress_rows_of_their_own_budgets_in_one_call(monkeypatch, policy, lengths):
+    """StreamingLLM and SnapKV with rows of different budgets (prompts of different lengths): each row evicts when it
+    holds its own budget + interval entries, in one call per layer (``fill_evicted_rows``), not through the per-row
+    path; the same tokens and logits as the per-row path and the same tokens as each row alone."""
+    from kvpass.policies import get_policy
+
+    kv = apply_cached("llama", policy, 0.4, interval=3)
+    ids, mask = padded_batch(lengths, seed=2)
+    per_row = _count(monkeypatch, session_steps, "compress_rows_into")
+    in_one = _count(monkeypatch, type(get_policy(policy)), "compress_rows_into")
+    tokens, logits = _greedy(kv, ids, mask)
+    assert per_row == [] and in_one
+    in_one.clear()
+    monkeypatch.setattr(kv, "rows_in_one_call", False)
+    old_tokens, old_logits = _greedy(kv, ids, mask)
+    assert in_one == [] and per_row
+    assert torch.equal(tokens, old_tokens)
+    torch.testing.assert_close(logits, old_logits, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(kv, "rows_in_one_call", True)
+    for row, n in enumerate(lengths):
+        assert torch.equal(tokens[row:row + 1], _greedy(kv, ids[row:row + 1, ids.shape[1] - n:], None)[0]), row
+
+
+def test_streamingllm_rows_in_one_call_only_where_budgets_differ():
+    from kvpass.policies.streamingllm import StreamingLLM
+
+    p = StreamingLLM(interval=4)
+    assert p.rows_in_one_call([20, 18], [24, 22]) and p.rows_in_one_call([20, 18], [24, 10])
+    assert not p.rows_in_one_call([20, 20], [24, 24])            # one budget: the layer's compress_into
+    assert not p.rows_in_one_call([20, 18], [24, 21])            # a row due below budget + interval
