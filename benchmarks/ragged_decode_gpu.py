@@ -15,7 +15,10 @@ graph captures, first compressions), then ``--steps`` steps each timed by CUDA e
 (wall time per step where the host sets the pace, since the GPU then idles between the events); reported:
 the median and mean ms per step (= per token of every row), tokens/s = batch / mean. StreamingLLM
 (interval 16) compresses every 16 steps, also per row (its rows' budgets follow their own lengths): the
-timed steps hold whole periods. D2O's tokens of the two paths are compared (they should be equal).
+timed steps hold whole periods. Since session 31 StreamingLLM and the default ``snapkv[kernel=31]`` compress
+such rows in one call too (``fill_evicted_rows``); ``streamingllm-per-row`` is StreamingLLM's old path. The
+tokens of the two paths are compared (they should be equal), and the summary gives per-row / one call by the
+mean step (StreamingLLM's per-row compressions fall on one step in 16: the median hides them).
 
     python benchmarks/ragged_decode_gpu.py --out /tmp/ragged.json              # GPU, < 3 minutes on an H200
     python benchmarks/ragged_decode_gpu.py --out /tmp/ragged.json --smoke      # CPU, tiny shapes, seconds
@@ -45,6 +48,7 @@ import torch  # noqa: E402
 
 from benchmarks.bench.models import TINY_LLAMA, build_model  # noqa: E402
 from benchmarks.bench.timing import gpu_name  # noqa: E402
+from kvpass import DEFAULT_POLICY  # noqa: E402
 
 SMALL_LLAMA = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
                    num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=8192,
@@ -53,7 +57,8 @@ SMALL_LLAMA = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, n
 
 def configs(d2o: str) -> tuple[tuple[str, str, bool], ...]:
     """(label, policy spec, rows_in_one_call): the new path first, so its numbers exist if the time box ends a batch."""
-    return (("d2o", d2o, True), ("streamingllm", "streamingllm", True), ("d2o-per-row", d2o, False))
+    return (("d2o", d2o, True), ("streamingllm", "streamingllm", True), ("default", DEFAULT_POLICY, True),
+            ("d2o-per-row", d2o, False), ("streamingllm-per-row", "streamingllm", False))
 
 
 def unequal_prompts(batch: int, prompt: int, spread: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,19 +150,21 @@ def run(args: argparse.Namespace) -> dict:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        if "d2o" in tokens_by_label and "d2o-per-row" in tokens_by_label:
-            same = all(torch.equal(a, b) for a, b in zip(tokens_by_label["d2o"], tokens_by_label["d2o-per-row"],
-                                                         strict=True))
-            for row in rows:
-                if row["batch"] == batch and row["label"] == "d2o":
-                    row["d2o_tokens_equal_between_paths"] = same
+        for label in ("d2o", "streamingllm"):            # one call against the per-row path: the same tokens
+            if label in tokens_by_label and f"{label}-per-row" in tokens_by_label:
+                same = all(torch.equal(a, b) for a, b in zip(tokens_by_label[label], tokens_by_label[f"{label}-per-row"],
+                                                             strict=True))
+                for row in rows:
+                    if row["batch"] == batch and row["label"] == label:
+                        row[f"{label}_tokens_equal_between_paths"] = same
     summary = {}
     for batch in args.batches:
         got = {r["label"]: r for r in rows if r["batch"] == batch and "ms_per_token_median" in r}
         entry = {}
-        if "d2o" in got and "d2o-per-row" in got:
-            entry["d2o_per_row_over_one_call"] = (got["d2o-per-row"]["ms_per_token_median"]
-                                                  / got["d2o"]["ms_per_token_median"])
+        for label in ("d2o", "streamingllm"):
+            if label in got and f"{label}-per-row" in got:
+                entry[f"{label}_per_row_over_one_call"] = (got[f"{label}-per-row"]["ms_per_token_mean"]
+                                                           / got[label]["ms_per_token_mean"])
         if "d2o" in got and "streamingllm" in got:
             entry["d2o_tokens_per_s_over_streamingllm"] = (got["d2o"]["tokens_per_s"]
                                                            / got["streamingllm"]["tokens_per_s"])
