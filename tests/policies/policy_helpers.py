@@ -98,3 +98,40 @@ def check_budget_8_generation(policy: str, prompt_ids: torch.Tensor, slack: int,
     assert all(n <= 8 + slack for n in report.entries.values())
     assert not torch.allclose(logits, full, atol=1e-4)
     torch.testing.assert_close(run(policy, 1.0)[1], full)
+
+
+def check_rows_compress_as_alone(policy, keeps: list[int], lengths: list[list[int]], due: list[bool], meta: str,
+                                 seed: int) -> None:
+    """``policy.compress_rows_into`` with a budget per row (``keeps``) on a random cache whose rows hold
+    ``lengths`` entries at positions out of slot order: each ``due`` row ends slot for slot as ``compress_into``
+    leaves it alone in a layer of capacity keep + interval, every other row bit for bit as it was."""
+    interval = policy.interval
+    c = max(keeps) + interval
+    cache = random_cache(lengths, c=c, seed=seed, extra_meta=(meta,))
+    gen = torch.Generator().manual_seed(seed)
+    for b, row in enumerate(lengths):                        # positions out of slot order
+        for g, n in enumerate(row):
+            cache.position[b, g, :n] = torch.randperm(n, generator=gen)
+    before = {f: getattr(cache, f).clone() for f in ("k", "v", "log_weight", "length", "position")}
+    alone = []
+    for b, keep in enumerate(keeps):
+        cap = keep + interval
+        row = LayerCache(**{f: getattr(cache, f)[b:b + 1, :, :cap].clone() for f in ("k", "v", "log_weight", "position")},
+                         length=cache.length[b:b + 1].clone(),
+                         slot_meta={n: t[b:b + 1, :, :cap].clone() for n, t in cache.slot_meta.items()})
+        if due[b]:
+            policy.compress_into(row, keep)
+        alone.append(row)
+    policy.compress_rows_into(cache, torch.tensor(keeps))
+    for b, keep in enumerate(keeps):
+        cap = keep + interval
+        if not due[b]:
+            for f, t in before.items():
+                assert torch.equal(getattr(cache, f)[b], t[b]), (b, f)
+            continue
+        for f in ("k", "v", "log_weight", "position"):
+            torch.testing.assert_close(getattr(cache, f)[b:b + 1, :, :cap], getattr(alone[b], f), rtol=0, atol=0,
+                                       msg=f"row {b}: {f}")
+        torch.testing.assert_close(cache.slot_meta[meta][b:b + 1, :, :cap], alone[b].slot_meta[meta])
+        assert torch.equal(cache.length[b], alone[b].length[0])
+        assert (cache.position[b, :, cap:] == -1).all()

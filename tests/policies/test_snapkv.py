@@ -8,7 +8,7 @@ import torch
 from kvpass.kernels import attention_window_scores
 from kvpass.policies import Stat, get_policy
 from kvpass.policies.snapkv import SnapKV
-from tests.policies.policy_helpers import live_positions, random_cache
+from tests.policies.policy_helpers import check_rows_compress_as_alone, live_positions, random_cache
 
 
 def reference_window_scores(q, k, pad, scale, w, kernel, pool):
@@ -76,39 +76,7 @@ def test_bad_hyperparameters_raise(kwargs: dict, name: str) -> None:
 
 @pytest.mark.parametrize("seed", range(3))
 def test_rows_of_their_own_budgets_compress_each_as_alone(seed: int) -> None:
-    """``compress_rows_into`` with a budget per row (one below the window): a due row (budget + interval entries,
-    slots out of sequence order) ends slot for slot as ``compress_into`` leaves it alone in a layer of capacity
-    budget + interval; a row not due is left bit for bit."""
-    from kvpass.cache import LayerCache
-    from tests.policies.policy_helpers import random_cache
-
-    interval, keeps = 4, [10, 3, 8]
-    policy = SnapKV(window=5, interval=interval)
-    c = max(keeps) + interval
-    lengths = [[14, 14], [7, 7], [9, 11]]                    # rows 0 and 1 due; row 2 not
-    cache = random_cache(lengths, c=c, seed=seed, extra_meta=("window_scores",))
-    gen = torch.Generator().manual_seed(seed)
-    for b in range(3):
-        for g in range(2):
-            n = lengths[b][g]
-            cache.position[b, g, :n] = torch.randperm(n, generator=gen)
-    before = {f: getattr(cache, f).clone() for f in ("k", "v", "log_weight", "length", "position")}
-    alone = []
-    for b, keep in enumerate(keeps):
-        cap = keep + interval
-        row = LayerCache(**{f: getattr(cache, f)[b:b + 1, :, :cap].clone() for f in ("k", "v", "log_weight", "position")},
-                         length=cache.length[b:b + 1].clone(),
-                         slot_meta={n: t[b:b + 1, :, :cap].clone() for n, t in cache.slot_meta.items()})
-        if b < 2:
-            policy.compress_into(row, keep)
-        alone.append(row)
-    policy.compress_rows_into(cache, torch.tensor(keeps))
-    for b, keep in enumerate(keeps):
-        cap = keep + interval
-        for f in ("k", "v", "log_weight", "position"):
-            torch.testing.assert_close(getattr(cache, f)[b:b + 1, :, :cap], getattr(alone[b], f), rtol=0, atol=0,
-                                       msg=f"row {b}: {f}")
-        assert torch.equal(cache.length[b], alone[b].length[0])
-        assert (cache.position[b, :, cap:] == -1).all()
-    for f, t in before.items():
-        assert torch.equal(getattr(cache, f)[2], t[2]), f
+    """``compress_rows_into`` with a budget per row (one below the window): a due row ends slot for slot as
+    ``compress_into`` leaves it alone; a row not due is left bit for bit."""
+    check_rows_compress_as_alone(SnapKV(window=5, interval=4), [10, 3, 8], [[14, 14], [7, 7], [9, 11]],
+                                 [True, True, False], "window_scores", seed)

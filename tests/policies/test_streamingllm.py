@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 import kvpass
 from kvpass.cache import LayerCache, load_into
 from kvpass.policies.streamingllm import StreamingLLM
-from tests.policies.policy_helpers import by_position, random_cache
+from tests.policies.policy_helpers import by_position, check_rows_compress_as_alone, random_cache
 
 
 def _cache(lengths: list[list[int]], c: int, d: int = 4) -> LayerCache:
@@ -126,37 +126,7 @@ def test_in_place_decode_compression_keeps_the_same_entries(interval: int, seed:
 
 @pytest.mark.parametrize("seed", range(3))
 def test_rows_of_their_own_budgets_compress_each_as_alone(seed: int) -> None:
-    """``compress_rows_into`` with a budget per row: a row holding its budget + interval entries (slots out of
-    sequence order) ends slot for slot as ``compress_into`` leaves it alone in a layer of capacity budget +
-    interval; a row not due (over its budget, below its capacity) is left bit for bit."""
-    interval, keeps = 4, [10, 6, 8]
-    policy = StreamingLLM(sinks=3, interval=interval)
-    c = max(keeps) + interval
-    lengths = [[14, 14], [10, 10], [9, 11]]                  # row 0 and 1 due; row 2 not (9, 11 < 8 + 4)
-    cache = random_cache(lengths, c=c, seed=seed, extra_meta=("col_sum",))
-    gen = torch.Generator().manual_seed(seed)
-    for b in range(3):                                       # positions out of slot order
-        for g in range(2):
-            n = lengths[b][g]
-            cache.position[b, g, :n] = torch.randperm(n, generator=gen)
-    before = {f: getattr(cache, f).clone() for f in ("k", "v", "log_weight", "length", "position")}
-    alone = []
-    for b, keep in enumerate(keeps):
-        cap = keep + interval
-        row = LayerCache(**{f: getattr(cache, f)[b:b + 1, :, :cap].clone() for f in ("k", "v", "log_weight", "position")},
-                         length=cache.length[b:b + 1].clone(),
-                         slot_meta={n: t[b:b + 1, :, :cap].clone() for n, t in cache.slot_meta.items()})
-        if b < 2:
-            policy.compress_into(row, keep)
-        alone.append(row)
-    policy.compress_rows_into(cache, torch.tensor(keeps))
-    for b, keep in enumerate(keeps):
-        cap = keep + interval
-        for f in ("k", "v", "log_weight", "position"):
-            torch.testing.assert_close(getattr(cache, f)[b:b + 1, :, :cap], getattr(alone[b], f), rtol=0, atol=0,
-                                       msg=f"row {b}: {f}")
-        torch.testing.assert_close(cache.slot_meta["col_sum"][b:b + 1, :, :cap], alone[b].slot_meta["col_sum"])
-        assert torch.equal(cache.length[b], alone[b].length[0])
-        assert (cache.position[b, :, cap:] == -1).all()
-    for f, t in before.items():                              # the row that was not due: bit for bit
-        assert torch.equal(getattr(cache, f)[2], t[2]), f
+    """``compress_rows_into`` with a budget per row: a row holding its budget + interval entries ends slot for slot as
+    ``compress_into`` leaves it alone; a row not due (over its budget, below its capacity) is left bit for bit."""
+    check_rows_compress_as_alone(StreamingLLM(sinks=3, interval=4), [10, 6, 8], [[14, 14], [10, 10], [9, 11]],
+                                 [True, True, False], "col_sum", seed)
