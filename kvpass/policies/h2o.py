@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
 from torch import Tensor
 
 from kvpass.cache import LayerCache, keep_slots
 from kvpass.policies.base import Policy, Stat, require
-from kvpass.policies.selection import compress_into_top, keep_priority, kept_slots, select_kept
+from kvpass.policies.selection import (
+    compress_into_top,
+    due_at_interval,
+    keep_priority,
+    keep_top_rows_into,
+    kept_slots,
+    select_kept,
+)
 
 
 @dataclass(frozen=True)
@@ -59,3 +68,20 @@ class H2O(Policy):
     def compress_into(self, cache: LayerCache, keep: int) -> None:
         """The runtime's call: ``compress``'s entries in the same buffers, holes filled (``compress_into_top``)."""
         compress_into_top(self, H2O, cache, keep)
+
+    def rows_in_one_call(self, budgets: Sequence[int], capacities: Sequence[int]) -> bool:
+        """Rows of budgets of their own (prompts of different lengths), each compressed when it holds its budget +
+        ``interval`` entries: ``compress_rows_into`` in the layer's own buffers, inside the CUDA-graphed step.
+        Rows of one budget keep ``compress_into`` (False here)."""
+        return type(self).compress is H2O.compress and due_at_interval(budgets, capacities, self.interval)
+
+    def compress_rows_into(self, cache: LayerCache, keep: Tensor) -> None:
+        """``compress_into`` with row b's own budget keep[b] ([B] int64): a due row (keep[b] + interval entries)
+        keeps its own protected entries (``protected`` of keep[b]) and its heaviest others, as alone; the other rows
+        are left as they are (``keep_top_rows_into``). No host sync."""
+        keep = keep.to(device=cache.k.device, dtype=torch.long)
+        recent = (keep.double() * self.recent_ratio).long()                 # int(keep * ratio), as ``protected``
+        sinks = torch.minimum(keep - recent, torch.full_like(keep, self.sinks))
+        priority = keep_priority(cache.slot_meta[Stat.COLUMN_SUM.value], cache.length, sinks.view(-1, 1, 1),
+                                 recent.view(-1, 1, 1), cache.position)
+        keep_top_rows_into(cache, priority, keep, self.interval)

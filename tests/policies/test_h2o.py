@@ -43,3 +43,16 @@ def test_scores_drive_the_choice() -> None:
 def test_bad_recent_ratio_raises() -> None:
     with pytest.raises(ValueError, match="recent_ratio"):
         get_policy("h2o", recent_ratio=2.0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("interval", [1, 4])
+def test_rows_of_their_own_budgets_compress_each_as_alone(seed: int, interval: int) -> None:
+    """``compress_rows_into`` with a budget per row (with sinks, a ratio that does not divide every budget): a due
+    row ends slot for slot as ``compress_into`` leaves it alone; a row not due is left bit for bit."""
+    from tests.policies.policy_helpers import check_rows_compress_as_alone
+
+    keeps = [10, 5, 8]
+    lengths = [[k + interval] * 2 for k in keeps[:2]] + [[8, 8 + interval - 1] if interval > 1 else [7, 8]]
+    check_rows_compress_as_alone(H2O(recent_ratio=0.3, sinks=2, interval=interval), keeps, lengths,
+                                 [True, True, False], "col_sum", seed)

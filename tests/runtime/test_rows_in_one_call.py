@@ -92,10 +92,10 @@ def test_rows_in_one_call_accepts_one_in_one_out_and_full_intervals():
         assert (int(sinks[b]), int(important[b]), int(recent[b])) == d2o.split(k)
 
 
-@pytest.mark.parametrize("policy", ["streamingllm", "snapkv"])
+@pytest.mark.parametrize("policy", ["streamingllm", "snapkv", "h2o"])
 @pytest.mark.parametrize("lengths", [[40, 23, 31], [40, 9, 31]], ids=["padded", "short-row"])
 def test_in_place_policies_compress_rows_of_their_own_budgets_in_one_call(monkeypatch, policy, lengths):
-    """StreamingLLM and SnapKV with rows of different budgets (prompts of different lengths): each row evicts when it
+    """StreamingLLM, SnapKV and H2O with rows of different budgets (prompts of different lengths): each row evicts when it
     holds its own budget + interval entries, in one call per layer (``fill_evicted_rows``), not through the per-row
     path; the same tokens and logits as the per-row path and the same tokens as each row alone."""
     from kvpass.policies import get_policy
