@@ -6,17 +6,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
 from torch import Tensor
 
 from kvpass.cache import LayerCache, keep_slots
 from kvpass.policies.base import Policy, Stat, require
 from kvpass.policies.selection import (
     compress_into_top,
-    due_at_interval,
+    compress_rows_into_top,
     keep_priority,
-    keep_top_rows_into,
     kept_slots,
+    rows_in_one_call_in_place,
     select_kept,
 )
 
@@ -48,14 +47,18 @@ class H2O(Policy):
         require(0.0 <= self.recent_ratio <= 1.0, f"h2o: recent_ratio must lie in [0, 1], got {self.recent_ratio!r}")
         require(isinstance(self.sinks, int) and self.sinks >= 0, f"h2o: sinks must be an int >= 0, got {self.sinks!r}")
 
-    def protected(self, keep: int) -> tuple[int, int]:
-        """(sinks, recent): the entries a row of ``keep`` keeps whatever their scores."""
+    def protected(self, keep: int | Tensor) -> tuple[int, int] | tuple[Tensor, Tensor]:
+        """(sinks, recent): the entries a row of ``keep`` keeps whatever their scores; for keep [B] int64 (each
+        row's own budget), each [B, 1, 1], the same products and truncation in fp64."""
+        if isinstance(keep, Tensor):
+            recent = (keep.double() * self.recent_ratio).long()
+            return (keep - recent).clamp(max=self.sinks).view(-1, 1, 1), recent.view(-1, 1, 1)
         recent = int(keep * self.recent_ratio)
         return min(self.sinks, keep - recent), recent
 
-    def priority(self, cache: LayerCache, keep: int) -> Tensor:
+    def priority(self, cache: LayerCache, keep: int | Tensor) -> Tensor:
         """[B, Hkv, C] fp64: +inf protected, accumulated attention, -inf empty (``keep_priority``); what
-        the head-adaptive wrapper (``adakv``) ranks across heads."""
+        the head-adaptive wrapper (``adakv``) ranks across heads. ``keep``: an int, or [B] int64 (per row)."""
         return keep_priority(cache.slot_meta[Stat.COLUMN_SUM.value], cache.length, *self.protected(keep),
                              cache.position)
 
@@ -70,18 +73,11 @@ class H2O(Policy):
         compress_into_top(self, H2O, cache, keep)
 
     def rows_in_one_call(self, budgets: Sequence[int], capacities: Sequence[int]) -> bool:
-        """Rows of budgets of their own (prompts of different lengths), each compressed when it holds its budget +
-        ``interval`` entries: ``compress_rows_into`` in the layer's own buffers, inside the CUDA-graphed step.
-        Rows of one budget keep ``compress_into`` (False here)."""
-        return type(self).compress is H2O.compress and due_at_interval(budgets, capacities, self.interval)
+        """Rows of budgets of their own (prompts of different lengths) in one call, inside the CUDA-graphed step
+        (``rows_in_one_call_in_place``)."""
+        return rows_in_one_call_in_place(self, H2O, budgets, capacities)
 
     def compress_rows_into(self, cache: LayerCache, keep: Tensor) -> None:
-        """``compress_into`` with row b's own budget keep[b] ([B] int64): a due row (keep[b] + interval entries)
-        keeps its own protected entries (``protected`` of keep[b]) and its heaviest others, as alone; the other rows
-        are left as they are (``keep_top_rows_into``). No host sync."""
-        keep = keep.to(device=cache.k.device, dtype=torch.long)
-        recent = (keep.double() * self.recent_ratio).long()                 # int(keep * ratio), as ``protected``
-        sinks = torch.minimum(keep - recent, torch.full_like(keep, self.sinks))
-        priority = keep_priority(cache.slot_meta[Stat.COLUMN_SUM.value], cache.length, sinks.view(-1, 1, 1),
-                                 recent.view(-1, 1, 1), cache.position)
-        keep_top_rows_into(cache, priority, keep, self.interval)
+        """``compress_into`` with row b's own budget keep[b] ([B] int64): each due row as alone (its own
+        ``protected`` entries), the others left as they are (``compress_rows_into_top``). No host sync."""
+        compress_rows_into_top(self, cache, keep)

@@ -143,21 +143,24 @@ def fill_evicted_slots(cache: LayerCache, candidates: Tensor, keep: int) -> None
     cache.length.clamp_(max=keep)
 
 
-def fill_evicted_rows(cache: LayerCache, candidates: Tensor, keep: Tensor, due: Tensor) -> None:
-    """``fill_evicted_slots`` with a budget per batch row: each ``due`` row evicts its first n = length - keep[b]
-    ``candidates`` and gets exactly what it gets alone (the same holes, movers and pairs); every other row is left
-    as it is, even where it holds more than its budget. Static shapes, no host sync (a CUDA graph captures it).
-    cache: [B, Hkv, C, ...]; candidates: [B, Hkv, E] int64 with n <= E for every due row; keep: [B] int64;
-    due: [B, Hkv] bool. A cache of views (not contiguous) is worked on in a copy, then loaded back."""
+def fill_evicted_rows(cache: LayerCache, candidates: Tensor, keep: Tensor, interval: int) -> None:
+    """``fill_evicted_slots`` with a budget per batch row: each due row (holding keep[b] + ``interval`` entries)
+    evicts its first n = length - keep[b] = interval ``candidates`` and gets exactly what it gets alone in a layer of
+    capacity keep[b] + interval (the same holes, movers and pairs); every other row is left as it is, even where it
+    holds more than its budget. Static shapes, no host sync (a CUDA graph captures it). cache: [B, Hkv, C, ...];
+    candidates: [B, Hkv, E] int64, E >= interval; keep: [B] int64. A cache of views (not contiguous) is worked on in
+    a copy, then loaded back."""
     if not all(t.is_contiguous() for t in cache.tensors()):
         work = keep_slots(cache, torch.arange(cache.capacity, device=cache.k.device).expand(*cache.length.shape, -1))
-        fill_evicted_rows(work, candidates, keep, due)
+        fill_evicted_rows(work, candidates, keep, interval)
         load_into(cache, work)
         return
     c, e = cache.capacity, candidates.shape[-1]
     device = cache.k.device
     big = torch.iinfo(torch.long).max
+    keep = keep.to(device=device, dtype=torch.long)
     kb = keep.view(-1, 1, 1)
+    due = cache.length >= (keep + interval)[:, None]                         # [B, Hkv]
     n = torch.where(due, cache.length - keep[:, None], 0).clamp(min=0)      # [B, Hkv] entries to evict
     evicted = torch.arange(e, device=device) < n[..., None]                  # [B, Hkv, E]
     gone = torch.zeros(*cache.length.shape, c, dtype=torch.bool, device=device).scatter_(2, candidates, evicted)
@@ -178,22 +181,24 @@ def fill_evicted_rows(cache: LayerCache, candidates: Tensor, keep: Tensor, due: 
     torch.minimum(cache.length, torch.where(due, keep[:, None], cache.length), out=cache.length)
 
 
-def due_at_interval(budgets: Sequence[int], capacities: Sequence[int], interval: int) -> bool:
-    """``Policy.rows_in_one_call`` of the in-place policies (``fill_evicted_rows``): rows of budgets of their own
-    (more than one), each compressed when it holds its budget + ``interval`` entries, or never (a capacity within
-    its budget: a short row)."""
-    return len(set(budgets)) > 1 and all(1 <= cap <= keep or cap == keep + interval
-                                         for keep, cap in zip(budgets, capacities, strict=True))
+def rows_in_one_call_in_place(policy, owner: type, budgets: Sequence[int], capacities: Sequence[int]) -> bool:
+    """``Policy.rows_in_one_call`` of a policy that evicts in place (``fill_evicted_rows``) with ``owner``'s own
+    ``compress`` (as ``fills_in_place``): rows of budgets of their own (more than one; rows of one budget keep
+    ``compress_into``), each compressed when it holds its budget + ``policy.interval`` entries, or never (a
+    capacity within its budget: a short row)."""
+    return (type(policy).compress is owner.compress and len(set(budgets)) > 1
+            and all(1 <= cap <= keep or cap == keep + policy.interval
+                    for keep, cap in zip(budgets, capacities, strict=True)))
 
 
-def keep_top_rows_into(cache: LayerCache, priority: Tensor, keep: Tensor, interval: int) -> None:
-    """``keep_top_into`` with a budget per row, keep [B] int64: a row holding keep[b] + ``interval`` entries (due)
-    evicts its ``interval`` live entries of lowest priority as it would alone in a layer of capacity keep[b] +
-    interval, every other row is left as it is (``fill_evicted_rows``). priority: [B, Hkv, C] (the row's own
-    protected entries +inf)."""
+def compress_rows_into_top(policy, cache: LayerCache, keep: Tensor) -> None:
+    """``compress_rows_into`` of a policy whose ``compress`` keeps each row's top ``keep`` of ``policy.priority``
+    (``compress_into_top``'s, with keep [B] int64: each row's own protected entries): a row holding keep[b] +
+    interval entries (due) evicts its ``interval`` live entries of lowest priority as it would alone in a layer of
+    capacity keep[b] + interval, every other row is left as it is (``fill_evicted_rows``). No host sync."""
     keep = keep.to(device=cache.k.device, dtype=torch.long)
-    lowest = lowest_slots(priority_key(priority, cache.position, cache.live), min(interval, cache.capacity))
-    fill_evicted_rows(cache, lowest, keep, cache.length >= (keep + interval)[:, None])
+    key = priority_key(policy.priority(cache, keep), cache.position, cache.live)
+    fill_evicted_rows(cache, lowest_slots(key, min(policy.interval, cache.capacity)), keep, policy.interval)
 
 
 def keep_top_into(cache: LayerCache, priority: Tensor, keep: int) -> None:

@@ -6,17 +6,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
 from torch import Tensor
 
 from kvpass.cache import LayerCache, keep_slots
 from kvpass.policies.base import Policy, Stat, require
 from kvpass.policies.selection import (
     compress_into_top,
-    due_at_interval,
+    compress_rows_into_top,
     keep_priority,
-    keep_top_rows_into,
     kept_slots,
+    rows_in_one_call_in_place,
     select_kept,
 )
 
@@ -61,11 +60,12 @@ class SnapKV(Policy):
     def stat_options(self, stat: Stat) -> dict[str, object]:
         return {"obs_window": self.window, "kernel": self.kernel, "pool": self.pool}
 
-    def priority(self, cache: LayerCache, keep: int) -> Tensor:
+    def priority(self, cache: LayerCache, keep: int | Tensor) -> Tensor:
         """[B, Hkv, C] fp64: +inf for the newest ``min(window, keep)`` entries, pooled window scores, -inf
-        empty (``keep_priority``); what the head-adaptive wrapper (``adakv``) ranks across heads."""
-        return keep_priority(cache.slot_meta[Stat.WINDOW_SCORES.value], cache.length, 0, min(self.window, keep),
-                             cache.position)
+        empty (``keep_priority``); what the head-adaptive wrapper (``adakv``) ranks across heads. ``keep``: an int,
+        or [B] int64 (each row's own budget)."""
+        recent = keep.clamp(max=self.window).view(-1, 1, 1) if isinstance(keep, Tensor) else min(self.window, keep)
+        return keep_priority(cache.slot_meta[Stat.WINDOW_SCORES.value], cache.length, 0, recent, cache.position)
 
     def compress(self, cache: LayerCache, keep: int) -> LayerCache:
         """cache: k, v [B, Hkv, C, D]; slot_meta['window_scores'] [B, Hkv, C] fp32 -> capacity min(keep, C)."""
@@ -78,15 +78,11 @@ class SnapKV(Policy):
         compress_into_top(self, SnapKV, cache, keep)
 
     def rows_in_one_call(self, budgets: Sequence[int], capacities: Sequence[int]) -> bool:
-        """Rows of budgets of their own (prompts of different lengths), each compressed when it holds its budget +
-        ``interval`` entries: ``compress_rows_into`` in the layer's own buffers, inside the CUDA-graphed step.
-        Rows of one budget keep ``compress_into`` (False here)."""
-        return type(self).compress is SnapKV.compress and due_at_interval(budgets, capacities, self.interval)
+        """Rows of budgets of their own (prompts of different lengths) in one call, inside the CUDA-graphed step
+        (``rows_in_one_call_in_place``)."""
+        return rows_in_one_call_in_place(self, SnapKV, budgets, capacities)
 
     def compress_rows_into(self, cache: LayerCache, keep: Tensor) -> None:
-        """``compress_into`` with row b's own budget keep[b] ([B] int64): a due row (keep[b] + interval entries)
-        keeps its newest min(window, keep[b]) entries and its best-scored others, as alone; the other rows are left
-        as they are (``keep_top_rows_into``). No host sync."""
-        recent = keep.to(device=cache.k.device, dtype=torch.long).clamp(max=self.window).view(-1, 1, 1)
-        priority = keep_priority(cache.slot_meta[Stat.WINDOW_SCORES.value], cache.length, 0, recent, cache.position)
-        keep_top_rows_into(cache, priority, keep, self.interval)
+        """``compress_into`` with row b's own budget keep[b] ([B] int64): each due row as alone, the others left as
+        they are (``compress_rows_into_top``). No host sync."""
+        compress_rows_into_top(self, cache, keep)

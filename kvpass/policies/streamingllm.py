@@ -12,7 +12,12 @@ from torch import Tensor
 from kvpass.cache import LayerCache, keep_slots
 from kvpass.kernels.lowest_slots import lowest_slots
 from kvpass.policies.base import Policy, require
-from kvpass.policies.selection import due_at_interval, fill_evicted_rows, fill_evicted_slots, fills_in_place
+from kvpass.policies.selection import (
+    fill_evicted_rows,
+    fill_evicted_slots,
+    fills_in_place,
+    rows_in_one_call_in_place,
+)
 
 
 @dataclass(frozen=True)
@@ -76,12 +81,11 @@ class StreamingLLM(Policy):
         compresses when it holds its budget + ``interval`` entries (or never: a capacity within its budget):
         ``compress_rows_into``, in the layer's own buffers, inside the CUDA-graphed step. Rows of one budget keep
         ``compress_into`` (False here)."""
-        return type(self).compress is StreamingLLM.compress and due_at_interval(budgets, capacities, self.interval)
+        return rows_in_one_call_in_place(self, StreamingLLM, budgets, capacities)
 
     def compress_rows_into(self, cache: LayerCache, keep: Tensor) -> None:
         """``compress_into`` with row b's own budget keep[b] ([B] int64): a row holding keep[b] + interval entries
         (due) evicts its ``interval`` oldest non-sink entries and its survivors above keep[b] move into their slots,
         as it would alone in a layer of capacity keep[b] + interval (``fill_evicted_rows``); every other row is left
         as it is. No host sync. cache: [B, Hkv, C, ...]."""
-        keep = keep.to(device=cache.k.device, dtype=torch.long)
-        fill_evicted_rows(cache, self._oldest(cache, self.interval), keep, cache.length >= (keep + self.interval)[:, None])
+        fill_evicted_rows(cache, self._oldest(cache, self.interval), keep, self.interval)
