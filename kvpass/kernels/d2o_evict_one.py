@@ -392,7 +392,7 @@ def _lowest_into(score, c0, vals, slots, NPICK: tl.constexpr, BLOCK_SCAN: tl.con
         low = tl.min(score, 0)
         at = tl.argmin(score, 0)
         held = tl.where(offs_k < NPICK, vals, float("-inf"))
-        take = (offs_k == tl.argmax(held, 0)) & (low < tl.max(held, 0))
+        take = (offs_k == tl.argmax(held, 0)) & (held > low)          # the largest held, where low is lower
         vals = tl.where(take, low, vals)
         slots = tl.where(take, c0 + at.to(tl.int64), slots)
         score = tl.where(lanes == at, float("inf"), score)
@@ -514,7 +514,7 @@ def _next_candidates(NXV, NXS, NEXT, FROM, row, e, last, target_from, SPLITS, M:
         at = tl.argmin(vals, 0)
         slot = tl.sum(tl.where(offs == at, slots, 0), 0)
         slot = tl.where(slot == last, e, slot)
-        picked = tl.where((offs_r == r) & (low < float("inf")), slot, picked)
+        picked = tl.where(offs_r == r, tl.where(low < float("inf"), slot, -1), picked)
         vals = tl.where(offs == at, float("inf"), vals)
     tl.store(NEXT + row.to(tl.int64) * M + offs_r, picked)
     tl.store(FROM + row, target_from)
