@@ -48,6 +48,16 @@ def inductor(gm: GraphModule, example_inputs: list, mode: str = "default") -> Ca
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 @dataclass(frozen=True)
+
+def _first_lines(err: BaseException) -> str:
+    """"Type: first line" of ``err``, and of its cause where that says more (Dynamo's BackendCompilerFailed holds the
+    compiler's own error: "backend='backend' raised:" alone names nothing)."""
+    def first(e: BaseException) -> str:
+        lines = [line for line in str(e).splitlines() if line.strip()]
+        return f"{type(e).__name__}: {lines[0] if lines else ''}"
+    cause = err.__cause__
+    return first(err) if cause is None else f"{first(err)} {first(cause)}"
+
 class Compilation:
     """One compilation of the decode graph: the batch size it was traced at (``dynamic_batch``: it serves
     every batch of 2 or more rows), what it cost (``seconds``: the wall time of the call that compiled,
@@ -122,8 +132,9 @@ class CompiledDecode:
             with torch.fx.experimental._config.patch(use_duck_shape=False):
                 out = self._fn(*inputs)
         except torch._dynamo.exc.TorchDynamoException as err:
-            self.failure = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            self.failure = _first_lines(err)
             log.warning("kvpass: compiling the decode step failed (%s); decoding eagerly", self.failure)
+            log.debug("kvpass: the compiler's error", exc_info=err)
             return self.eager(*inputs)
         if self._compiling > before:
             self.compilations.append(Compilation(batch=batch, seconds=time.perf_counter() - start,
