@@ -86,12 +86,14 @@ def check_nearest_inputs(k: Tensor, candidates: Tensor, target_from: Tensor, nea
     want = {"candidates": ((b, h, m), torch.long), "target_from": ((b, h), torch.long),
             "near_cand": ((b, h, m), torch.long), "near_best": ((b, h, m), torch.float32),
             "near_slot": ((b, h, m), torch.long)}
-    for name, t in (("candidates", candidates), ("target_from", target_from), ("near_cand", near_cand),
-                    ("near_best", near_best), ("near_slot", near_slot)):
+    given = (("candidates", candidates), ("target_from", target_from), ("near_cand", near_cand),
+             ("near_best", near_best), ("near_slot", near_slot))
+    for name, t in given:
         shape, dtype = want[name]
         if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
             raise ValueError(f"decode_attention_nearest: {name} must be contiguous {dtype} {list(shape)} "
                              f"(k [B, Hkv, C, D] = {list(k.shape)}, M = {m}), got {t.dtype} {list(t.shape)}")
+    for name, t in given:                                      # devices after shapes: the same errors anywhere
         check_device(name, t, k.device)
     if m < 1 or m & (m - 1):
         raise ValueError(f"decode_attention_nearest: M (candidates per row) must be a power of 2, got {m}")
