@@ -47,8 +47,6 @@ def inductor(gm: GraphModule, example_inputs: list, mode: str = "default") -> Ca
         patches["emulate_precision_casts"] = True
     return compile_fx(gm, example_inputs, config_patches=patches)
 
-@dataclass(frozen=True)
-
 def _first_lines(err: BaseException) -> str:
     """"Type: first line" of ``err``, and of its cause where that says more (Dynamo's BackendCompilerFailed holds the
     compiler's own error: "backend='backend' raised:" alone names nothing)."""
@@ -58,6 +56,8 @@ def _first_lines(err: BaseException) -> str:
     cause = err.__cause__
     return first(err) if cause is None else f"{first(err)} {first(cause)}"
 
+
+@dataclass(frozen=True)
 class Compilation:
     """One compilation of the decode graph: the batch size it was traced at (``dynamic_batch``: it serves
     every batch of 2 or more rows), what it cost (``seconds``: the wall time of the call that compiled,
