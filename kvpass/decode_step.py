@@ -223,6 +223,7 @@ def release_failed_capture(graph: torch.cuda.CUDAGraph, pool: tuple[int, int], d
     ``reset``, where segments of the pool remain, its use is dropped here and the cache emptied. ``pool``: the
     id the capture was begun with (``torch.cuda.graph_pool_handle()``)."""
     pool, index = tuple(pool), device.index or 0
+    restore_generator_after_capture(device)
     try:                                         # torch before #180395: an end of capture that failed left
         torch._C._cuda_endAllocateToPool(index, pool)    # the allocator routing to the pool
     except (AttributeError, RuntimeError):       # routing had ended (the usual case)
@@ -240,6 +241,25 @@ def release_failed_capture(graph: torch.cuda.CUDAGraph, pool: tuple[int, int], d
     except (AttributeError, RuntimeError) as exc:   # a torch without it, or the pool already released
         log.warning("could not release the memory pool of a failed CUDA graph capture: %s", exc)
     torch.cuda.empty_cache()
+
+
+def restore_generator_after_capture(device: torch.device) -> None:
+    """End the CUDA generator's capture state that a failed capture left. A capture registers the default generator
+    (its offsets then advance in the graph), and ``capture_end`` unregisters it only after the capture ended well:
+    after one that failed, every later random draw outside a capture (sampling, ``torch.nn.init``) raised "Offset
+    increment outside graph capture encountered unexpectedly" (H100, torch 2.11). One capture of a tiny kernel that
+    succeeds runs that ending again."""
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
+    scratch = torch.zeros(1, device=device)
+    try:
+        with torch.cuda.stream(side):
+            graph.capture_begin()
+            scratch.add_(1)
+            graph.capture_end()
+    except RuntimeError as exc:
+        log.warning("could not end the CUDA generator's state of a failed capture: %s", exc)
+    finally:
+        graph.reset()
 
 
 def pool_segments(device: torch.device, pool: tuple[int, int]) -> int:
