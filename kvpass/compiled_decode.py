@@ -47,6 +47,7 @@ def inductor(gm: GraphModule, example_inputs: list, mode: str = "default") -> Ca
         patches["emulate_precision_casts"] = True
     return compile_fx(gm, example_inputs, config_patches=patches)
 
+
 def _first_lines(err: BaseException) -> str:
     """"Type: first line" of ``err``, and of its cause where that says more (Dynamo's BackendCompilerFailed holds the
     compiler's own error: "backend='backend' raised:" alone names nothing)."""

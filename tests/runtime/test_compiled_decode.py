@@ -121,7 +121,8 @@ def test_a_failing_compilation_decodes_eagerly(caplog):
 
     def broken(*inputs):
         calls.append(len(inputs))
-        raise torch._dynamo.exc.BackendCompilerFailed(kvpass.compile_backend.kvpass_backend, RuntimeError("no C++"), None)
+        cause = RuntimeError("no C++ compiler found")
+        raise torch._dynamo.exc.BackendCompilerFailed(kvpass.compile_backend.kvpass_backend, cause, None) from cause
 
     kv.compiled_decode._fn = broken
     ids = _ids(20, 1)
@@ -131,6 +132,7 @@ def test_a_failing_compilation_decodes_eagerly(caplog):
     assert len(calls) == 1 and "decoding eagerly" in caplog.text
     report = kv.compile_report
     assert not report["compiled"] and "BackendCompilerFailed" in report["failure"]
+    assert "RuntimeError: no C++ compiler found" in report["failure"]          # the compiler's own error, named
     assert not kv.last_report.compiled and report["compilations"] == 0
 
 
