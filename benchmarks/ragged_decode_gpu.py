@@ -72,32 +72,60 @@ def unequal_prompts(batch: int, prompt: int, spread: int, vocab: int, seed: int)
     return ids * mask, mask
 
 
-def timed_steps(session, warm: int, steps: int, device: torch.device) -> tuple[list[float], list[torch.Tensor]]:
+def timed_steps(session, warm: int, steps: int, device: torch.device
+                ) -> tuple[list[float], list[torch.Tensor], list[torch.Tensor]]:
     """Greedy decode: ``warm`` untimed steps, then ``steps`` steps, each timed (CUDA events on CUDA, the
-    host clock elsewhere). Returns (ms per step, the tokens fed at each timed step)."""
+    host clock elsewhere). Returns (ms per timed step, the tokens fed at every step, warm ones included, and
+    each step's margin per row: the top logit minus the second, where a rounding difference can turn the
+    argmax)."""
+    tokens, margins = [], []
+
+    def advance(tok: torch.Tensor) -> torch.Tensor:
+        tokens.append(tok)
+        logits = session.step(tok)
+        top2 = logits.topk(2, dim=-1).values
+        margins.append(top2[:, 0] - top2[:, 1])
+        return logits.argmax(-1)
+
     tok = session.logits.argmax(-1)
     for _ in range(warm):
-        tok = session.step(tok).argmax(-1)
+        tok = advance(tok)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
-    marks, tokens, host = [], [], []
+    marks, host = [], []
     for _ in range(steps):
-        tokens.append(tok)
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            tok = session.step(tok).argmax(-1)
+            tok = advance(tok)
             end.record()
             marks.append((start, end))
         else:
             t0 = time.perf_counter()
-            tok = session.step(tok).argmax(-1)
+            tok = advance(tok)
             host.append((time.perf_counter() - t0) * 1e3)
     if cuda:
         torch.cuda.synchronize(device)
-        return [s.elapsed_time(e) for s, e in marks], tokens
-    return host, tokens
+        return [s.elapsed_time(e) for s, e in marks], tokens, margins
+    return host, tokens, margins
+
+
+def first_difference(a: list[torch.Tensor], b: list[torch.Tensor], margins_a: list[torch.Tensor],
+                     margins_b: list[torch.Tensor]) -> dict | None:
+    """Where two paths' greedy tokens first differ (None: never): the step (0 = the first decode step), the rows
+    that differ there, and those rows' top-1 minus top-2 logit margins on each path at the step before (the
+    step whose argmax differs). A margin near the logits' rounding means a near-tie turned, not a lost entry."""
+    for step, (x, y) in enumerate(zip(a, b, strict=True)):
+        rows = (x != y).nonzero().flatten()
+        if rows.numel():
+            before = step - 1
+            out = {"step": step, "rows": rows.tolist()}
+            if before >= 0:
+                out["margin_one_call"] = margins_a[before][rows].float().tolist()
+                out["margin_per_row"] = margins_b[before][rows].float().tolist()
+            return out
+    return None
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -105,7 +133,7 @@ def run(args: argparse.Namespace) -> dict:
     from kvpass.rewrites import capture_model
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
     config = TINY_LLAMA if args.smoke else SMALL_LLAMA
     t_start = time.monotonic()
     model = build_model(config, device, dtype)
@@ -130,7 +158,7 @@ def run(args: argparse.Namespace) -> dict:
             try:
                 session = kv.start(ids, mask, max_new_tokens=args.warm + args.steps + 1)
                 compressions = session.compressions
-                ms, tokens = timed_steps(session, args.warm, args.steps, device)
+                ms, tokens, margins = timed_steps(session, args.warm, args.steps, device)
                 layers = [lay for lay in session.layers if lay.compressible]
                 row.update(ms_per_token_median=statistics.median(ms), ms_per_token_mean=statistics.fmean(ms),
                            ms_per_token_p90=sorted(ms)[int(0.9 * (len(ms) - 1))],
@@ -140,7 +168,7 @@ def run(args: argparse.Namespace) -> dict:
                            eager_after_failed_capture=len(kv.decode_step._eager),   # step variants not graphed
                            layers_with_row_budgets=sum(not lay.one_budget for lay in layers),
                            compressed_layers=len(layers))
-                tokens_by_label[label] = tokens
+                tokens_by_label[label] = (tokens, margins)
                 del session
             except Exception as exc:  # noqa: BLE001  (recorded: the other rows still run)
                 row["error"] = f"{type(exc).__name__}: {exc}"[:1500]
@@ -153,11 +181,12 @@ def run(args: argparse.Namespace) -> dict:
                 torch.cuda.empty_cache()
         for label in ("d2o", "streamingllm"):            # one call against the per-row path: the same tokens
             if label in tokens_by_label and f"{label}-per-row" in tokens_by_label:
-                same = all(torch.equal(a, b) for a, b in zip(tokens_by_label[label], tokens_by_label[f"{label}-per-row"],
-                                                             strict=True))
+                (one, m_one), (per_row, m_per_row) = tokens_by_label[label], tokens_by_label[f"{label}-per-row"]
+                same = all(torch.equal(a, b) for a, b in zip(one, per_row, strict=True))
                 for row in rows:
                     if row["batch"] == batch and row["label"] == label:
                         row[f"{label}_tokens_equal_between_paths"] = same
+                        row[f"{label}_first_difference"] = first_difference(one, per_row, m_one, m_per_row)
     summary = {}
     for batch in args.batches:
         got = {r["label"]: r for r in rows if r["batch"] == batch and "ms_per_token_median" in r}
@@ -189,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                         'e.g. "d2o[merge_protect=0.5]"')
     parser.add_argument("--warm", type=int, default=None, help="untimed steps (default 24; smoke 2)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 32; smoke 4)")
+    parser.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                        help="the model's dtype (default bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--time-box", type=float, default=150.0, help="seconds after which configurations are skipped")
     args = parser.parse_args(argv)
     defaults = dict(batches=[2, 3], prompt=48, spread=16, warm=2, steps=4) if args.smoke else \

@@ -223,11 +223,11 @@ def release_failed_capture(graph: torch.cuda.CUDAGraph, pool: tuple[int, int], d
     ``reset``, where segments of the pool remain, its use is dropped here and the cache emptied. ``pool``: the
     id the capture was begun with (``torch.cuda.graph_pool_handle()``)."""
     pool, index = tuple(pool), device.index or 0
-    restore_generator_after_capture(device)
     try:                                         # torch before #180395: an end of capture that failed left
         torch._C._cuda_endAllocateToPool(index, pool)    # the allocator routing to the pool
     except (AttributeError, RuntimeError):       # routing had ended (the usual case)
         pass
+    restore_generator_after_capture(device)      # after the routing ended: its scratch is not the pool's
     try:
         graph.reset()
     except RuntimeError as exc:

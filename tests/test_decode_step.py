@@ -237,17 +237,24 @@ def test_a_failed_capture_pool_is_released_only_where_torch_kept_it(monkeypatch,
 
     def end(index, p):
         state["ended"].append((index, tuple(p)))
+        order.append("end routing")
         raise RuntimeError("endAllocatePool: not currently recording to mempool_id")   # routing had ended
 
     monkeypatch.setattr(torch.cuda, "memory_snapshot", snapshot)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: state.__setitem__("emptied", state["emptied"] + 1))
     monkeypatch.setattr(torch._C, "_cuda_releasePool", release, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end, raising=False)
-    restored = []
-    monkeypatch.setattr(ds, "restore_generator_after_capture", restored.append)   # a real capture (GPU test)
+    restored, order = [], []
+
+    def restore(device):
+        restored.append(device)
+        order.append("restore generator")
+
+    monkeypatch.setattr(ds, "restore_generator_after_capture", restore)   # a real capture (GPU test)
     graph = _Graph()
     ds.release_failed_capture(graph, pool, torch.device("cuda", 0))
     assert restored == [torch.device("cuda", 0)]
+    assert order == ["end routing", "restore generator"]     # its scratch tensor is not allocated in the pool
     assert graph.resets == 1 and state["ended"] == [(0, pool)]
     assert state["released"] == ([] if torch_released_it else [(0, pool)])
     assert state["emptied"] == (1 if torch_released_it else 2)
