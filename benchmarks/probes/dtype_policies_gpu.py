@@ -14,6 +14,7 @@ traceback ends in. In fp32 it also checks ``full`` against transformers' greedy 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import re
 import sys
@@ -100,7 +101,12 @@ def main() -> int:
             print(json.dumps({k: v for k, v in row.items() if k != "traceback_tail"}), flush=True)
         del model, captured
         if device.type == "cuda":
-            torch.cuda.empty_cache()
+            gc.collect()
+            try:                     # session 33's first run: torch asserted here after the failed policies
+                torch.cuda.empty_cache()
+            except RuntimeError as exc:
+                rows.append({"dtype": dtype_name, "empty_cache_error": str(exc)[:400]})
+                print(json.dumps(rows[-1]), flush=True)
     failed = [f"{r['policy']}/{r['dtype']}: {r.get('kernel')}" for r in rows if r.get("ok") is False]
     result = {"device": gpu_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__, "config": HEAD_128_LLAMA, "prompt": args.prompt,
               "steps": args.steps, "command": " ".join(sys.argv), "rows": rows, "failed": failed,

@@ -63,6 +63,37 @@ def whole_tile_splits(n: int, splits: int, block: int) -> tuple[int, int]:
     return length, max(1, cdiv(n, length))
 
 
+# What a launch may ask of shared memory where the device does not say (99 KiB: the smallest opt-in limit of the
+# GPUs Triton targets, sm_86 / sm_89); the margin covers what a kernel keeps beside its pipelined tiles.
+DEFAULT_SHARED_MEMORY = 99 * 1024
+SHARED_MEMORY_MARGIN = 16 * 1024
+
+
+def shared_memory_limit(device) -> int:
+    """Bytes of shared memory one program may use on CUDA ``device`` (the opt-in limit), else the default."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or DEFAULT_SHARED_MEMORY)
+
+
+def fit_pipeline(block_n: int, num_stages: int, bytes_per_slot: int, fixed_bytes: int, limit: int,
+                 min_block_n: int = 16) -> tuple[int, int]:
+    """(block_n, num_stages) of a loop over tiles of ``block_n`` slots whose loads Triton pipelines: it keeps
+    num_stages - 1 tiles in flight, each ``block_n * bytes_per_slot`` bytes, beside ``fixed_bytes`` (the tiles
+    loaded once, e.g. the query) and SHARED_MEMORY_MARGIN. Where that exceeds ``limit``, first fewer stages (down to
+    2), then half the tile (down to ``min_block_n``). A launch tuned for bf16 asks twice the bytes in fp32: the
+    decode attention's 128-slot, 3-stage tiles of K and V at D = 128 need 273 KiB in fp32, over an H100's 227."""
+    def need(n: int, stages: int) -> int:
+        return max(1, stages - 1) * n * bytes_per_slot + fixed_bytes + SHARED_MEMORY_MARGIN
+
+    while need(block_n, num_stages) > limit and num_stages > 2:
+        num_stages -= 1
+    while need(block_n, num_stages) > limit and block_n > min_block_n:
+        block_n //= 2
+    return block_n, num_stages
+
+
 def launch_config(default: tuple[int, int, int, int], on_gpu: bool, block_m: int | None = None,
                   block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> dict:
     """A two-block kernel's launch keywords (BLOCK_M, BLOCK_N, num_warps, num_stages): ``default`` on CUDA, small

@@ -32,8 +32,10 @@ from torch import Tensor
 from kvpass.kernels._triton import (
     HAS_TRITON,
     check_device,
+    fit_pipeline,
     next_pow2,
     require_triton,
+    shared_memory_limit,
     tl,
     triton,
     whole_tile_splits,
@@ -338,6 +340,10 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor,
         num_warps = 4
     if num_stages is None:
         num_stages = (3 if wide or b * hkv < MANY_ROWS else 2) if on_gpu else 1
+    if on_gpu:        # fp32 (or a small GPU): fewer stages or narrower tiles where the tiles would not fit
+        size = q.element_size()
+        block_n, num_stages = fit_pipeline(block_n, num_stages, 2 * block_d * size, block_m * block_d * size,
+                                           shared_memory_limit(q.device))
     splits = num_splits if num_splits is not None else decode_splits(b, hkv, c, block_n, q.device)
     split_len, splits = whole_tile_splits(c, splits, block_n)
     direct = splits == 1

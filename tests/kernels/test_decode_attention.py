@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvpass.kernels._triton import SHARED_MEMORY_MARGIN, fit_pipeline
 from kvpass.kernels.decode_attention import decode_attention_reference, decode_attention_triton
 
 # the interpreter evaluates both sides of tl.where: log2(0) / 0-division warnings in masked lanes
@@ -49,6 +50,37 @@ def test_triton_matches_float64_reference(hq, hkv, t, c, softcap, want_scores, n
         _close(got_s.cpu(), want_s, 1e-5, "scores")
     else:
         assert got_s.numel() == 0
+
+
+@pytest.mark.parametrize(("elem", "d", "limit", "want"), [
+    (2, 128, 227 << 10, (128, 3)),     # bf16 on an H100 / H200: the tuned launch, unchanged
+    (4, 128, 227 << 10, (128, 2)),     # fp32 there: 2 x 128 KiB of K, V tiles would not fit; one in flight does
+    (4, 128, 99 << 10, (64, 2)),       # fp32 on a 99 KiB GPU: half the tile too
+    (2, 128, 99 << 10, (128, 2)),      # bf16 there
+    (4, 64, 227 << 10, (128, 3)),
+])
+def test_fit_pipeline_keeps_what_fits_and_shrinks_what_does_not(elem, d, limit, want):
+    block_n, stages = fit_pipeline(128, 3, 2 * d * elem, 16 * d * elem, limit)
+    assert (block_n, stages) == want
+    assert (stages - 1) * block_n * 2 * d * elem + 16 * d * elem + SHARED_MEMORY_MARGIN <= limit
+
+
+def test_fit_pipeline_stops_at_its_floors():
+    assert fit_pipeline(128, 3, 1 << 20, 0, 1 << 10) == (16, 2)      # nothing fits: the smallest it may try
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_default_launch_at_head_size_128_in_every_dtype_on_the_gpu(dtype):
+    """fp32 at D = 128 asked 273 KiB of shared memory with the bf16-tuned launch (an H100 has 227): every policy
+    on an fp32 model failed in its first decode step (session 33)."""
+    q, k, v, lw = random_case(1, 32, 8, 1, 6570, 128, seed=3, dtype=dtype)
+    want_o, want_s = decode_attention_reference(q.double(), k.double(), v.double(), lw, 128 ** -0.5, None, True)
+    got_o, got_s = decode_attention_triton(q.cuda(), k.cuda(), v.cuda(), lw.cuda(), 128 ** -0.5, None, True)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    _close(got_o.float().cpu(), want_o, tol, "o")
+    _close(got_s.cpu(), want_s, tol, "scores")
 
 
 @pytest.mark.parametrize("want_scores", [False, True])
