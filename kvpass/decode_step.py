@@ -47,6 +47,7 @@ import gc
 import logging
 import os
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -193,6 +194,7 @@ class StaticDecodeStep:
                     graph.capture_end()
         except Exception as exc:    # noqa: BLE001  (its traceback holds the capture's tensors: let them go first)
             failure = f"{type(exc).__name__}: {exc}"
+            log.debug("the capture's traceback (as text):\n%s", traceback.format_exc())
         if failure is not None:
             release_failed_capture(graph, pool, static[0].device)
             raise CaptureFailed(failure)

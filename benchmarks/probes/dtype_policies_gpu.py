@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import re
 import sys
 import time
@@ -68,8 +69,12 @@ def main() -> int:
     ap.add_argument("--policies", default=None, help="comma-separated (default: every registered policy)")
     ap.add_argument("--time-box", type=float, default=400.0)
     ap.add_argument("--device", default="cuda", help="cuda (default), or cpu to try the script")
+    ap.add_argument("--debug-captures", action="store_true", help="log each failed capture's traceback")
     args = ap.parse_args()
     device = torch.device(args.device)
+    if args.debug_captures:
+        logging.basicConfig(level=logging.WARNING)
+        logging.getLogger("kvpass.decode_step").setLevel(logging.DEBUG)
     policies = args.policies.split(",") if args.policies else sorted(kvpass.POLICIES)
     ids, mask = unequal_prompts(2, args.prompt, args.prompt // 4, HEAD_128_LLAMA["vocab_size"], seed=0)
     ids, mask = ids.to(device), mask.to(device)
@@ -97,6 +102,9 @@ def main() -> int:
                 row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:400], kernel=kernel_of(tb),
                            traceback_tail=tb[-1500:])
             row["seconds"] = round(time.monotonic() - t0, 2)
+            if args.debug_captures and device.type == "cuda":     # which graph pools hold segments now
+                row["pools"] = sorted({str(tuple(seg.get("segment_pool_id", ())))
+                                       for seg in torch.cuda.memory_snapshot()})
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "traceback_tail"}), flush=True)
         del model, captured
