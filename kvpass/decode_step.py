@@ -36,7 +36,8 @@ what capturing cost (warm-up and recording; ``GenerationReport.graph_captures``)
 
 The returned first output (the logits) is a copy; later outputs are the graph's static tensors,
 overwritten by the next replay. On CPU, with ``KVPASS_CUDA_GRAPH=0``, with ``enabled = False``, or if
-capture fails (an op that synchronises, say), ``fn`` runs eagerly: same inputs, same outputs. A failed
+capture fails (an op that synchronises, say), or where a persistent tensor lives on another device than the
+step inputs (a host-resident cache), ``fn`` runs eagerly: same inputs, same outputs. A failed
 capture's memory pool is given back (``release_failed_capture``), and where the driver has less memory free
 than the allocator's cache holds unused, the cache is emptied before recording (``make_room_for_capture``).
 """
@@ -124,6 +125,12 @@ class StaticDecodeStep:
             self._state_key = state
         key = (variant, steps)
         if key not in self._graphs:
+            if any(t.device != step_inputs[0].device for t in persistent):
+                # a host-resident cache (ClusterKV's): the step's host work would not replay, and its copies to
+                # pageable host memory fail the capture; a failed capture is not free (release_failed_capture)
+                log.info("the decode step reads tensors on another device than its inputs: it runs eagerly")
+                self._eager.add(variant)
+                return tuple(fn(*step_inputs))
             return self._capture(fn, step_inputs, restore, key)
         graph, static, outs = self._graphs[key]
         for s, x in zip(static, step_inputs, strict=True):
@@ -222,8 +229,12 @@ def release_failed_capture(graph: torch.cuda.CUDAGraph, pool: tuple[int, int], d
     """Give back the memory pool of a capture that failed. torch before pytorch/pytorch#190348 never drops a
     failed capture's use of its pool, so the pool's memory stays reserved until the process exits (where
     the capture failed for want of memory, every later call then fails too). After the graph's own
-    ``reset``, where segments of the pool remain, its use is dropped here and the cache emptied. ``pool``: the
-    id the capture was begun with (``torch.cuda.graph_pool_handle()``)."""
+    ``reset`` and an emptied cache, where the pool keeps segments that are all free (nothing of it in use: torch
+    kept the capture's use), that use is dropped here and the cache emptied again. Where its segments still
+    hold live tensors the pool is left alone: a torch that drops the use itself (2.11) has already made the pool
+    freeable, and a second drop sent its use count below zero, after which every ``torch.cuda.empty_cache()``
+    of the process failed an internal assert (session 33, H100: ClusterKV's host-resident cache fails every
+    capture). ``pool``: the id the capture was begun with (``torch.cuda.graph_pool_handle()``)."""
     pool, index = tuple(pool), device.index or 0
     try:                                         # torch before #180395: an end of capture that failed left
         torch._C._cuda_endAllocateToPool(index, pool)    # the allocator routing to the pool
@@ -237,6 +248,9 @@ def release_failed_capture(graph: torch.cuda.CUDAGraph, pool: tuple[int, int], d
     gc.collect()
     torch.cuda.empty_cache()
     if not pool_segments(device, pool):
+        return
+    if pool_segments(device, pool, active=True):
+        log.debug("the failed capture's pool still holds live tensors: left to torch, which frees it when they go")
         return
     try:
         torch._C._cuda_releasePool(index, pool)
@@ -264,10 +278,11 @@ def restore_generator_after_capture(device: torch.device) -> None:
         graph.reset()
 
 
-def pool_segments(device: torch.device, pool: tuple[int, int]) -> int:
-    """Bytes of the allocator's segments that belong to memory pool ``pool`` on ``device``."""
+def pool_segments(device: torch.device, pool: tuple[int, int], active: bool = False) -> int:
+    """Bytes of the allocator's segments that belong to memory pool ``pool`` on ``device``; with ``active``, the
+    bytes of those segments in use (allocated to live tensors, or freed but awaiting a stream)."""
     index = device.index or 0
-    return sum(s["total_size"] for s in torch.cuda.memory_snapshot()
+    return sum(s.get("active_size", 0) if active else s["total_size"] for s in torch.cuda.memory_snapshot()
                if s.get("device", index) == index and tuple(s.get("segment_pool_id", ())) == pool)
 
 

@@ -34,6 +34,28 @@ def test_cpu_runs_eagerly():
     assert torch.equal(out[0], torch.full((1,), 6)) and step.captures == 0
 
 
+@pytest.mark.parametrize("elsewhere", [False, True])
+def test_a_step_over_tensors_of_another_device_runs_eagerly_without_a_capture(monkeypatch, elsewhere):
+    """A persistent tensor on another device than the step inputs (ClusterKV's host-resident cache on a CUDA
+    model): the step's work on it would not replay from a graph, and its capture fails (a copy to pageable host
+    memory), so it is not tried; the step runs eagerly, now and at the next call."""
+    monkeypatch.setattr(ds, "graphs_enabled", lambda device: True)
+    step = CpuReplay()
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        return (x * 2,)
+
+    persistent = [torch.zeros(2, device="meta" if elsewhere else "cpu")]
+    for _ in range(2):
+        out = step(fn, [torch.ones(1)], persistent)
+        assert torch.equal(out[0], torch.full((1,), 2.0))
+    assert step.captures == (0 if elsewhere else 1)
+    assert step.graphed(torch.device("cpu")) is not elsewhere
+    assert len(calls) == 2          # eager twice; or the capture's warm-up (the step) and one replay
+
+
 @pytest.mark.parametrize("warmup", [1, 3])
 def test_warm_up_applies_the_step_exactly_once(warmup):
     """The warm-up's last run is the step (its outputs returned); runs before it put back what they advanced.
@@ -220,16 +242,20 @@ class _Graph:
         self.resets += 1
 
 
-@pytest.mark.parametrize("torch_released_it", [False, True])
-def test_a_failed_capture_pool_is_released_only_where_torch_kept_it(monkeypatch, torch_released_it):
-    """torch before pytorch#190348 keeps a failed capture's pool (its segments stay after reset and
-    empty_cache): then, and only then, kvpass drops the pool's use (releasePool) and empties the cache again."""
+@pytest.mark.parametrize(("torch_released_it", "live"), [(False, False), (True, False), (True, True)])
+def test_a_failed_capture_pool_is_released_only_where_torch_kept_it(monkeypatch, torch_released_it, live):
+    """torch before pytorch#190348 keeps a failed capture's pool (its segments stay, all free, after reset and
+    empty_cache): then, and only then, kvpass drops the pool's use (releasePool) and empties the cache again.
+    Where torch dropped the use itself but live tensors keep segments of the pool (``live``), a second drop would
+    send the use count below zero (torch 2.11 then failed an internal assert at every later empty_cache): the
+    pool is left alone."""
     pool, other = (7, 1), (0, 3)
-    state = {"kept": not torch_released_it, "released": [], "ended": [], "emptied": 0}
+    state = {"kept": not torch_released_it or live, "released": [], "ended": [], "emptied": 0}
 
     def snapshot():
-        segs = [{"device": 0, "total_size": 1 << 20, "segment_pool_id": other}]
-        return segs + ([{"device": 0, "total_size": 1 << 30, "segment_pool_id": pool}] if state["kept"] else [])
+        segs = [{"device": 0, "total_size": 1 << 20, "active_size": 1 << 10, "segment_pool_id": other}]
+        ours = {"device": 0, "total_size": 1 << 30, "active_size": (1 << 20) if live else 0, "segment_pool_id": pool}
+        return segs + ([ours] if state["kept"] else [])
 
     def release(index, p):
         state["released"].append((index, tuple(p)))
@@ -258,7 +284,8 @@ def test_a_failed_capture_pool_is_released_only_where_torch_kept_it(monkeypatch,
     assert graph.resets == 1 and state["ended"] == [(0, pool)]
     assert state["released"] == ([] if torch_released_it else [(0, pool)])
     assert state["emptied"] == (1 if torch_released_it else 2)
-    assert ds.pool_segments(torch.device("cuda", 0), pool) == 0
+    assert ds.pool_segments(torch.device("cuda", 0), pool) == ((1 << 30) if live else 0)
+    assert ds.pool_segments(torch.device("cuda", 0), pool, active=True) == ((1 << 20) if live else 0)
     assert ds.pool_segments(torch.device("cuda", 0), other) == 1 << 20
 
 
