@@ -31,11 +31,10 @@ import torch  # noqa: E402
 
 from benchmarks.bench.models import build_model  # noqa: E402
 from benchmarks.bench.timing import gpu_name  # noqa: E402
-from benchmarks.ragged_decode_gpu import unequal_prompts  # noqa: E402
+from benchmarks.ragged_decode_gpu import SMALL_LLAMA, unequal_prompts  # noqa: E402
 
-HEAD_128_LLAMA = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=2,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192,
-                      rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+HEAD_128_LLAMA = dict(SMALL_LLAMA, hidden_size=1024, intermediate_size=2816, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2)
 
 
 def kernel_of(tb: str) -> str | None:
