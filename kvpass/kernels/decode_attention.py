@@ -323,7 +323,8 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor,
                             num_splits: int | None = None, block_n: int | None = None,
                             num_warps: int | None = None, num_stages: int | None = None) -> tuple[Tensor, Tensor]:
     """The Triton decode attention (same contract as ``decode_attention_reference``). The keyword
-    arguments override the launch heuristics (tests and the benchmark sweep use them)."""
+    arguments override the launch heuristics (tests and the benchmark sweep use them); on CUDA, a tile and stage
+    count that would not fit the device's shared memory (fp32, a small GPU) is narrowed (``fit_pipeline``)."""
     require_triton()
     check_decode_inputs(q, k, v, log_weight, scale, softcap)
     b, hq, t, d = q.shape
