@@ -18,7 +18,9 @@ the median and mean ms per step (= per token of every row), tokens/s = batch / m
 (interval 16) compresses every 16 steps, also per row (its rows' budgets follow their own lengths): the
 timed steps hold whole periods. Since session 31 StreamingLLM and the default ``snapkv[kernel=31]`` compress
 such rows in one call too (``fill_evicted_rows``); ``streamingllm-per-row`` is StreamingLLM's old path. The
-tokens of the two paths are compared (they should be equal), and the summary gives per-row / one call by the
+tokens of the two paths are compared at every step, the warm ones included (equal on CPU; in bf16 on a GPU a tie
+of the top two logits may turn the other way, since the two paths sum the attention in another order:
+``first_difference`` gives the step, the rows and their margins there), and the summary gives per-row / one call by the
 mean step (StreamingLLM's per-row compressions fall on one step in 16: the median hides them).
 
     python benchmarks/ragged_decode_gpu.py --out /tmp/ragged.json              # GPU, < 3 minutes on an H200
