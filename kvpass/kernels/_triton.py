@@ -69,12 +69,25 @@ DEFAULT_SHARED_MEMORY = 99 * 1024
 SHARED_MEMORY_MARGIN = 16 * 1024
 
 
+_SHARED_MEMORY: dict[int, int] = {}
+
+
 def shared_memory_limit(device) -> int:
-    """Bytes of shared memory one program may use on CUDA ``device`` (the opt-in limit), else the default."""
+    """Bytes of shared memory one program may use on CUDA ``device``: the opt-in limit from torch's device
+    properties, else from Triton's driver, else DEFAULT_SHARED_MEMORY (once per device)."""
     import torch
 
-    props = torch.cuda.get_device_properties(device)
-    return int(getattr(props, "shared_memory_per_block_optin", 0) or DEFAULT_SHARED_MEMORY)
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    if index not in _SHARED_MEMORY:
+        limit = getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", 0)
+        if not limit:
+            try:
+                limit = triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+            except Exception:  # noqa: BLE001  (an older or newer Triton: the default below)
+                limit = 0
+        _SHARED_MEMORY[index] = int(limit) or DEFAULT_SHARED_MEMORY
+    return _SHARED_MEMORY[index]
 
 
 def fit_pipeline(block_n: int, num_stages: int, bytes_per_slot: int, fixed_bytes: int, limit: int,

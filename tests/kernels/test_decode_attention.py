@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvpass.kernels._triton import SHARED_MEMORY_MARGIN, fit_pipeline
+from kvpass.kernels._triton import DEFAULT_SHARED_MEMORY, SHARED_MEMORY_MARGIN, fit_pipeline
 from kvpass.kernels.decode_attention import decode_attention_reference, decode_attention_triton
 
 # the interpreter evaluates both sides of tl.where: log2(0) / 0-division warnings in masked lanes
@@ -67,6 +67,24 @@ def test_fit_pipeline_keeps_what_fits_and_shrinks_what_does_not(elem, d, limit, 
 
 def test_fit_pipeline_stops_at_its_floors():
     assert fit_pipeline(128, 3, 1 << 20, 0, 1 << 10) == (16, 2)      # nothing fits: the smallest it may try
+
+
+@pytest.mark.parametrize(("props", "want"), [({"shared_memory_per_block_optin": 232448}, 232448),
+                                              ({}, DEFAULT_SHARED_MEMORY)])
+def test_shared_memory_limit_reads_the_device_once_and_falls_back(monkeypatch, props, want):
+    import kvpass.kernels._triton as kt
+
+    asked = []
+
+    def properties(index):
+        asked.append(index)
+        return type("Props", (), props)()
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    monkeypatch.setattr(kt, "_SHARED_MEMORY", {})
+    monkeypatch.setattr(kt, "triton", None)        # Triton's driver unreachable: the default
+    assert kt.shared_memory_limit(torch.device("cuda", 1)) == want
+    assert kt.shared_memory_limit(torch.device("cuda", 1)) == want and asked == [1]
 
 
 @pytest.mark.gpu
