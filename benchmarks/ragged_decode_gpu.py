@@ -12,7 +12,8 @@ Setting: a small Llama-shaped model with random bf16 weights (16 layers, 16 quer
 batch 16 and 32 of left-padded prompts of unequal lengths around 4k (random in [prompt - 512, prompt]),
 budget 0.2, greedy. Per configuration: ``start`` (prefill + compression), ``--warm`` untimed steps (CUDA
 graph captures, first compressions: 24, more than StreamingLLM's interval, so that the first capture of its
-compressing step is not timed; session 32's run, with 8, timed it in the one-call path's mean at batch 16), then ``--steps`` steps each timed by CUDA events around the step
+compressing step is not timed; session 32's run, with 8, timed it in the one-call path's mean at batch 16), then
+``--steps`` steps each timed by CUDA events around the step
 (wall time per step where the host sets the pace, since the GPU then idles between the events); reported:
 the median and mean ms per step (= per token of every row), tokens/s = batch / mean. StreamingLLM
 (interval 16) compresses every 16 steps, also per row (its rows' budgets follow their own lengths): the

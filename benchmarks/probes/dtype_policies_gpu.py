@@ -115,8 +115,8 @@ def main() -> int:
                 rows.append({"dtype": dtype_name, "empty_cache_error": str(exc)[:400]})
                 print(json.dumps(rows[-1]), flush=True)
     failed = [f"{r['policy']}/{r['dtype']}: {r.get('kernel')}" for r in rows if r.get("ok") is False]
-    result = {"device": gpu_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__, "config": HEAD_128_LLAMA, "prompt": args.prompt,
-              "steps": args.steps, "command": " ".join(sys.argv), "rows": rows, "failed": failed,
+    result = {"device": gpu_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
+              "config": HEAD_128_LLAMA, "prompt": args.prompt, "steps": args.steps, "command": " ".join(sys.argv), "rows": rows, "failed": failed,
               "seconds": time.monotonic() - started}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

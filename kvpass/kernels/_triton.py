@@ -63,13 +63,11 @@ def whole_tile_splits(n: int, splits: int, block: int) -> tuple[int, int]:
     return length, max(1, cdiv(n, length))
 
 
-# What a launch may ask of shared memory where torch's device properties do not say (99 KiB: the opt-in limit of
-# sm_86 / sm_89 GPUs); the margin covers what a kernel keeps beside its pipelined tiles.
+# What a launch may ask of shared memory where neither torch's device properties nor Triton's driver say (99 KiB:
+# the opt-in limit of sm_86 / sm_89 GPUs); the margin covers what a kernel keeps beside its pipelined tiles.
 DEFAULT_SHARED_MEMORY = 99 * 1024
 SHARED_MEMORY_MARGIN = 16 * 1024
-
-
-_SHARED_MEMORY: dict[int, int] = {}
+_SHARED_MEMORY: dict[int, int] = {}          # device index -> its limit, read once
 
 
 def shared_memory_limit(device) -> int:
