@@ -30,6 +30,7 @@ from kvpass.kernels.cluster_recall_attention import (
 from kvpass.kernels.cosine_kmeans_assign import cosine_kmeans_assign, cosine_kmeans_assign_reference
 from kvpass.kernels.cosine_kmeans_update import cosine_kmeans_update, cosine_kmeans_update_reference
 from kvpass.kernels.cosine_match import cosine_match, cosine_match_reference
+from kvpass.kernels.d2o_evict_many import d2o_evict_many, d2o_evict_many_reference
 from kvpass.kernels.d2o_evict_one import d2o_evict_one, d2o_evict_one_reference
 from kvpass.kernels.d2o_evict_one_ragged import d2o_evict_one_ragged, d2o_evict_one_ragged_reference
 from kvpass.kernels.decode_attention import decode_attention, decode_attention_reference
@@ -64,6 +65,7 @@ REFERENCES: dict[str, Callable] = {
     "cosine_kmeans_assign": cosine_kmeans_assign_reference,
     "cosine_kmeans_update": cosine_kmeans_update_reference,
     "cosine_match": cosine_match_reference,
+    "d2o_evict_many": d2o_evict_many_reference,
     "d2o_evict_one": d2o_evict_one_reference,
     "d2o_evict_one_ragged": d2o_evict_one_ragged_reference,
     "decode_attention": decode_attention_reference,
@@ -109,6 +111,7 @@ __all__ = [
     "cosine_kmeans_assign", "cosine_kmeans_assign_reference",
     "cosine_kmeans_update", "cosine_kmeans_update_reference",
     "cosine_match", "cosine_match_reference",
+    "d2o_evict_many", "d2o_evict_many_reference",
     "d2o_evict_one", "d2o_evict_one_reference",
     "d2o_evict_one_ragged", "d2o_evict_one_ragged_reference",
     "decode_attention", "decode_attention_reference",

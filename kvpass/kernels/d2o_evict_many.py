@@ -49,15 +49,21 @@ heads, as the one-in-one-out step's are (tests/rewrites/test_shard_tensor_parall
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 from torch import Tensor
 
 from kvpass.cache import EMPTY, gather_slots, put_slots
 from kvpass.head_group import SINGLE_PROCESS, HeadGroup
+from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
 from kvpass.kernels.cosine_match import cosine_match_reference
 from kvpass.kernels.d2o_evict_one import (
     SCORE_EPS,
     _rows,
+    check_layer_metadata,
+    check_layer_tensors,
     protected_count,
     threshold_and_merge_in_place,
     unprotected,
@@ -153,3 +159,395 @@ def evict_many_in_place(k: Tensor, v: Tensor, score: Tensor, position: Tensor, l
     for t, empty in ((log_weight, EMPTY), (position, -1), (score, 0), *((x, 0) for x in others)):
         t.masked_fill_(freed.view(*freed.shape, *([1] * (t.dim() - 3))), empty)
     length.copy_(new_length)
+
+
+# ---------------------------------------------------------------------------------------------------- Triton
+# The same step in three kernels (CUDA; on CPU under TRITON_INTERPRET=1 for the tests), for one process
+# (``heads`` of one rank), without ``protect`` and ``score_weights`` and for 16/32-bit caches (the plain-torch
+# step above takes the rest). The plain-torch step launches some 150 kernels a layer (sorts, top-k, masks,
+# gathers), 0.58 ms a layer at B = 1, m = 64 in a CUDA graph on an H100: at 32k the step compressing all 32
+# layers took 7 ms more than a plain one (benchmarks/results/h100-session34/).
+#
+# Kernel S (select), one program per (b, g) row, n = length, n_ev = min(length - keep, m) where b is due:
+#     t_s = the sinks-th, t_r = the max(n - recent, 0)-th, t_t = the target_from-th smallest live position
+#           (0-based; the largest position + 1 where there are fewer), each a bisection over the values
+#     forced = position < t_s or position >= t_r     (the sinks and the recent window, wherever their slots are)
+#     T = the (n_ev - 1)-th smallest key(score) outside the forced (key: the fp32 bits as an ordered int), by
+#         bisection; evicted = key < T, then the slots of key == T in slot order until there are n_ev
+#     e_idx = the evicted slots by ascending position; k_e, v_e their rows; targets = live, kept and
+#         position >= t_t (the nearest-key search's candidates)
+# Then ``cosine_match`` (k_e against the layer, targets) gives nearest, u.
+# Kernel T (threshold), one program per batch row: the EMA and the merge decisions of ``threshold_and_merge``
+#     over the row's heads (u of the valid evictions, 0 elsewhere).
+# Kernel M (merge and compact), one program per (b, g) row: assign[f, e] = (nearest_f = nearest_e) & merged_e;
+#     k_t <- (w_self k_t + sum_e assign[f, e] w_e k_e) / norm_f for each absorbing f (one fp32 dot, IEEE);
+#     then the kept entries at slots >= length - n_ev fill the evicted slots below it (both ascending), the
+#     freed slots are emptied and length -= n_ev. Phases that read what another thread wrote are split by
+#     barriers. Other slot metadata follows the moves in torch (the kernel writes each row's pairs).
+
+_BIG = 2**62
+
+
+@triton.jit
+def _order_key(score):
+    """fp32 -> int64 in the same order (the sign-magnitude bits made two's complement)."""
+    bits = score.to(tl.int32, bitcast=True)
+    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
+
+
+@triton.jit
+def _kth_position(POS, base, n, k, lo, hi, BLOCK: tl.constexpr):
+    """The k-th smallest (0-based) of the n distinct positions POS[base + j], j < n, within [lo, hi]; hi + 1
+    where k >= n. Bisection: the smallest x with #{position <= x} > k."""
+    top = hi
+    while lo < hi:
+        mid = lo + (hi - lo) // 2
+        count = tl.zeros([], tl.int64)
+        for c0 in range(0, n, BLOCK):
+            offs = c0 + tl.arange(0, BLOCK)
+            pos = tl.load(POS + base + offs, mask=offs < n, other=_BIG)
+            count += tl.sum((pos <= mid).to(tl.int64), 0)
+        up = count > k
+        hi = tl.where(up, mid, hi)
+        lo = tl.where(up, lo, mid + 1)
+    return tl.where(k >= n, top + 1, lo)
+
+
+@triton.jit
+def _candidates(SCORE, POS, base, offs, n, t_s, t_r):
+    """(in range, position, order key, candidate) of slots ``offs``: live and neither sink nor recent."""
+    m = offs < n
+    pos = tl.load(POS + base + offs, mask=m, other=-1)
+    key = _order_key(tl.load(SCORE + base + offs, mask=m, other=0.0))
+    return m, pos, key, m & (pos >= t_s) & (pos < t_r)
+
+
+@triton.jit(do_not_specialize=("C", "HKV"))
+def _select_kernel(
+    K, V, SCORE, POS, LENGTH, SPLIT, E_IDX, N_EV, K_E, V_E, TARGETS,
+    skb, skh, skc, skd, svb, svh, svc, svd, B, HKV, C,
+    M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    b = row // HKV
+    g = row % HKV
+    base = row * C
+    offs_h = tl.arange(0, BLOCK_H)
+    lengths = tl.load(LENGTH + b * HKV + offs_h, mask=offs_h < HKV, other=0)
+    keep = tl.load(SPLIT + b)
+    due = tl.load(SPLIT + B + b)
+    sinks = tl.load(SPLIT + 2 * B + b)
+    recent = tl.load(SPLIT + 3 * B + b)
+    target_from = tl.load(SPLIT + 4 * B + b)
+    n = tl.load(LENGTH + row)
+    n_ev = tl.where((tl.max(lengths, 0) >= due) & (n > keep), tl.minimum(n - keep, M), 0)
+    if n_ev > 0:
+        lo = tl.full([], _BIG, tl.int64)
+        hi = tl.full([], -1, tl.int64)
+        for c0 in range(0, n, BLOCK):
+            offs = c0 + tl.arange(0, BLOCK)
+            pos = tl.load(POS + base + offs, mask=offs < n, other=-1)
+            lo = tl.minimum(lo, tl.min(tl.where(offs < n, pos, _BIG), 0))
+            hi = tl.maximum(hi, tl.max(pos, 0))
+        t_s = _kth_position(POS, base, n, sinks, lo, hi, BLOCK)
+        t_r = _kth_position(POS, base, n, tl.maximum(n - recent, 0), lo, hi, BLOCK)
+        t_t = _kth_position(POS, base, n, target_from, lo, hi, BLOCK)
+        k_lo = tl.full([], _BIG, tl.int64)
+        k_hi = tl.full([], -_BIG, tl.int64)
+        n_cand = tl.zeros([], tl.int64)
+        for c0 in range(0, n, BLOCK):
+            m, pos, key, cand = _candidates(SCORE, POS, base, c0 + tl.arange(0, BLOCK), n, t_s, t_r)
+            k_lo = tl.minimum(k_lo, tl.min(tl.where(cand, key, _BIG), 0))
+            k_hi = tl.maximum(k_hi, tl.max(tl.where(cand, key, -_BIG), 0))
+            n_cand += tl.sum(cand.to(tl.int64), 0)
+        n_ev = tl.minimum(n_ev, n_cand)                 # callers keep sinks + recent <= keep: never lower
+        while k_lo < k_hi:                             # T: the smallest key with #{key <= T} >= n_ev
+            mid = k_lo + (k_hi - k_lo) // 2
+            count = tl.zeros([], tl.int64)
+            for c0 in range(0, n, BLOCK):
+                m, pos, key, cand = _candidates(SCORE, POS, base, c0 + tl.arange(0, BLOCK), n, t_s, t_r)
+                count += tl.sum((cand & (key <= mid)).to(tl.int64), 0)
+            up = count >= n_ev
+            k_hi = tl.where(up, mid, k_hi)
+            k_lo = tl.where(up, k_lo, mid + 1)
+        below = tl.zeros([], tl.int64)
+        for c0 in range(0, n, BLOCK):
+            m, pos, key, cand = _candidates(SCORE, POS, base, c0 + tl.arange(0, BLOCK), n, t_s, t_r)
+            below += tl.sum((cand & (key < k_lo)).to(tl.int64), 0)
+        ties_left = n_ev - below
+        taken = tl.zeros([], tl.int64)
+        ties = tl.zeros([], tl.int64)
+        for c0 in range(0, C, BLOCK):
+            offs = c0 + tl.arange(0, BLOCK)
+            m, pos, key, cand = _candidates(SCORE, POS, base, offs, n, t_s, t_r)
+            tie = cand & (key == k_lo)
+            tie_rank = ties + tl.cumsum(tie.to(tl.int32), 0).to(tl.int64) - 1
+            sel = (cand & (key < k_lo)) | (tie & (tie_rank < ties_left))
+            slot = taken + tl.cumsum(sel.to(tl.int32), 0).to(tl.int64) - 1
+            tl.store(E_IDX + row * M + slot, offs.to(tl.int64), mask=sel)
+            tl.store(TARGETS + base + offs, (m & ~sel & (pos >= t_t)).to(tl.int8), mask=offs < C)
+            taken += tl.sum(sel.to(tl.int64), 0)
+            ties += tl.sum(tie.to(tl.int64), 0)
+    else:
+        for c0 in range(0, C, BLOCK):
+            offs = c0 + tl.arange(0, BLOCK)
+            tl.store(TARGETS + base + offs, tl.zeros([BLOCK], tl.int8), mask=offs < C)
+    tl.store(N_EV + row, n_ev)
+    tl.debug_barrier()
+    # the evicted slots (in slot order) by ascending position, and their K, V rows (zeros past n_ev)
+    offs_m = tl.arange(0, BLOCK_M)
+    valid = offs_m < n_ev
+    slot = tl.load(E_IDX + row * M + offs_m, mask=valid, other=0)
+    pos = tl.load(POS + base + slot, mask=valid, other=_BIG)
+    rank = tl.sum((valid[None, :] & (pos[None, :] < pos[:, None])).to(tl.int64), 1)
+    dest = tl.where(valid, rank, offs_m)
+    slot = tl.where(valid, slot, 0)
+    tl.debug_barrier()
+    tl.store(E_IDX + row * M + dest, slot, mask=offs_m < M)
+    offs_d = tl.arange(0, BLOCK_D)
+    for d0 in range(0, HEAD_DIM, BLOCK_D):
+        dm = (d0 + offs_d) < HEAD_DIM
+        both = valid[:, None] & dm[None, :]
+        out = (row * M + dest)[:, None] * HEAD_DIM + (d0 + offs_d)[None, :]
+        k_e = tl.load(K + b * skb + g * skh + slot[:, None] * skc + (d0 + offs_d)[None, :] * skd, mask=both, other=0.0)
+        tl.store(K_E + out, k_e, mask=(offs_m < M)[:, None] & dm[None, :])
+        v_e = tl.load(V + b * svb + g * svh + slot[:, None] * svc + (d0 + offs_d)[None, :] * svd, mask=both, other=0.0)
+        tl.store(V_E + out, v_e, mask=(offs_m < M)[:, None] & dm[None, :])
+
+
+@triton.jit
+def _threshold_kernel(
+    U, N_EV, TAU, TAU_SET, MERGED, W_E, HKV, beta, one_minus_beta, min_cos,
+    M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, PAPER: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_m = tl.arange(0, BLOCK_M)
+    rows = b * HKV + offs_h
+    n_ev = tl.load(N_EV + rows, mask=offs_h < HKV, other=0)
+    valid = (offs_h < HKV)[:, None] & (offs_m[None, :] < n_ev[:, None])                # [BLOCK_H, BLOCK_M]
+    at = rows[:, None] * M + offs_m[None, :]
+    u = tl.where(valid, tl.load(U + at, mask=valid, other=0.0), 0.0)
+    count = tl.sum(tl.sum(valid.to(tl.int32), 1), 0)
+    current = tl.div_rn(tl.sum(tl.sum(u, 1), 0), tl.maximum(count, 1).to(tl.float32))
+    prev = tl.load(TAU + b)
+    was_set = tl.load(TAU_SET + b) != 0
+    tau = tl.where(count > 0, tl.where(was_set, beta * current + one_minus_beta * prev, current), prev)
+    tl.store(TAU + b, tau)
+    tl.store(TAU_SET + b, (was_set | (count > 0)).to(tl.uint8))
+    floor = u >= min_cos
+    if PAPER:
+        merged = valid & (u >= tau) & floor
+        w_e = tl.where(merged, tl.exp(u), 0.0)
+    else:                                   # the i-th eviction's mean over the heads decides for every head
+        per_slot = tl.div_rn(tl.sum(u, 0), tl.maximum(tl.sum(valid.to(tl.int32), 0), 1).to(tl.float32))
+        merged = valid & (per_slot[None, :] >= tau) & floor
+        w_e = tl.where(merged, u, 0.0)
+    keep = (offs_h < HKV)[:, None] & (offs_m < M)[None, :]
+    tl.store(MERGED + at, merged.to(tl.int8), mask=keep)
+    tl.store(W_E + at, w_e, mask=keep)
+
+
+@triton.jit
+def _merge_rows(X, X_E, x_row, sc, sd, e_row, nearest, w, w_self, norm, absorbed,
+                M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """k_t <- (w_self k_t + sum_e w[f, e] k_e) / norm_f at the target t = nearest_f of each absorbing f (f's
+    sharing a target write the same value; every load before the stores)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    for d0 in range(0, HEAD_DIM, BLOCK_D):
+        dm = (d0 + offs_d) < HEAD_DIM
+        x_e = tl.load(X_E + (e_row + offs_m)[:, None] * HEAD_DIM + (d0 + offs_d)[None, :],
+                      mask=(offs_m < M)[:, None] & dm[None, :], other=0.0).to(tl.float32)
+        at = x_row + nearest[:, None] * sc + (d0 + offs_d)[None, :] * sd
+        mask = absorbed[:, None] & dm[None, :]
+        into = tl.load(X + at, mask=mask, other=0.0).to(tl.float32)
+        acc = w_self * into + tl.dot(w, x_e, input_precision="ieee")
+        tl.debug_barrier()
+        tl.store(X + at, tl.div_rn(acc, norm[:, None]).to(X.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _move_rows(X, x_row, sc, sd, dst, src, pair, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """X[dst_i] <- X[src_i] where ``pair`` (src slots lie above every dst slot: no row is both)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    for d0 in range(0, HEAD_DIM, BLOCK_D):
+        mask = pair[:, None] & ((d0 + offs_d) < HEAD_DIM)[None, :]
+        cols = (d0 + offs_d)[None, :] * sd
+        x = tl.load(X + x_row + src[:, None] * sc + cols, mask=mask, other=0.0)
+        tl.store(X + x_row + dst[:, None] * sc + cols, x, mask=mask)
+
+
+@triton.jit(do_not_specialize=("C", "HKV"))
+def _merge_compact_kernel(
+    K, V, SCORE, POS, LW, LENGTH, E_IDX, N_EV, K_E, V_E, NEAREST, MERGED, W_E, MOVE_DST, MOVE_SRC,
+    skb, skh, skc, skd, svb, svh, svc, svd, HKV, C, w_self,
+    M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PAPER: tl.constexpr,
+    BIAS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    b = row // HKV
+    g = row % HKV
+    base = row * C
+    n_ev = tl.load(N_EV + row)
+    length = tl.load(LENGTH + row)
+    offs_m = tl.arange(0, BLOCK_M)
+    in_m = offs_m < M
+    valid = offs_m < n_ev
+    e = tl.load(E_IDX + row * M + offs_m, mask=valid, other=0)
+    if n_ev > 0:
+        nearest = tl.maximum(tl.load(NEAREST + row * M + offs_m, mask=valid, other=0), 0)
+        merged = tl.load(MERGED + row * M + offs_m, mask=valid, other=0) != 0
+        w_e = tl.load(W_E + row * M + offs_m, mask=valid, other=0.0)
+        assign = (nearest[:, None] == nearest[None, :]) & merged[None, :]                  # [f, e]
+        count = tl.sum(assign.to(tl.float32), 1)
+        w = tl.where(assign, w_e[None, :], 0.0)
+        if PAPER:
+            norm = w_self + tl.sum(w, 1)
+        else:
+            norm = w_self + count
+        absorbed = valid & (count > 0)
+        _merge_rows(K, K_E, b * skb + g * skh, skc, skd, row * M, nearest, w, w_self, norm, absorbed,
+                    M, HEAD_DIM, BLOCK_M, BLOCK_D)
+        _merge_rows(V, V_E, b * svb + g * svh, svc, svd, row * M, nearest, w, w_self, norm, absorbed,
+                    M, HEAD_DIM, BLOCK_M, BLOCK_D)
+        if BIAS:                            # sizes add: log(exp(lw_t) + sum_e assign exp(lw_e))
+            lw_e = tl.load(LW + base + e, mask=valid, other=0.0)
+            size_e = tl.where(merged, tl.exp(lw_e), 0.0)
+            lw_t = tl.load(LW + base + nearest, mask=absorbed, other=0.0)
+            size = tl.exp(lw_t) + tl.sum(tl.where(assign, size_e[None, :], 0.0), 1)
+            tl.debug_barrier()
+            tl.store(LW + base + nearest, tl.log(size), mask=absorbed)
+    tl.debug_barrier()
+    # compaction: the kept entries at slots [new length, length) fill the evicted slots below new length
+    new_length = length - n_ev
+    hole = valid & (e < new_length)
+    hole_rank = tl.sum((hole[None, :] & (e[None, :] < e[:, None])).to(tl.int64), 1)
+    above = new_length + offs_m
+    gone = tl.sum((valid[None, :] & (e[None, :] == above[:, None])).to(tl.int32), 1) > 0
+    mover = (above < length) & ~gone & valid
+    mover_rank = tl.cumsum(mover.to(tl.int32), 0).to(tl.int64) - 1
+    src = tl.sum(tl.where(mover[None, :] & (mover_rank[None, :] == hole_rank[:, None]), above[None, :], 0), 1)
+    _move_rows(K, b * skb + g * skh, skc, skd, e, src, hole, HEAD_DIM, BLOCK_D)
+    _move_rows(V, b * svb + g * svh, svc, svd, e, src, hole, HEAD_DIM, BLOCK_D)
+    score = tl.load(SCORE + base + src, mask=hole, other=0.0)
+    pos = tl.load(POS + base + src, mask=hole, other=-1)
+    lw = tl.load(LW + base + src, mask=hole, other=0.0)
+    tl.debug_barrier()
+    tl.store(SCORE + base + e, score, mask=hole)
+    tl.store(POS + base + e, pos, mask=hole)
+    tl.store(LW + base + e, lw, mask=hole)
+    freed = valid & (above < length)                    # n_ev slots [new length, length)
+    tl.store(SCORE + base + above, tl.zeros([BLOCK_M], tl.float32), mask=freed)
+    tl.store(POS + base + above, tl.full([BLOCK_M], -1, tl.int64), mask=freed)
+    tl.store(LW + base + above, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=freed)
+    tl.store(LENGTH + row, new_length)
+    tl.store(MOVE_DST + row * M + offs_m, tl.where(hole, e, C - 1), mask=in_m)
+    tl.store(MOVE_SRC + row * M + offs_m, tl.where(hole, src, C - 1), mask=in_m)
+
+
+def evict_many_triton(k: Tensor, v: Tensor, score: Tensor, position: Tensor, log_weight: Tensor, length: Tensor,
+                      tau: Tensor, tau_set: Tensor, others: list[Tensor], split: Tensor, m: int, beta: float,
+                      variant: str, min_cos: float, bias: bool = False, *, block: int = 2048,
+                      num_warps: int = 8) -> None:
+    """``evict_many_in_place`` as the three kernels (the comment above them), one process, no ``protect`` or
+    ``score_weights``, 16/32-bit k, v. ``split``: [5, B] int64, each batch row's (keep, due, sinks, recent,
+    target_from) (``split_tensor``). Scratch: O(B Hkv (m D + C)). Nothing synchronises with the host."""
+    require_triton()
+    check_layer_tensors(k, v)
+    if k.dtype == torch.float64:
+        raise ValueError("the Triton step takes 16/32-bit caches; fp64 ones take evict_many_in_place")
+    check_layer_metadata(k, v, score, position, log_weight, length, tau, tau_set, others, variant)
+    b, h, c, d = k.shape
+    if tuple(split.shape) != (5, b) or split.dtype != torch.int64 or not split.is_contiguous():
+        raise ValueError(f"split must be contiguous int64 [5, B] = [5, {b}], got {split.dtype} {tuple(split.shape)}")
+    check_device("split", split, k.device)
+    m = min(m, c)
+    if m <= 0:
+        return
+    dev = k.device
+    block_m, block_d, block_h = max(16, next_pow2(m)), min(64, max(16, next_pow2(d))), next_pow2(h)
+    e_idx = torch.empty(b * h * m, dtype=torch.int64, device=dev)
+    n_ev = torch.empty(b * h, dtype=torch.int64, device=dev)
+    k_e = torch.empty(b, h, m, d, dtype=k.dtype, device=dev)
+    v_e = torch.empty(b, h, m, d, dtype=v.dtype, device=dev)
+    targets = torch.empty(b, h, c, dtype=torch.bool, device=dev)
+    _select_kernel[(b * h,)](
+        k, v, score, position, length, split, e_idx, n_ev, k_e, v_e, targets.view(torch.int8),
+        *k.stride(), *v.stride(), b, h, c,
+        M=m, HEAD_DIM=d, BLOCK=min(block, next_pow2(c)), BLOCK_H=block_h, BLOCK_M=block_m, BLOCK_D=block_d,
+        num_warps=num_warps)
+    match = torch.ops.kvpass.cosine_match if k.is_cuda else cosine_match_reference
+    nearest, u = match(k_e, k, targets)                                      # [B, Hkv, m]
+    merged = torch.empty(b * h * m, dtype=torch.int8, device=dev)
+    w_e = torch.empty(b * h * m, dtype=torch.float32, device=dev)
+    _threshold_kernel[(b,)](
+        u.contiguous(), n_ev, tau, tau_set.view(torch.uint8), merged, w_e, h, float(beta), 1.0 - float(beta),
+        float(min_cos), M=m, BLOCK_H=block_h, BLOCK_M=block_m, PAPER=variant == "paper", num_warps=4,
+        enable_fp_fusion=False)
+    before = length.clone() if others else None
+    move_dst = torch.empty(b * h, m, dtype=torch.int64, device=dev)
+    move_src = torch.empty(b * h, m, dtype=torch.int64, device=dev)
+    _merge_compact_kernel[(b * h,)](
+        k, v, score, position, log_weight, length, e_idx, n_ev, k_e, v_e, nearest.contiguous(), merged, w_e,
+        move_dst, move_src, *k.stride(), *v.stride(), h, c, math.e if variant == "paper" else 1.0,
+        M=m, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_D=block_d, PAPER=variant == "paper", BIAS=bool(bias),
+        num_warps=4, enable_fp_fusion=False)
+    if others:                                  # the kernel's (dst, src) pairs; unpaired: slot C - 1 onto itself
+        row0 = torch.arange(b * h, device=dev)[:, None] * c
+        flat_dst, flat_src = (move_dst + row0).view(-1), (move_src + row0).view(-1)
+        j = torch.arange(c, device=dev)
+        freed = (j >= length[..., None]) & (j < before[..., None])              # [B, Hkv, C]
+        for t in others:
+            rows = t.view(b * h * c, *t.shape[3:])
+            rows.index_copy_(0, flat_dst, rows.index_select(0, flat_src))
+            t.masked_fill_(freed.view(*freed.shape, *([1] * (t.dim() - 3))), 0)
+
+
+def split_tensor(b: int, device: torch.device, keep: int | Tensor, due: int | Tensor, sinks: int | Tensor,
+                 recent: int | Tensor, target_from: int | Tensor) -> Tensor:
+    """[5, B] int64 on ``device``: each batch row's (keep, due, sinks, recent, target_from), from ints (one
+    tensor per distinct tuple, kept: a CUDA graph replays its address) or [B] tensors."""
+    values = (keep, due, sinks, recent, target_from)
+    if all(isinstance(x, int) for x in values):
+        return _constant_split(b, str(device), values)
+    return torch.stack([x.to(device=device, dtype=torch.long) if isinstance(x, Tensor)
+                        else torch.full((b,), x, dtype=torch.long, device=device) for x in values])
+
+
+@functools.lru_cache(maxsize=256)
+def _constant_split(b: int, device: str, values: tuple[int, ...]) -> Tensor:
+    return torch.tensor(values, dtype=torch.long).view(5, 1).expand(5, b).contiguous().to(device)
+
+
+@torch.library.custom_op("kvpass::d2o_evict_many", mutates_args=(
+    "k", "v", "score", "position", "log_weight", "length", "tau", "tau_set", "others"))
+def d2o_evict_many(k: Tensor, v: Tensor, score: Tensor, position: Tensor, log_weight: Tensor, length: Tensor,
+                   tau: Tensor, tau_set: Tensor, others: list[Tensor], split: Tensor, m: int, beta: float,
+                   variant: str, min_cos: float, bias: bool = False) -> None:
+    d2o_evict_many_reference(k, v, score, position, log_weight, length, tau, tau_set, others, split, m, beta,
+                             variant, min_cos, bias)
+
+
+def d2o_evict_many_reference(k: Tensor, v: Tensor, score: Tensor, position: Tensor, log_weight: Tensor,
+                             length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], split: Tensor,
+                             m: int, beta: float, variant: str, min_cos: float, bias: bool = False) -> None:
+    """The op's definition: ``evict_many_in_place`` with each batch row's (keep, due, sinks, recent, target_from)
+    from ``split`` [5, B]."""
+    keep, due, sinks, recent, target_from = split.unbind(0)
+    evict_many_in_place(k, v, score, position, log_weight, length, tau, tau_set, others, keep, due, m, sinks,
+                        recent, target_from, beta, variant, min_cos, bias)
+
+
+@d2o_evict_many.register_fake
+def _(k, v, score, position, log_weight, length, tau, tau_set, others, split, m, beta, variant, min_cos, bias=False):
+    return None
+
+
+if HAS_TRITON:
+    @d2o_evict_many.register_kernel("cuda")
+    def _(k, v, score, position, log_weight, length, tau, tau_set, others, split, m, beta, variant, min_cos,
+          bias=False):
+        evict_many_triton(k, v, score, position, log_weight, length, tau, tau_set, others, split, m, beta, variant,
+                          min_cos, bias)

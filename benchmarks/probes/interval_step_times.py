@@ -1,0 +1,99 @@
+"""Every decode step of the compiled default path timed on its own with CUDA events (no synchronisation between
+steps), so a policy with ``interval`` m > 1 reads as its plain steps and its compressing steps apart: what the
+m - 1 plain steps cost against ``streamingllm``'s, and what one compressing step costs on top.
+
+    PYTHONPATH=$PWD PYTHONUNBUFFERED=1 python3 benchmarks/probes/interval_step_times.py \\
+        --out $OUT/interval-step-times.json --policies "streamingllm,d2o,d2o[interval=64]"
+
+Llama-3.1-8B-shaped random bf16 model, batch 1, 32k prompt, budget 0.2, plain ``kvpass.apply`` (compiled decode
+on CUDA). A step is "compressing" where the session's compression count grew during it (read after the timed
+steps from a per-step record of ``DecodeSession.report().compressions``, which synchronises: so the count is
+taken in a second, untimed pass of the same length).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import kvpass
+from benchmarks.bench.models import LLAMA_8B
+from benchmarks.bench.timing import gpu_name
+from benchmarks.chunked_prefill_gpu import build_model
+from benchmarks.compiled_default_gpu import random_ids, split_specs
+from kvpass.rewrites import capture_model
+
+
+def step_times(kv, ids: torch.Tensor, warmup: int, steps: int) -> dict:
+    """``steps`` event-timed decode steps after ``warmup``; then the same steps again untimed, reading the
+    compression count after each (the steps where it grew are the compressing ones)."""
+    def run(count_compressions: bool) -> tuple[list[float], list[int]]:
+        session = kv.start(ids, max_new_tokens=warmup + steps + 1)
+        tok = session.logits.argmax(-1)
+        for _ in range(warmup):
+            tok = session.step(tok).argmax(-1)
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        counts = [session.report().compressions] if count_compressions else []
+        events[0].record()
+        for i in range(steps):
+            tok = session.step(tok).argmax(-1)
+            events[i + 1].record()
+            if count_compressions:
+                counts.append(session.report().compressions)
+        torch.cuda.synchronize()
+        return [events[i].elapsed_time(events[i + 1]) for i in range(steps)], counts
+
+    ms, _ = run(False)
+    _, counts = run(True)
+    compressing = [i for i in range(steps) if counts[i + 1] > counts[i]]
+    plain = [t for i, t in enumerate(ms) if i not in compressing]
+    comp = [ms[i] for i in compressing]
+    return {"ms": [round(t, 4) for t in ms], "compressing_steps": compressing,
+            "median_ms": statistics.median(ms), "mean_ms": statistics.fmean(ms),
+            "plain_median_ms": statistics.median(plain) if plain else None,
+            "plain_mean_ms": statistics.fmean(plain) if plain else None,
+            "compressing_mean_ms": statistics.fmean(comp) if comp else None,
+            "compressing_extra_ms": (statistics.fmean(comp) - statistics.median(plain)) if comp and plain else None}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--policies", default="streamingllm,d2o,d2o[interval=64]")
+    ap.add_argument("--prompt", type=int, default=32768)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--budget", type=float, default=0.2)
+    ap.add_argument("--warmup", type=int, default=24)
+    ap.add_argument("--steps", type=int, default=160)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    t0 = time.monotonic()
+    model = build_model({**LLAMA_8B, "num_hidden_layers": args.layers}, dev, torch.bfloat16,
+                        args.prompt + 2 * (args.warmup + args.steps) + 256)
+    captured = capture_model(model)
+    ids = random_ids(model.config.vocab_size, args.prompt, 0, dev)
+    out: dict = {"gpu": gpu_name(dev), "torch": torch.__version__, "prompt": args.prompt, "layers": args.layers,
+                 "budget": args.budget, "steps": args.steps, "policies": {}}
+    for spec in split_specs(args.policies):
+        kv = kvpass.apply(model, spec, args.budget, captured=captured)
+        warmup = max(args.warmup, getattr(kv.policy, "interval", 1) + 4)
+        row = step_times(kv, ids, warmup, args.steps)
+        out["policies"][spec] = row
+        print(f"{spec}: median {row['median_ms']:.3f} mean {row['mean_ms']:.3f} plain median "
+              f"{row['plain_median_ms']} compressing steps {len(row['compressing_steps'])} mean "
+              f"{row['compressing_mean_ms']} ms", flush=True)
+        kv = None
+        torch.cuda.empty_cache()
+        Path(args.out).write_text(json.dumps(out, indent=1))
+    out["wall_s"] = time.monotonic() - t0
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
