@@ -518,7 +518,8 @@ def split_tensor(b: int, device: torch.device, keep: int | Tensor, due: int | Te
 
 @functools.lru_cache(maxsize=256)
 def _constant_split(b: int, device: str, values: tuple[int, ...]) -> Tensor:
-    return torch.tensor(values, dtype=torch.long).view(5, 1).expand(5, b).contiguous().to(device)
+    # filled on the device (no copy from the host, which a CUDA graph's capture would refuse)
+    return torch.stack([torch.full((b,), x, dtype=torch.long, device=device) for x in values])
 
 
 @torch.library.custom_op("kvpass::d2o_evict_many", mutates_args=(

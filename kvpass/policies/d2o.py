@@ -12,7 +12,7 @@ from torch import Tensor
 import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
 from kvpass.cache import LayerCache, gather_slots, keep_slots, put_slots
 from kvpass.kernels.cosine_match import cosine_match_reference
-from kvpass.kernels.d2o_evict_many import evict_many_in_place
+from kvpass.kernels.d2o_evict_many import evict_many_in_place, split_tensor
 from kvpass.kernels.d2o_evict_one import (
     NO_FLOOR,
     NO_MERGE,
@@ -259,6 +259,20 @@ class D2O(Policy):
         options it has; else ``evict_one_in_place`` (plain torch, batched, no host sync)."""
         return cache.k.is_cuda and not torch.compiler.is_exporting() and self._in_place_op_applies()
 
+    def _evict_many(self, cache: LayerCache, keep: int | Tensor, due: int | Tensor, m: int, sinks: int | Tensor,
+                    recent: int | Tensor, target_from: int | Tensor) -> None:
+        """``interval`` > 1: the due rows evict down to ``keep`` in place. On CUDA in one process, for 16/32-bit
+        caches and the options the kernels have, the Triton op ``torch.ops.kvpass.d2o_evict_many`` (three
+        kernels a layer instead of some 150); else the plain-torch step ``evict_many_in_place`` that defines it."""
+        layer = self._in_place_layer(cache)
+        if self._triton_step(cache) and self.heads.world == 1 and cache.k.dtype != torch.float64:
+            split = split_tensor(cache.k.shape[0], cache.k.device, keep, due, sinks, recent, target_from)
+            torch.ops.kvpass.d2o_evict_many(*layer, split, m, self.beta, self.d2o_variant, self._min_cos(),
+                                            self.merge_bias)
+        else:
+            evict_many_in_place(*layer, keep, due, m, sinks, recent, target_from, *self._step_options(),
+                                heads=self.heads)
+
     def _unprotected(self, score: Tensor, live: Tensor, keep: int | Tensor) -> Tensor:
         """[B, Hkv, C] bool: the live slots outside the floor(merge_protect * keep) highest ``score`` [B, Hkv, C]
         of their row (ties: the lower slot first; a stable sort, the same on every device); ``keep``: an int
@@ -397,8 +411,7 @@ class D2O(Policy):
         sinks, _, recent = self.split(keep)
         layer = self._in_place_layer(cache)
         if many:
-            evict_many_in_place(*layer, keep, keep + 1, cache.capacity - keep, sinks, recent, self._target_from(keep),
-                                *self._step_options(), heads=self.heads)
+            self._evict_many(cache, keep, keep + 1, cache.capacity - keep, sinks, recent, self._target_from(keep))
         elif self.heads.world > 1 and self._triton_step(cache):     # the threshold over every rank's heads
             self.compress_layers_into([(cache, keep)])
         elif self._triton_step(cache) and self.heads.world == 1:
@@ -515,8 +528,7 @@ class D2O(Policy):
         if self.heads.world > 1 and self.interval == 1 and self._triton_step(cache):   # the threshold spans ranks
             self.compress_layers_into([(cache, keep)])
         elif self.interval > 1:                   # the due rows (budget + interval entries) evict interval entries
-            evict_many_in_place(*layer, keep, keep + self.interval, self.interval, sinks, recent, target_from,
-                                *self._step_options(), heads=self.heads)
+            self._evict_many(cache, keep, keep + self.interval, self.interval, sinks, recent, target_from)
         elif self._triton_step(cache) and self.heads.world == 1:
             torch.ops.kvpass.d2o_evict_one_ragged(*layer, keep, sinks, recent, target_from, self.beta,
                                                   self.d2o_variant, self._min_cos(), self.merge_bias)

@@ -138,3 +138,28 @@ def test_split_tensor_and_bad_inputs(triton_device: str) -> None:
     with pytest.raises(ValueError, match="split must be"):
         evict_many_triton(*layer_args(cache, triton_device), torch.zeros(5, 2, dtype=torch.long, device=dev), 4,
                           0.7, "paper", NO_FLOOR)
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(d2o_variant="code", merge_bias=True, merge_into_sinks=False)])
+def test_generation_through_the_kernels(kwargs: dict, triton_device: str, monkeypatch) -> None:
+    """Through the runtime on a tiny Llama (batch of 2, per-row layer budgets): D2O with ``interval`` routed to the
+    Triton op (on the CPU the kernels run through the interpreter) generates what the plain-torch step does."""
+    from kvpass.policies.d2o import D2O
+    from tests.policies.policy_helpers import apply_cached
+
+    if triton_device == "cuda":
+        pytest.skip("on CUDA the policy takes the op itself: test_d2o_evict_many.py's CUDA test")
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    calls = []
+
+    def kernels(*args, **kw):
+        calls.append(1)
+        evict_many_triton(*args, **kw)
+
+    model = apply_cached("llama", "d2o[interval=4]", 12, **kwargs)
+    want = model.generate(ids, max_new_tokens=14, do_sample=False, eos_token_id=None)
+    monkeypatch.setattr(D2O, "_triton_step", lambda self, cache: True)
+    monkeypatch.setattr(torch.ops.kvpass, "d2o_evict_many", kernels)
+    got = model.generate(ids, max_new_tokens=14, do_sample=False, eos_token_id=None)
+    assert calls, "the Triton step did not run"
+    assert torch.equal(got, want)
