@@ -48,9 +48,14 @@ def main() -> None:
     ap.add_argument("--b", type=int, default=32)
     ap.add_argument("--keep", type=int, default=6554)
     ap.add_argument("--m", type=int, nargs="+", default=[4, 16, 64])
+    ap.add_argument("--plain-torch", action="store_true",
+                    help="the plain-torch step (evict_many_in_place) instead of the Triton op kvpass::d2o_evict_many")
     a = ap.parse_args()
+    if a.plain_torch:
+        D2O._triton_step = lambda self, cache: False
     dev = torch.device("cuda")
-    out: dict = {"gpu": torch.cuda.get_device_name(), "b": a.b, "keep": a.keep, "rows": []}
+    out: dict = {"gpu": torch.cuda.get_device_name(), "b": a.b, "keep": a.keep,
+                 "step": "plain torch" if a.plain_torch else "triton", "rows": []}
     for m in a.m:
         row = profile_one(a.b, a.keep, m, dev)
         print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
