@@ -185,7 +185,7 @@ def evict_many_in_place(k: Tensor, v: Tensor, score: Tensor, position: Tensor, l
 #     freed slots are emptied and length -= n_ev. Phases that read what another thread wrote are split by
 #     barriers. Other slot metadata follows the moves in torch (the kernel writes each row's pairs).
 
-_BIG = 2**62
+_BIG = tl.constexpr(2**62) if HAS_TRITON else 2**62     # a jitted function reads globals only as constexprs
 
 
 @triton.jit
