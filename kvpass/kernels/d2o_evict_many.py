@@ -170,7 +170,10 @@ def evict_many_in_place(k: Tensor, v: Tensor, score: Tensor, position: Tensor, l
 #
 # Kernel S (select), one program per (b, g) row, n = length, n_ev = min(length - keep, m) where b is due:
 #     t_s = the sinks-th, t_r = the max(n - recent, 0)-th, t_t = the target_from-th smallest live position
-#           (0-based; the largest position + 1 where there are fewer), each a bisection over the values
+#           (0-based; the largest position + 1 where there are fewer): any t with #{position < t} = k serves,
+#           so first the guesses min + sinks, max + 1 - recent, min + target_from (no gap among those
+#           positions, as decoding leaves them), counted in one pass; a bisection over the values where a
+#           count is off
 #     forced = position < t_s or position >= t_r     (the sinks and the recent window, wherever their slots are)
 #     T = the (n_ev - 1)-th smallest key(score) outside the forced (key: the fp32 bits as an ordered int), by
 #         bisection; evicted = key < T, then the slots of key == T in slot order until there are n_ev
@@ -250,9 +253,26 @@ def _select_kernel(
             pos = tl.load(POS + base + offs, mask=offs < n, other=-1)
             lo = tl.minimum(lo, tl.min(tl.where(offs < n, pos, _BIG), 0))
             hi = tl.maximum(hi, tl.max(pos, 0))
-        t_s = _kth_position(POS, base, n, sinks, lo, hi, BLOCK)
-        t_r = _kth_position(POS, base, n, tl.maximum(n - recent, 0), lo, hi, BLOCK)
-        t_t = _kth_position(POS, base, n, target_from, lo, hi, BLOCK)
+        # a threshold t splits off the k lowest positions where #{position < t} = k: first the guess that the
+        # sinks, the recent window and the target floor's positions run without a gap (what decoding leaves),
+        # checked in one pass; a bisection only where it fails
+        k_r = tl.maximum(n - recent, 0)
+        t_s, t_r, t_t = lo + sinks, hi + 1 - recent, lo + target_from
+        below_s = tl.zeros([], tl.int64)
+        below_r = tl.zeros([], tl.int64)
+        below_t = tl.zeros([], tl.int64)
+        for c0 in range(0, n, BLOCK):
+            offs = c0 + tl.arange(0, BLOCK)
+            pos = tl.load(POS + base + offs, mask=offs < n, other=_BIG)
+            below_s += tl.sum((pos < t_s).to(tl.int64), 0)
+            below_r += tl.sum((pos < t_r).to(tl.int64), 0)
+            below_t += tl.sum((pos < t_t).to(tl.int64), 0)
+        if below_s != sinks:
+            t_s = _kth_position(POS, base, n, sinks, lo, hi, BLOCK)
+        if below_r != k_r:
+            t_r = _kth_position(POS, base, n, k_r, lo, hi, BLOCK)
+        if below_t != target_from:
+            t_t = _kth_position(POS, base, n, target_from, lo, hi, BLOCK)
         k_lo = tl.full([], _BIG, tl.int64)
         k_hi = tl.full([], -_BIG, tl.int64)
         n_cand = tl.zeros([], tl.int64)
@@ -449,7 +469,7 @@ def _merge_compact_kernel(
 
 def evict_many_triton(k: Tensor, v: Tensor, score: Tensor, position: Tensor, log_weight: Tensor, length: Tensor,
                       tau: Tensor, tau_set: Tensor, others: list[Tensor], split: Tensor, m: int, beta: float,
-                      variant: str, min_cos: float, bias: bool = False, *, block: int = 2048,
+                      variant: str, min_cos: float, bias: bool = False, *, block: int = 4096,
                       num_warps: int = 8) -> None:
     """``evict_many_in_place`` as the three kernels (the comment above them), one process, no ``protect`` or
     ``score_weights``, 16/32-bit k, v. ``split``: [5, B] int64, each batch row's (keep, due, sinks, recent,

@@ -40,6 +40,16 @@ def assert_same_layer(got: list, want: list, dtype: torch.dtype, msg: str) -> No
     assert torch.equal(got[8][0].cpu(), want[8][0].cpu()), f"{msg}: other metadata"
 
 
+def in_runs(cache):
+    """The same layer (in sequence order) with positions in two gapless runs, 0..n/2 - 1 and 7 above that on: the
+    kernel's guessed thresholds for the sinks and the recent window hold (ordered_cache's even positions 0, 2,
+    4, ... make it bisect)."""
+    j = torch.arange(cache.capacity)
+    n = cache.length[..., None]
+    cache.position = torch.where(j < n, j + 7 * (j >= n // 2), -1)
+    return cache
+
+
 def run_both(cache, device, keep, due, m, sinks, recent, target_from=0, variant="paper", min_cos=NO_FLOOR,
              bias=False, block=2048):
     """The plain-torch step and the Triton step on copies of one layer: (torch's, Triton's) tensors."""
@@ -60,12 +70,14 @@ CASES = [dict(), dict(variant="code"), dict(min_cos=0.3), dict(target_from=2), d
 @pytest.mark.parametrize("case", CASES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_one_budget_equals_the_torch_step(m: int, case: dict, dtype: torch.dtype, triton_device: str) -> None:
-    """One budget for every row: full rows, rows between keep and keep + m, rows at or below keep (unchanged)."""
+    """One budget for every row: full rows, rows between keep and keep + m, rows at or below keep (unchanged);
+    positions with gaps everywhere (seed 0) or in gapless runs (seed 1)."""
     keep, d = 20, 16
     c = keep + m
     lengths = [[c, c, c], [c, 7, keep], [keep, 5, 1], [c, c, 11], [c - 1, keep + 1, keep + 2]]
     for seed in range(2):
-        cache = shuffled(ordered_cache(lengths, c, d, seed, dtype), seed)
+        cache = ordered_cache(lengths, c, d, seed, dtype)
+        cache = shuffled(in_runs(cache) if seed else cache, seed)
         before = copy.deepcopy(cache)
         got, want = run_both(cache, triton_device, keep, keep + 1, m, 4, 5, **case)
         assert_same_layer(got, want, dtype, f"seed {seed}")
@@ -82,7 +94,8 @@ def test_rows_of_their_own_budgets(m: int, triton_device: str) -> None:
     keep = torch.tensor(keeps)
     sinks, recent, target_from = torch.tensor([4, 2, 0, 1, 3]), torch.tensor([5, 3, 4, 0, 6]), torch.tensor([4, 2, 0, 1, 0])
     for seed in range(2):
-        cache = shuffled(ordered_cache(lengths, c, 8, seed, torch.float32), seed)
+        cache = ordered_cache(lengths, c, 8, seed, torch.float32)
+        cache = shuffled(in_runs(cache) if seed else cache, seed)
         got, want = run_both(cache, triton_device, keep, keep + m, m, sinks, recent, target_from, bias=True)
         assert_same_layer(got, want, torch.float32, f"seed {seed}")
         assert torch.equal(want[5][2], cache.length[2]), "a row that is not due changed"
