@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 import kvpass
-from benchmarks.bench.models import LLAMA_8B
-from benchmarks.bench.timing import gpu_name
+from benchmarks.bench.models import LLAMA_8B, weight_bytes_per_step
+from benchmarks.bench.timing import copy_bandwidth, gpu_name
 from benchmarks.chunked_prefill_gpu import build_model
 from benchmarks.compiled_default_gpu import random_ids, split_specs
 from kvpass.rewrites import capture_model
@@ -32,7 +32,7 @@ from kvpass.rewrites import capture_model
 def step_times(kv, ids: torch.Tensor, warmup: int, steps: int) -> dict:
     """``steps`` event-timed decode steps after ``warmup``; then the same steps again untimed, reading the
     compression count after each (the steps where it grew are the compressing ones)."""
-    def run(count_compressions: bool) -> tuple[list[float], list[int]]:
+    def run(count_compressions: bool) -> tuple:
         session = kv.start(ids, max_new_tokens=warmup + steps + 1)
         tok = session.logits.argmax(-1)
         for _ in range(warmup):
@@ -46,14 +46,15 @@ def step_times(kv, ids: torch.Tensor, warmup: int, steps: int) -> dict:
             if count_compressions:
                 counts.append(session.report().compressions)
         torch.cuda.synchronize()
-        return [events[i].elapsed_time(events[i + 1]) for i in range(steps)], counts
+        times = [events[i].elapsed_time(events[i + 1]) for i in range(steps)]
+        return (times, counts, session.report().cache_bytes) if count_compressions else (times, counts)
 
     ms, _ = run(False)
-    _, counts = run(True)
+    _, counts, cache_bytes = run(True)
     compressing = [i for i in range(steps) if counts[i + 1] > counts[i]]
     plain = [t for i, t in enumerate(ms) if i not in compressing]
     comp = [ms[i] for i in compressing]
-    return {"ms": [round(t, 4) for t in ms], "compressing_steps": compressing,
+    return {"ms": [round(t, 4) for t in ms], "compressing_steps": compressing, "cache_bytes": cache_bytes,
             "median_ms": statistics.median(ms), "mean_ms": statistics.fmean(ms),
             "plain_median_ms": statistics.median(plain) if plain else None,
             "plain_mean_ms": statistics.fmean(plain) if plain else None,
@@ -75,16 +76,21 @@ def main() -> int:
     t0 = time.monotonic()
     model = build_model({**LLAMA_8B, "num_hidden_layers": args.layers}, dev, torch.bfloat16,
                         args.prompt + 2 * (args.warmup + args.steps) + 256)
+    weights = weight_bytes_per_step(model)
+    bandwidth = copy_bandwidth(dev, 1 << 30)
     captured = capture_model(model)
     ids = random_ids(model.config.vocab_size, args.prompt, 0, dev)
     out: dict = {"gpu": gpu_name(dev), "torch": torch.__version__, "prompt": args.prompt, "layers": args.layers,
-                 "budget": args.budget, "steps": args.steps, "policies": {}}
+                 "budget": args.budget, "steps": args.steps, "weight_bytes": weights,
+                 "copy_bandwidth_GBps": bandwidth / 1e9, "policies": {}}
     for spec in split_specs(args.policies):
         kv = kvpass.apply(model, spec, args.budget, captured=captured)
         warmup = max(args.warmup, getattr(kv.policy, "interval", 1) + 4)
         row = step_times(kv, ids, warmup, args.steps)
+        row["floor_ms"] = (weights + row["cache_bytes"]) / bandwidth * 1e3     # compiled_default_gpu's floor
+        row["mean_over_floor"] = row["mean_ms"] / row["floor_ms"]
         out["policies"][spec] = row
-        print(f"{spec}: median {row['median_ms']:.3f} mean {row['mean_ms']:.3f} plain median "
+        print(f"{spec}: {row['mean_over_floor']:.4f}x floor, median {row['median_ms']:.3f} mean {row['mean_ms']:.3f} plain median "
               f"{row['plain_median_ms']} compressing steps {len(row['compressing_steps'])} mean "
               f"{row['compressing_mean_ms']} ms", flush=True)
         kv = None

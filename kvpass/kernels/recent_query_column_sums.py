@@ -20,7 +20,8 @@ Shapes: q: [B, Hq, m, D]; q_position: [B, m] int64; k_cache: [B, Hkv, C, D]; log
 position: [B, Hkv, C] int64 (-1: empty slot).
 
 On CUDA without softcap: two Triton passes over the keys, the rows' masked base-2 log-sum-exps
-(``_recent_lse_kernel``, a block of the group's G*m query rows a program), then the column sums
+(``_recent_lse_kernel``, a block of the group's G*m query rows and a split of the slots a program, the splits
+combined by ``_combine_lse_kernel``), then the column sums
 (``cache_column_sums_triton`` with the position mask). A step's own pass reads K and V once; this reads K twice
 per m steps, at a cost that does not grow with m (tensor-core work of G*m rows a key).
 """
@@ -38,10 +39,11 @@ from kvpass.kernels._triton import (
     require_triton,
     tl,
     triton,
+    whole_tile_splits,
 )
 from kvpass.kernels.chunk_attention import group_query_rows
 from kvpass.kernels.chunk_column_sums import cache_column_sums_triton
-from kvpass.kernels.decode_attention import _dot, dot_mode
+from kvpass.kernels.decode_attention import _dot, _sm_count, dot_mode
 
 ROW_BLOCK = 64                 # query rows the reference holds logits for at once: [B, Hkv, ROW_BLOCK, C]
 
@@ -68,20 +70,26 @@ def recent_query_column_sums_reference(q: Tensor, q_position: Tensor, k_cache: T
     return out if acc == torch.float64 else out.float()
 
 
-# Program (block of query rows, (b, g)); row r: head g*G + r // m, query r % m of position p_r:
-#     lse2_r = log2 sum_{j: kpos_j <= p_r} 2^(log2e (scale q_r . k_j + lw_j))    (+inf: no such slot, or p_r < 0)
-# online over blocks of slots (running max and sum, as flash attention; no V).
+# Program (block of query rows, (b, g), split s of the slots [s * CHUNK, (s + 1) * CHUNK)); row r: head g*G + r // m,
+# query r % m of position p_r, over the split's slots j with kpos_j <= p_r:
+#     x_rj = log2e (scale q_r . k_j + lw_j);   M_rs = max_j x_rj;   L_rs = sum_j 2^(x_rj - M_rs)
+# online over blocks of slots (running max and sum, as flash attention; no V). Splitting the slots keeps the GPU
+# busy at batch 1 (B Hkv G m / BLOCK_M programs alone were 32 long loops for Llama-3.1-8B). Then per row
+#     lse2_r = M_r + log2 sum_s L_rs 2^(M_rs - M_r),  M_r = max_s M_rs    (+inf: no such slot, or p_r < 0)
 @triton.jit
-def _recent_lse_kernel(Q, QPOS, K, LW, KPOS, LSE, sqb, sqh, sqt, sqd, skb, skh, skc, skd, HKV, G, T, C, scale,
-                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _recent_lse_kernel(Q, QPOS, K, LW, KPOS, PART_M, PART_L, sqb, sqh, sqt, sqd, skb, skh, skc, skd, HKV, G, T, C,
+                       CHUNK, SPLITS, scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_D: tl.constexpr, DOT: tl.constexpr):
     b, g, head, tok, r_ok, d, d_ok, q = group_query_rows(Q, sqb, sqh, sqt, sqd, HKV, G, T, HEAD_DIM, BLOCK_M, BLOCK_D)
+    split = tl.program_id(2)
+    lo = split * CHUNK
+    hi = tl.minimum(lo + CHUNK, C)
     qpos = tl.load(QPOS + b * T + tok, mask=r_ok, other=-1)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    for j0 in range(0, C, BLOCK_N):
+    for j0 in range(lo, hi, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
-        j_ok = j < C
+        j_ok = j < hi
         k = tl.load(K + b * skb + g * skh + j[:, None] * skc + d[None, :] * skd, mask=j_ok[:, None] & d_ok[None, :],
                     other=0.0)
         lw2 = tl.load(LW + (b * HKV + g) * C + j, mask=j_ok, other=float("-inf")) * 1.4426950408889634
@@ -92,9 +100,28 @@ def _recent_lse_kernel(Q, QPOS, K, LW, KPOS, LSE, sqb, sqh, sqt, sqd, skb, skh, 
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(x - m_safe[:, None]), 1)
         m_i = m_new
+    at = ((b * HKV * G + head) * T + tok) * SPLITS + split
+    tl.store(PART_M + at, m_i, mask=r_ok)
+    tl.store(PART_L + at, l_i, mask=r_ok)
+
+
+@triton.jit
+def _combine_lse_kernel(PART_M, PART_L, QPOS, LSE, ROWS, HQ, T, SPLITS, BLOCK_R: tl.constexpr,
+                        BLOCK_S: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)         # rows (b, h, i) of [B, Hq, T], flat
+    r_ok = r < ROWS
+    s = tl.arange(0, BLOCK_S)
+    at = r[:, None] * SPLITS + s[None, :]
+    ok = r_ok[:, None] & (s < SPLITS)[None, :]
+    m_s = tl.load(PART_M + at, mask=ok, other=float("-inf"))
+    l_s = tl.load(PART_L + at, mask=ok, other=0.0)
+    m = tl.max(m_s, 1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    l_i = tl.sum(l_s * tl.exp2(m_s - m_safe[:, None]), 1)
+    qpos = tl.load(QPOS + (r // (HQ * T)) * T + r % T, mask=r_ok, other=-1)
     seen = (l_i > 0.0) & (qpos >= 0)
-    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("inf"))
-    tl.store(LSE + (b * HKV * G + head) * T + tok, lse, mask=r_ok)
+    lse = tl.where(seen, m + tl.log2(tl.where(seen, l_i, 1.0)), float("inf"))
+    tl.store(LSE + r, lse, mask=r_ok)
 
 
 _LSE_CONFIG = (64, 128, 4, 3)    # (BLOCK_M, BLOCK_N, num_warps, num_stages) on CUDA: recent-query-column-sums-sweep-nvidia-h200.json
@@ -102,8 +129,9 @@ _LSE_CONFIG = (64, 128, 4, 3)    # (BLOCK_M, BLOCK_N, num_warps, num_stages) on 
 
 def recent_query_column_sums_triton(q: Tensor, q_position: Tensor, k_cache: Tensor, log_weight: Tensor,
                                     position: Tensor, scale: float, *, block_m: int | None = None,
-                                    block_n: int | None = None) -> Tensor:
-    """The reference's sums (no softcap) in two Triton passes over the keys; [B, Hkv, C] fp32."""
+                                    block_n: int | None = None, splits: int | None = None) -> Tensor:
+    """The reference's sums (no softcap) in two Triton passes over the keys; [B, Hkv, C] fp32. ``splits``: parts of
+    the slots the log-sum-exp pass runs in (default: about two programs an SM on CUDA, 1 elsewhere)."""
     require_triton()
     b, hq, t, d = q.shape
     hkv, c = k_cache.shape[1], k_cache.shape[2]
@@ -118,10 +146,20 @@ def recent_query_column_sums_triton(q: Tensor, q_position: Tensor, k_cache: Tens
     cfg = launch_config(_LSE_CONFIG, q.device.type == "cuda", block_m, block_n)
     q_position, position = q_position.long().contiguous(), position.long().contiguous()
     lw = log_weight.float().contiguous()
+    row_blocks = triton.cdiv((hq // hkv) * t, cfg["BLOCK_M"])
+    if splits is None:                     # about two programs an SM, whole tiles of slots
+        splits = triton.cdiv(2 * _sm_count(q.device), row_blocks * b * hkv) if q.device.type == "cuda" else 1
+    chunk, splits = whole_tile_splits(c, min(splits, 64), cfg["BLOCK_N"])
+    part_m = torch.empty(b, hq, t, splits, device=q.device, dtype=torch.float32)
+    part_l = torch.empty_like(part_m)
+    _recent_lse_kernel[(row_blocks, b * hkv, splits)](
+        q, q_position, k_cache, lw, position, part_m, part_l, *q.stride(), *k_cache.stride(), hkv, hq // hkv, t, c,
+        chunk, splits, float(scale), HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), DOT=dot_mode(q), **cfg)
     lse = torch.empty(b, hq, t, device=q.device, dtype=torch.float32)
-    _recent_lse_kernel[(triton.cdiv((hq // hkv) * t, cfg["BLOCK_M"]), b * hkv)](
-        q, q_position, k_cache, lw, position, lse, *q.stride(), *k_cache.stride(), hkv, hq // hkv, t, c,
-        float(scale), HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), DOT=dot_mode(q), **cfg)
+    rows = b * hq * t
+    block_r = 64
+    _combine_lse_kernel[(triton.cdiv(rows, block_r),)](part_m, part_l, q_position, lse, rows, hq, t, splits,
+                                                        BLOCK_R=block_r, BLOCK_S=next_pow2(splits))
     return cache_column_sums_triton(q, k_cache, lw, lse, scale, q_position=q_position, position=position,
                                     block_m=block_m, block_n=block_n)
 

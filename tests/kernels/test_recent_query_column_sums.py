@@ -83,6 +83,18 @@ def test_triton_equals_the_reference(b, hq, hkv, m, c, d, dtype, tol, triton_dev
     assert torch.all(got[log_weight == float("-inf")] == 0)     # empty slots get nothing
 
 
+@pytest.mark.parametrize("splits", [2, 3, 9])
+def test_triton_in_splits_of_the_slots_equals_the_reference(splits, triton_device):
+    """The log-sum-exp pass in parts of the slots (some parts past a short row's live slots, some rows with no
+    slot in a part), combined: the same sums."""
+    q, q_position, k, log_weight, position = _random_inputs(2, 4, 2, 5, 70, 16, torch.float32, seed=splits)
+    want = recent_query_column_sums_reference(q.double(), q_position, k.double(), log_weight, position, SCALE)
+    on = [t.to(triton_device) for t in (q, q_position, k, log_weight, position)]
+    got = recent_query_column_sums_triton(*on, SCALE, splits=splits).cpu()
+    torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-5)
+    assert torch.all(got[log_weight == float("-inf")] == 0)
+
+
 def test_triton_of_an_empty_ring_is_zero(triton_device):
     q, q_position, k, log_weight, position = _random_inputs(2, 4, 2, 4, 24, 16, torch.float32, seed=3)
     q_position.fill_(-1)
