@@ -45,6 +45,13 @@ w_self + sum w_e.
 
 Tensor parallelism (``heads``): the threshold's statistics and the "code" decision are gathered from every rank's
 heads, as the one-in-one-out step's are (tests/rewrites/test_shard_tensor_parallel.py's ``interval`` cases).
+
+``evict_many_in_place`` (plain torch) defines the step; on CUDA the op ``kvpass::d2o_evict_many`` runs it as three
+Triton kernels (``evict_many_triton``, below: one process, no ``protect`` / ``score_weights``, 16/32-bit caches),
+with the batch rows' keep, due, sinks, recent and target_from in one [5, B] tensor (``split_tensor``). Where
+scores tie at the eviction threshold the kernels evict the lowest slots (torch's top-k breaks ties its own way).
+Tests: tests/kernels/test_d2o_evict_many.py (the step against the general path) and
+tests/kernels/test_d2o_evict_many_triton.py (the kernels against the step).
 """
 
 from __future__ import annotations

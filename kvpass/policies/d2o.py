@@ -79,7 +79,8 @@ class D2O(Policy):
         paid for by the other layers, so the default is none [OURS].
     interval: decode steps between compressions; 1 = the paper's one-in-one-out. Above 1 a layer holds up to
         budget + interval entries and a due row evicts interval of them in place (``compress_into``,
-        ``kvpass.kernels.d2o_evict_many``; under tensor parallelism too, the threshold gathered from every rank).
+        ``kvpass.kernels.d2o_evict_many``: on CUDA the Triton op ``kvpass::d2o_evict_many``, else plain torch;
+        under tensor parallelism too, the threshold gathered from every rank).
     defer_scores: with ``interval`` > 1, compute the decode steps' attention rows once per compression from
         their kept queries instead of at every step (``deferred_scores``: the same scores up to rounding, a
         step without the per-slot scores pass). False: every step's attention returns its row (the
@@ -398,8 +399,8 @@ class D2O(Policy):
 
         ``interval`` m > 1, capacity C in (keep + 1, keep + m] (the runtime's layer of capacity keep + m, or a
         row's copy of capacity min(keep + m, its tokens)): every row over keep evicts down to keep in place
-        (``kvpass.kernels.d2o_evict_many.evict_many_in_place``: O(C) metadata, the evicted entries, their targets
-        and the moved entries; no whole-cache copy, no host sync): the same entries and values as ``compress``
+        (``_evict_many``: O(C) metadata, the evicted entries, their targets and the moved entries; no whole-cache
+        copy, no host sync): the same entries and values as ``compress``
         (tests/kernels/test_d2o_evict_many.py). The runtime's one call for a layer whose rows may be due at steps
         of their own is ``compress_rows_into``, which leaves the rows that are not due. Every option; under tensor
         parallelism with the threshold's statistics gathered from every rank (``heads``). Any other capacity:
