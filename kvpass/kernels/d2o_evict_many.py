@@ -69,6 +69,7 @@ from kvpass.kernels.cosine_match import cosine_match_reference
 from kvpass.kernels.d2o_evict_one import (
     SCORE_EPS,
     _rows,
+    _update_threshold,
     check_layer_metadata,
     check_layer_tensors,
     protected_count,
@@ -358,11 +359,7 @@ def _threshold_kernel(
     u = tl.where(valid, tl.load(U + at, mask=valid, other=0.0), 0.0)
     count = tl.sum(tl.sum(valid.to(tl.int32), 1), 0)
     current = tl.div_rn(tl.sum(tl.sum(u, 1), 0), tl.maximum(count, 1).to(tl.float32))
-    prev = tl.load(TAU + b)
-    was_set = tl.load(TAU_SET + b) != 0
-    tau = tl.where(count > 0, tl.where(was_set, beta * current + one_minus_beta * prev, current), prev)
-    tl.store(TAU + b, tau)
-    tl.store(TAU_SET + b, (was_set | (count > 0)).to(tl.uint8))
+    tau = _update_threshold(TAU, TAU_SET, b, current, count, beta, one_minus_beta)
     floor = u >= min_cos
     if PAPER:
         merged = valid & (u >= tau) & floor

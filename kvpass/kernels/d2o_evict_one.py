@@ -446,6 +446,18 @@ def _nearest_key_kernel(
 # BLOCK_H_ALL = next_pow2(H_ALL) lanes as one process sums its BLOCK_H: the same tau, bit for bit.
 
 @triton.jit
+def _update_threshold(TAU, TAU_SET, b, current, n_evict, beta, one_minus_beta):
+    """Batch row b's EMA threshold after n_evict evictions of mean best similarity ``current`` (``ema_threshold``):
+    stored in TAU, TAU_SET and returned."""
+    prev = tl.load(TAU + b)
+    was_set = tl.load(TAU_SET + b) != 0
+    tau = tl.where(n_evict > 0, tl.where(was_set, beta * current + one_minus_beta * prev, current), prev)
+    tl.store(TAU + b, tau)
+    tl.store(TAU_SET + b, (was_set | (n_evict > 0)).to(tl.uint8))
+    return tau
+
+
+@triton.jit
 def _merge_and_move(X, batch_off, head_off, sc, sd, e, nearest, evict, merged, take_new, w_e, norm, w_self, last,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Kernel C's K (or V) part for the BLOCK_H heads of one batch row (see the comment above it)."""
@@ -499,12 +511,7 @@ def _merge_move_kernel(
     else:
         n_evict = tl.sum(evict.to(tl.int32), 0)
         current = tl.div_rn(tl.sum(u, 0), tl.maximum(n_evict, 1).to(tl.float32))
-    prev = tl.load(TAU + b)
-    was_set = tl.load(TAU_SET + b) != 0
-    ema = beta * current + one_minus_beta * prev
-    tau = tl.where(n_evict > 0, tl.where(was_set, ema, current), prev)
-    tl.store(TAU + b, tau)
-    tl.store(TAU_SET + b, (was_set | (n_evict > 0)).to(tl.uint8))
+    tau = _update_threshold(TAU, TAU_SET, b, current, n_evict, beta, one_minus_beta)
     floor = u >= min_cos
     if PAPER:
         merged = evict & (u >= tau) & floor
