@@ -3,7 +3,7 @@ steps), so a policy with ``interval`` m > 1 reads as its plain steps and its com
 m - 1 plain steps cost against ``streamingllm``'s, and what one compressing step costs on top.
 
     PYTHONPATH=$PWD PYTHONUNBUFFERED=1 python3 benchmarks/probes/interval_step_times.py \\
-        --out $OUT/interval-step-times.json --policies "streamingllm,d2o,d2o[interval=64]"
+        --out $OUT/interval-step-times.json --policies "streamingllm,d2o,d2o[interval=64]" [--profile]
 
 Llama-3.1-8B-shaped random bf16 model, batch 1, 32k prompt, budget 0.2, plain ``kvpass.apply`` (compiled decode
 on CUDA). A step is "compressing" where the session's compression count grew during it (read after the timed
@@ -62,6 +62,36 @@ def step_times(kv, ids: torch.Tensor, warmup: int, steps: int) -> dict:
             "compressing_extra_ms": (statistics.fmean(comp) - statistics.median(plain)) if comp and plain else None}
 
 
+def profile_compressing_step(kv, ids: torch.Tensor, warmup: int, steps: int, compressing: list[int]) -> dict:
+    """The kernels of the first compressing step and of the plain step before it, each replayed alone under
+    torch.profiler (``profile_decode.kernel_table``: per-kernel time, launches, busy and idle time of the step),
+    and the kernels the compressing step adds, by name."""
+    from benchmarks.profile_decode import kernel_table
+
+    at = compressing[0]
+    session = kv.start(ids, max_new_tokens=warmup + steps + 1)
+    tok = session.logits.argmax(-1)
+    tables = {}
+    for i in range(warmup + at + 1):
+        name = {warmup + at - 1: "plain", warmup + at: "compressing"}.get(i)
+        if name is None:
+            tok = session.step(tok).argmax(-1)
+            continue
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            tok = session.step(tok).argmax(-1)
+            torch.cuda.synchronize()
+        tables[name] = kernel_table(prof, 1)
+    plain = {r["kernel"]: r for r in tables["plain"]["kernels"]}
+    added = [{"kernel": r["kernel"], "us": r["us_per_step"] - plain.get(r["kernel"], {}).get("us_per_step", 0.0),
+              "launches": r["calls_per_step"] - plain.get(r["kernel"], {}).get("calls_per_step", 0)}
+             for r in tables["compressing"]["kernels"]]
+    added.sort(key=lambda r: -r["us"])
+    return {"plain": {k: v for k, v in tables["plain"].items() if k != "kernels"},
+            "compressing": {k: v for k, v in tables["compressing"].items() if k != "kernels"},
+            "added_kernels": added[:40]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -71,6 +101,8 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=0.2)
     ap.add_argument("--warmup", type=int, default=24)
     ap.add_argument("--steps", type=int, default=160)
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile the first compressing step against the plain step before it (interval > 1)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     t0 = time.monotonic()
@@ -89,6 +121,8 @@ def main() -> int:
         row = step_times(kv, ids, warmup, args.steps)
         row["floor_ms"] = (weights + row["cache_bytes"]) / bandwidth * 1e3     # compiled_default_gpu's floor
         row["mean_over_floor"] = row["mean_ms"] / row["floor_ms"]
+        if args.profile and getattr(kv.policy, "interval", 1) > 1 and row["compressing_steps"]:
+            row["profile"] = profile_compressing_step(kv, ids, warmup, args.steps, row["compressing_steps"])
         out["policies"][spec] = row
         print(f"{spec}: {row['mean_over_floor']:.4f}x floor, median {row['median_ms']:.3f} mean {row['mean_ms']:.3f} plain median "
               f"{row['plain_median_ms']} compressing steps {len(row['compressing_steps'])} mean "
