@@ -207,30 +207,35 @@ def _order_key(score):
 
 
 @triton.jit
-def _kth_position(POS, base, n, k, lo, hi, BLOCK: tl.constexpr):
-    """The k-th smallest (0-based) of the n distinct positions POS[base + j], j < n, within [lo, hi]; hi + 1
-    where k >= n. Bisection: the smallest x with #{position <= x} > k."""
-    top = hi
-    while lo < hi:
-        mid = lo + (hi - lo) // 2
-        count = tl.zeros([], tl.int64)
-        for c0 in range(0, n, BLOCK):
-            offs = c0 + tl.arange(0, BLOCK)
-            pos = tl.load(POS + base + offs, mask=offs < n, other=_BIG)
-            count += tl.sum((pos <= mid).to(tl.int64), 0)
-        up = count > k
-        hi = tl.where(up, mid, hi)
-        lo = tl.where(up, lo, mid + 1)
-    return tl.where(k >= n, top + 1, lo)
-
-
-@triton.jit
 def _candidates(SCORE, POS, base, offs, n, t_s, t_r):
     """(in range, position, order key, candidate) of slots ``offs``: live and neither sink nor recent."""
     m = offs < n
     pos = tl.load(POS + base + offs, mask=m, other=-1)
     key = _order_key(tl.load(SCORE + base + offs, mask=m, other=0.0))
     return m, pos, key, m & (pos >= t_s) & (pos < t_r)
+
+
+@triton.jit
+def _kth_smallest(SCORE, POS, base, n, k, lo, hi, t_s, t_r, BLOCK: tl.constexpr, OF_SCORES: tl.constexpr):
+    """The k-th smallest (0-based) value within [lo, hi], by bisection: the smallest x with #{value <= x} > k; hi + 1
+    where k >= n. The values: the n distinct positions POS[base + j], j < n, or with OF_SCORES the order keys of
+    the candidates' scores (``_candidates``: live slots outside the sinks t_s and the recent window t_r)."""
+    top = hi
+    while lo < hi:
+        mid = lo + (hi - lo) // 2
+        count = tl.zeros([], tl.int64)
+        for c0 in range(0, n, BLOCK):
+            offs = c0 + tl.arange(0, BLOCK)
+            if OF_SCORES:
+                m, pos, key, cand = _candidates(SCORE, POS, base, offs, n, t_s, t_r)
+                count += tl.sum((cand & (key <= mid)).to(tl.int64), 0)
+            else:
+                pos = tl.load(POS + base + offs, mask=offs < n, other=_BIG)
+                count += tl.sum((pos <= mid).to(tl.int64), 0)
+        up = count > k
+        hi = tl.where(up, mid, hi)
+        lo = tl.where(up, lo, mid + 1)
+    return tl.where(k >= n, top + 1, lo)
 
 
 @triton.jit(do_not_specialize=("C", "HKV"))
@@ -276,11 +281,11 @@ def _select_kernel(
             below_r += tl.sum((pos < t_r).to(tl.int64), 0)
             below_t += tl.sum((pos < t_t).to(tl.int64), 0)
         if below_s != sinks:
-            t_s = _kth_position(POS, base, n, sinks, lo, hi, BLOCK)
+            t_s = _kth_smallest(SCORE, POS, base, n, sinks, lo, hi, 0, 0, BLOCK, False)
         if below_r != k_r:
-            t_r = _kth_position(POS, base, n, k_r, lo, hi, BLOCK)
+            t_r = _kth_smallest(SCORE, POS, base, n, k_r, lo, hi, 0, 0, BLOCK, False)
         if below_t != target_from:
-            t_t = _kth_position(POS, base, n, target_from, lo, hi, BLOCK)
+            t_t = _kth_smallest(SCORE, POS, base, n, target_from, lo, hi, 0, 0, BLOCK, False)
         k_lo = tl.full([], _BIG, tl.int64)
         k_hi = tl.full([], -_BIG, tl.int64)
         n_cand = tl.zeros([], tl.int64)
@@ -290,15 +295,8 @@ def _select_kernel(
             k_hi = tl.maximum(k_hi, tl.max(tl.where(cand, key, -_BIG), 0))
             n_cand += tl.sum(cand.to(tl.int64), 0)
         n_ev = tl.minimum(n_ev, n_cand)                 # callers keep sinks + recent <= keep: never lower
-        while k_lo < k_hi:                             # T: the smallest key with #{key <= T} >= n_ev
-            mid = k_lo + (k_hi - k_lo) // 2
-            count = tl.zeros([], tl.int64)
-            for c0 in range(0, n, BLOCK):
-                m, pos, key, cand = _candidates(SCORE, POS, base, c0 + tl.arange(0, BLOCK), n, t_s, t_r)
-                count += tl.sum((cand & (key <= mid)).to(tl.int64), 0)
-            up = count >= n_ev
-            k_hi = tl.where(up, mid, k_hi)
-            k_lo = tl.where(up, k_lo, mid + 1)
+        # T: the smallest key with #{key <= T} >= n_ev (n_ev <= n_cand <= n: never past k_hi)
+        k_lo = _kth_smallest(SCORE, POS, base, n, n_ev - 1, k_lo, k_hi, t_s, t_r, BLOCK, True)
         below = tl.zeros([], tl.int64)
         for c0 in range(0, n, BLOCK):
             m, pos, key, cand = _candidates(SCORE, POS, base, c0 + tl.arange(0, BLOCK), n, t_s, t_r)
@@ -519,13 +517,11 @@ def evict_many_triton(k: Tensor, v: Tensor, score: Tensor, position: Tensor, log
         M=m, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_D=block_d, PAPER=variant == "paper", BIAS=bool(bias),
         num_warps=4, enable_fp_fusion=False)
     if others:                                  # the kernel's (dst, src) pairs; unpaired: slot C - 1 onto itself
-        row0 = torch.arange(b * h, device=dev)[:, None] * c
-        flat_dst, flat_src = (move_dst + row0).view(-1), (move_src + row0).view(-1)
+        dst, src = move_dst.view(b, h, m), move_src.view(b, h, m)
         j = torch.arange(c, device=dev)
         freed = (j >= length[..., None]) & (j < before[..., None])              # [B, Hkv, C]
         for t in others:
-            rows = t.view(b * h * c, *t.shape[3:])
-            rows.index_copy_(0, flat_dst, rows.index_select(0, flat_src))
+            put_slots(t, dst, gather_slots(t, src))
             t.masked_fill_(freed.view(*freed.shape, *([1] * (t.dim() - 3))), 0)
 
 
