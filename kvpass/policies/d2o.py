@@ -260,12 +260,12 @@ class D2O(Policy):
         options it has; else ``evict_one_in_place`` (plain torch, batched, no host sync)."""
         return cache.k.is_cuda and not torch.compiler.is_exporting() and self._in_place_op_applies()
 
-    def _evict_many(self, cache: LayerCache, keep: int | Tensor, due: int | Tensor, m: int, sinks: int | Tensor,
-                    recent: int | Tensor, target_from: int | Tensor) -> None:
-        """``interval`` > 1: the due rows evict down to ``keep`` in place. On CUDA in one process, for 16/32-bit
-        caches and the options the kernels have, the Triton op ``torch.ops.kvpass.d2o_evict_many`` (three
-        kernels a layer instead of some 150); else the plain-torch step ``evict_many_in_place`` that defines it."""
-        layer = self._in_place_layer(cache)
+    def _evict_many(self, cache: LayerCache, layer: tuple, keep: int | Tensor, due: int | Tensor, m: int,
+                    sinks: int | Tensor, recent: int | Tensor, target_from: int | Tensor) -> None:
+        """``interval`` > 1: the due rows evict down to ``keep`` in place (``layer``: ``_in_place_layer(cache)``). On
+        CUDA in one process, for 16/32-bit caches and the options the kernels have, the Triton op
+        ``torch.ops.kvpass.d2o_evict_many`` (three kernels a layer instead of some 150); else the plain-torch step
+        ``evict_many_in_place`` that defines it."""
         if self._triton_step(cache) and self.heads.world == 1 and cache.k.dtype != torch.float64:
             split = split_tensor(cache.k.shape[0], cache.k.device, keep, due, sinks, recent, target_from)
             torch.ops.kvpass.d2o_evict_many(*layer, split, m, self.beta, self.d2o_variant, self._min_cos(),
@@ -412,7 +412,8 @@ class D2O(Policy):
         sinks, _, recent = self.split(keep)
         layer = self._in_place_layer(cache)
         if many:
-            self._evict_many(cache, keep, keep + 1, cache.capacity - keep, sinks, recent, self._target_from(keep))
+            self._evict_many(cache, layer, keep, keep + 1, cache.capacity - keep, sinks, recent,
+                             self._target_from(keep))
         elif self.heads.world > 1 and self._triton_step(cache):     # the threshold over every rank's heads
             self.compress_layers_into([(cache, keep)])
         elif self._triton_step(cache) and self.heads.world == 1:
@@ -529,7 +530,7 @@ class D2O(Policy):
         if self.heads.world > 1 and self.interval == 1 and self._triton_step(cache):   # the threshold spans ranks
             self.compress_layers_into([(cache, keep)])
         elif self.interval > 1:                   # the due rows (budget + interval entries) evict interval entries
-            self._evict_many(cache, keep, keep + self.interval, self.interval, sinks, recent, target_from)
+            self._evict_many(cache, layer, keep, keep + self.interval, self.interval, sinks, recent, target_from)
         elif self._triton_step(cache) and self.heads.world == 1:
             torch.ops.kvpass.d2o_evict_one_ragged(*layer, keep, sinks, recent, target_from, self.beta,
                                                   self.d2o_variant, self._min_cos(), self.merge_bias)
