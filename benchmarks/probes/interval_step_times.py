@@ -62,34 +62,39 @@ def step_times(kv, ids: torch.Tensor, warmup: int, steps: int) -> dict:
             "compressing_extra_ms": (statistics.fmean(comp) - statistics.median(plain)) if comp and plain else None}
 
 
-def profile_compressing_step(kv, ids: torch.Tensor, warmup: int, steps: int, compressing: list[int]) -> dict:
-    """The kernels of the first compressing step and of the plain step before it, each replayed alone under
-    torch.profiler (``profile_decode.kernel_table``: per-kernel time, launches, busy and idle time of the step),
-    and the kernels the compressing step adds, by name."""
+def profile_steps(kv, ids: torch.Tensor, marks: dict[int, str]) -> dict[str, dict]:
+    """The kernels of the steps at the indices in ``marks`` (counted from the first step after prefill), each
+    replayed alone under torch.profiler (``profile_decode.kernel_table``: per-kernel time, launches, busy and
+    idle time of the step), by the name ``marks`` gives it."""
     from benchmarks.profile_decode import kernel_table
 
-    at = compressing[0]
-    session = kv.start(ids, max_new_tokens=warmup + steps + 1)
+    session = kv.start(ids, max_new_tokens=max(marks) + 2)
     tok = session.logits.argmax(-1)
     tables = {}
-    for i in range(warmup + at + 1):
-        name = {warmup + at - 1: "plain", warmup + at: "compressing"}.get(i)
-        if name is None:
+    for i in range(max(marks) + 1):
+        if i not in marks:
             tok = session.step(tok).argmax(-1)
             continue
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             tok = session.step(tok).argmax(-1)
             torch.cuda.synchronize()
-        tables[name] = kernel_table(prof, 1)
-    plain = {r["kernel"]: r for r in tables["plain"]["kernels"]}
-    added = [{"kernel": r["kernel"], "us": r["us_per_step"] - plain.get(r["kernel"], {}).get("us_per_step", 0.0),
-              "launches": r["calls_per_step"] - plain.get(r["kernel"], {}).get("calls_per_step", 0)}
-             for r in tables["compressing"]["kernels"]]
+        tables[marks[i]] = kernel_table(prof, 1)
+    return tables
+
+
+def added_kernels(table: dict, base: dict, top: int = 40) -> list[dict]:
+    """The kernels ``table``'s step runs beyond ``base``'s, by name: extra microseconds and launches."""
+    before = {r["kernel"]: r for r in base["kernels"]}
+    added = [{"kernel": r["kernel"], "us": r["us_per_step"] - before.get(r["kernel"], {}).get("us_per_step", 0.0),
+              "launches": r["calls_per_step"] - before.get(r["kernel"], {}).get("calls_per_step", 0)}
+             for r in table["kernels"]]
     added.sort(key=lambda r: -r["us"])
-    return {"plain": {k: v for k, v in tables["plain"].items() if k != "kernels"},
-            "compressing": {k: v for k, v in tables["compressing"].items() if k != "kernels"},
-            "added_kernels": added[:40]}
+    return added[:top]
+
+
+def summary(table: dict) -> dict:
+    return {k: v for k, v in table.items() if k != "kernels"}
 
 
 def main() -> int:
@@ -102,7 +107,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=24)
     ap.add_argument("--steps", type=int, default=160)
     ap.add_argument("--profile", action="store_true",
-                    help="also profile the first compressing step against the plain step before it (interval > 1)")
+                    help="also profile the first compressing step against the plain step before it (interval > 1), "
+                         "or one step against the first policy's (interval 1)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     t0 = time.monotonic()
@@ -115,6 +121,7 @@ def main() -> int:
     out: dict = {"gpu": gpu_name(dev), "torch": torch.__version__, "prompt": args.prompt, "layers": args.layers,
                  "budget": args.budget, "steps": args.steps, "weight_bytes": weights,
                  "copy_bandwidth_GBps": bandwidth / 1e9, "policies": {}}
+    baseline: dict = {}                                    # the first interval-1 policy's profiled step
     for spec in split_specs(args.policies):
         kv = kvpass.apply(model, spec, args.budget, captured=captured)
         warmup = max(args.warmup, getattr(kv.policy, "interval", 1) + 4)
@@ -122,7 +129,14 @@ def main() -> int:
         row["floor_ms"] = (weights + row["cache_bytes"]) / bandwidth * 1e3     # compiled_default_gpu's floor
         row["mean_over_floor"] = row["mean_ms"] / row["floor_ms"]
         if args.profile and getattr(kv.policy, "interval", 1) > 1 and row["compressing_steps"]:
-            row["profile"] = profile_compressing_step(kv, ids, warmup, args.steps, row["compressing_steps"])
+            at = warmup + row["compressing_steps"][0]      # the first compressing step against the plain one before
+            tables = profile_steps(kv, ids, {at - 1: "plain", at: "compressing"})
+            row["profile"] = {"plain": summary(tables["plain"]), "compressing": summary(tables["compressing"]),
+                              "added_kernels": added_kernels(tables["compressing"], tables["plain"])}
+        elif args.profile:                                 # every step alike: one step against the first policy's
+            table = profile_steps(kv, ids, {warmup: "step"})["step"]
+            first = baseline.setdefault("step", table)
+            row["profile"] = {"step": summary(table), "added_kernels": added_kernels(table, first)}
         out["policies"][spec] = row
         print(f"{spec}: {row['mean_over_floor']:.4f}x floor, median {row['median_ms']:.3f} mean {row['mean_ms']:.3f} plain median "
               f"{row['plain_median_ms']} compressing steps {len(row['compressing_steps'])} mean "
