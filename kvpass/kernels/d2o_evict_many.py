@@ -180,11 +180,13 @@ def evict_many_in_place(k: Tensor, v: Tensor, score: Tensor, position: Tensor, l
 #     t_s = the sinks-th, t_r = the max(n - recent, 0)-th, t_t = the target_from-th smallest live position
 #           (0-based; the largest position + 1 where there are fewer): any t with #{position < t} = k serves,
 #           so first the guesses min + sinks, max + 1 - recent, min + target_from (no gap among those
-#           positions, as decoding leaves them), counted in one pass; a bisection over the values where a
+#           positions, as decoding leaves them), counted in one pass; a search over the values where a
 #           count is off
 #     forced = position < t_s or position >= t_r     (the sinks and the recent window, wherever their slots are)
-#     T = the (n_ev - 1)-th smallest key(score) outside the forced (key: the fp32 bits as an ordered int), by
-#         bisection; evicted = key < T, then the slots of key == T in slot order until there are n_ev
+#     T = the (n_ev - 1)-th smallest key(score) outside the forced (key: the fp32 bits as an ordered int32,
+#         written to a scratch row once), by a 16-ary search (``_kth_smallest``: 8 passes over 4 bytes a slot;
+#         a bisection's 31 passes over score and position took 100 us a layer at B 1 and 32k on an H200);
+#         evicted = key < T, then the slots of key == T in slot order until there are n_ev
 #     e_idx = the evicted slots by ascending position; k_e, v_e their rows; targets = live, kept and
 #         position >= t_t (the nearest-key search's candidates)
 # Then ``cosine_match`` (k_e against the layer, targets) gives nearest, u.
@@ -197,6 +199,8 @@ def evict_many_in_place(k: Tensor, v: Tensor, score: Tensor, position: Tensor, l
 #     barriers. Other slot metadata follows the moves in torch (the kernel writes each row's pairs).
 
 _BIG = tl.constexpr(2**62) if HAS_TRITON else 2**62     # a jitted function reads globals only as constexprs
+# a non-candidate's int32 key: above every score's (the fp32 bits of a NaN, which no score is)
+_KEY_NONE = tl.constexpr(2**31 - 1) if HAS_TRITON else 2**31 - 1
 
 
 @triton.jit
@@ -216,34 +220,36 @@ def _candidates(SCORE, POS, base, offs, n, t_s, t_r):
 
 
 @triton.jit
-def _kth_smallest(SCORE, POS, base, n, k, lo, hi, t_s, t_r, BLOCK: tl.constexpr, OF_SCORES: tl.constexpr):
-    """The k-th smallest (0-based) value within [lo, hi], by bisection: the smallest x with #{value <= x} > k; hi + 1
-    where k >= n. The values: the n distinct positions POS[base + j], j < n, or with OF_SCORES the order keys of
-    the candidates' scores (``_candidates``: live slots outside the sinks t_s and the recent window t_r)."""
+def _kth_smallest(VALS, base, n, k, lo, hi, BLOCK: tl.constexpr, WAYS: tl.constexpr):
+    """The k-th smallest (0-based) of the values VALS[base + j], j < n, that lie in [lo, hi] (the others must lie
+    above hi): the smallest x with #{value <= x} > k; hi + 1 where k >= n. A WAYS-ary search: each pass counts
+    the values at or below WAYS evenly spaced pivots and keeps the stretch between the two around the k-th, so
+    log_WAYS(hi - lo) passes (8 for 32-bit keys at WAYS = 16) where a bisection takes log_2."""
     top = hi
+    ways = tl.arange(0, WAYS)
     while lo < hi:
-        mid = lo + (hi - lo) // 2
-        count = tl.zeros([], tl.int64)
+        step = (hi - lo) // WAYS + 1                    # ceil((hi - lo + 1) / WAYS): the last pivot is hi
+        pivots = tl.minimum(lo + (ways + 1).to(tl.int64) * step - 1, hi)
+        count = tl.zeros([WAYS], tl.int32)
         for c0 in range(0, n, BLOCK):
             offs = c0 + tl.arange(0, BLOCK)
-            if OF_SCORES:
-                m, pos, key, cand = _candidates(SCORE, POS, base, offs, n, t_s, t_r)
-                count += tl.sum((cand & (key <= mid)).to(tl.int64), 0)
-            else:
-                pos = tl.load(POS + base + offs, mask=offs < n, other=_BIG)
-                count += tl.sum((pos <= mid).to(tl.int64), 0)
-        up = count > k
-        hi = tl.where(up, mid, hi)
-        lo = tl.where(up, lo, mid + 1)
+            x = tl.load(VALS + base + offs, mask=offs < n, other=0).to(tl.int64)
+            count += tl.sum(((offs < n)[:, None] & (x[:, None] <= pivots[None, :])).to(tl.int32), 0)
+        first = tl.min(tl.where(count > k, ways, WAYS), 0)     # WAYS: none (k >= n), then stop
+        new_hi = tl.sum(tl.where(ways == first, pivots, 0), 0)
+        below = tl.sum(tl.where(ways == first - 1, pivots + 1, 0), 0)
+        hi = tl.where(first < WAYS, new_hi, lo)
+        lo = tl.where(first > 0, below, lo)
+        lo = tl.minimum(lo, hi)
     return tl.where(k >= n, top + 1, lo)
 
 
 @triton.jit(do_not_specialize=("C", "HKV"))
 def _select_kernel(
-    K, V, SCORE, POS, LENGTH, SPLIT, E_IDX, N_EV, K_E, V_E, TARGETS,
+    K, V, SCORE, POS, LENGTH, SPLIT, E_IDX, N_EV, K_E, V_E, TARGETS, KEYS,
     skb, skh, skc, skd, svb, svh, svc, svd, B, HKV, C,
     M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, COUNT_BLOCK: tl.constexpr, WAYS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     b = row // HKV
@@ -268,7 +274,7 @@ def _select_kernel(
             hi = tl.maximum(hi, tl.max(pos, 0))
         # a threshold t splits off the k lowest positions where #{position < t} = k: first the guess that the
         # sinks, the recent window and the target floor's positions run without a gap (what decoding leaves),
-        # checked in one pass; a bisection only where it fails
+        # checked in one pass; a search only where it fails
         k_r = tl.maximum(n - recent, 0)
         t_s, t_r, t_t = lo + sinks, hi + 1 - recent, lo + target_from
         below_s = tl.zeros([], tl.int64)
@@ -281,26 +287,32 @@ def _select_kernel(
             below_r += tl.sum((pos < t_r).to(tl.int64), 0)
             below_t += tl.sum((pos < t_t).to(tl.int64), 0)
         if below_s != sinks:
-            t_s = _kth_smallest(SCORE, POS, base, n, sinks, lo, hi, 0, 0, BLOCK, False)
+            t_s = _kth_smallest(POS, base, n, sinks, lo, hi, COUNT_BLOCK, WAYS)
         if below_r != k_r:
-            t_r = _kth_smallest(SCORE, POS, base, n, k_r, lo, hi, 0, 0, BLOCK, False)
+            t_r = _kth_smallest(POS, base, n, k_r, lo, hi, COUNT_BLOCK, WAYS)
         if below_t != target_from:
-            t_t = _kth_smallest(SCORE, POS, base, n, target_from, lo, hi, 0, 0, BLOCK, False)
+            t_t = _kth_smallest(POS, base, n, target_from, lo, hi, COUNT_BLOCK, WAYS)
         k_lo = tl.full([], _BIG, tl.int64)
         k_hi = tl.full([], -_BIG, tl.int64)
         n_cand = tl.zeros([], tl.int64)
         for c0 in range(0, n, BLOCK):
-            m, pos, key, cand = _candidates(SCORE, POS, base, c0 + tl.arange(0, BLOCK), n, t_s, t_r)
+            offs = c0 + tl.arange(0, BLOCK)
+            m, pos, key, cand = _candidates(SCORE, POS, base, offs, n, t_s, t_r)
             k_lo = tl.minimum(k_lo, tl.min(tl.where(cand, key, _BIG), 0))
             k_hi = tl.maximum(k_hi, tl.max(tl.where(cand, key, -_BIG), 0))
             n_cand += tl.sum(cand.to(tl.int64), 0)
+            # the candidates' keys as int32 (4 bytes a slot for the search below, not a score and a position)
+            tl.store(KEYS + base + offs, tl.where(cand, key, _KEY_NONE).to(tl.int32), mask=m)
         n_ev = tl.minimum(n_ev, n_cand)                 # callers keep sinks + recent <= keep: never lower
-        # T: the smallest key with #{key <= T} >= n_ev (n_ev <= n_cand <= n: never past k_hi)
-        k_lo = _kth_smallest(SCORE, POS, base, n, n_ev - 1, k_lo, k_hi, t_s, t_r, BLOCK, True)
+        tl.debug_barrier()
+        # T: the smallest key with #{key <= T} >= n_ev (n_ev <= n_cand <= n: never past k_hi; the others' keys,
+        # _KEY_NONE, lie above k_hi)
+        k_lo = _kth_smallest(KEYS, base, n, n_ev - 1, k_lo, k_hi, COUNT_BLOCK, WAYS)
         below = tl.zeros([], tl.int64)
         for c0 in range(0, n, BLOCK):
-            m, pos, key, cand = _candidates(SCORE, POS, base, c0 + tl.arange(0, BLOCK), n, t_s, t_r)
-            below += tl.sum((cand & (key < k_lo)).to(tl.int64), 0)
+            offs = c0 + tl.arange(0, BLOCK)
+            key = tl.load(KEYS + base + offs, mask=offs < n, other=_KEY_NONE).to(tl.int64)
+            below += tl.sum((key < k_lo).to(tl.int64), 0)
         ties_left = n_ev - below
         taken = tl.zeros([], tl.int64)
         ties = tl.zeros([], tl.int64)
@@ -472,7 +484,7 @@ def _merge_compact_kernel(
 def evict_many_triton(k: Tensor, v: Tensor, score: Tensor, position: Tensor, log_weight: Tensor, length: Tensor,
                       tau: Tensor, tau_set: Tensor, others: list[Tensor], split: Tensor, m: int, beta: float,
                       variant: str, min_cos: float, bias: bool = False, *, block: int = 4096,
-                      num_warps: int = 8) -> None:
+                      count_block: int = 1024, ways: int = 16, num_warps: int = 8) -> None:
     """``evict_many_in_place`` as the three kernels (the comment above them), one process, no ``protect`` or
     ``score_weights``, 16/32-bit k, v. ``split``: [5, B] int64, each batch row's (keep, due, sinks, recent,
     target_from) (``split_tensor``). Scratch: O(B Hkv (m D + C)). Nothing synchronises with the host."""
@@ -495,11 +507,12 @@ def evict_many_triton(k: Tensor, v: Tensor, score: Tensor, position: Tensor, log
     k_e = torch.empty(b, h, m, d, dtype=k.dtype, device=dev)
     v_e = torch.empty(b, h, m, d, dtype=v.dtype, device=dev)
     targets = torch.empty(b, h, c, dtype=torch.bool, device=dev)
+    keys = torch.empty(b * h * c, dtype=torch.int32, device=dev)
     _select_kernel[(b * h,)](
-        k, v, score, position, length, split, e_idx, n_ev, k_e, v_e, targets.view(torch.int8),
+        k, v, score, position, length, split, e_idx, n_ev, k_e, v_e, targets.view(torch.int8), keys,
         *k.stride(), *v.stride(), b, h, c,
         M=m, HEAD_DIM=d, BLOCK=min(block, next_pow2(c)), BLOCK_H=block_h, BLOCK_M=block_m, BLOCK_D=block_d,
-        num_warps=num_warps)
+        COUNT_BLOCK=min(count_block, next_pow2(c)), WAYS=ways, num_warps=num_warps)
     match = torch.ops.kvpass.cosine_match if k.is_cuda else cosine_match_reference
     nearest, u = match(k_e, k, targets)                                      # [B, Hkv, m]
     merged = torch.empty(b * h * m, dtype=torch.int8, device=dev)
