@@ -93,8 +93,9 @@ def added_kernels(table: dict, base: dict, top: int = 40) -> list[dict]:
     return added[:top]
 
 
-def summary(table: dict) -> dict:
-    return {k: v for k, v in table.items() if k != "kernels"}
+def summary(table: dict, top: int = 30) -> dict:
+    """``kernel_table``'s totals and its ``top`` kernels by time."""
+    return {**{k: v for k, v in table.items() if k != "kernels"}, "top_kernels": table["kernels"][:top]}
 
 
 def main() -> int:
@@ -108,7 +109,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=160)
     ap.add_argument("--profile", action="store_true",
                     help="also profile the first compressing step against the plain step before it (interval > 1), "
-                         "or one step against the first policy's (interval 1)")
+                         "or one step against the first policy's plain step (interval 1)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     t0 = time.monotonic()
@@ -121,7 +122,7 @@ def main() -> int:
     out: dict = {"gpu": gpu_name(dev), "torch": torch.__version__, "prompt": args.prompt, "layers": args.layers,
                  "budget": args.budget, "steps": args.steps, "weight_bytes": weights,
                  "copy_bandwidth_GBps": bandwidth / 1e9, "policies": {}}
-    baseline: dict = {}                                    # the first interval-1 policy's profiled step
+    baseline: dict = {}                      # the first policy's profiled plain step, which interval-1 steps are set against
     for spec in split_specs(args.policies):
         kv = kvpass.apply(model, spec, args.budget, captured=captured)
         warmup = max(args.warmup, getattr(kv.policy, "interval", 1) + 4)
@@ -133,9 +134,10 @@ def main() -> int:
             tables = profile_steps(kv, ids, {at - 1: "plain", at: "compressing"})
             row["profile"] = {"plain": summary(tables["plain"]), "compressing": summary(tables["compressing"]),
                               "added_kernels": added_kernels(tables["compressing"], tables["plain"])}
+            baseline.setdefault("plain", tables["plain"])
         elif args.profile:                                 # every step alike: one step against the first policy's
             table = profile_steps(kv, ids, {warmup: "step"})["step"]
-            first = baseline.setdefault("step", table)
+            first = baseline.setdefault("plain", table)
             row["profile"] = {"step": summary(table), "added_kernels": added_kernels(table, first)}
         out["policies"][spec] = row
         print(f"{spec}: {row['mean_over_floor']:.4f}x floor, median {row['median_ms']:.3f} mean {row['mean_ms']:.3f} plain median "
