@@ -220,21 +220,28 @@ def _candidates(SCORE, POS, base, offs, n, t_s, t_r):
 
 
 @triton.jit
-def _kth_smallest(VALS, base, n, k, lo, hi, BLOCK: tl.constexpr, WAYS: tl.constexpr):
+def _kth_smallest(VALS, base, n, k, lo, hi, BLOCK: tl.constexpr, WAYS: tl.constexpr, RESIDENT: tl.constexpr):
     """The k-th smallest (0-based) of the values VALS[base + j], j < n, that lie in [lo, hi] (the others must lie
     above hi): the smallest x with #{value <= x} > k; hi + 1 where k >= n. A WAYS-ary search: each pass counts
     the values at or below WAYS evenly spaced pivots and keeps the stretch between the two around the k-th, so
-    log_WAYS(hi - lo) passes (8 for 32-bit keys at WAYS = 16) where a bisection takes log_2."""
+    log_WAYS(hi - lo) passes (8 for 32-bit keys at WAYS = 16) where a bisection takes log_2. RESIDENT (n <=
+    BLOCK): the row is loaded once and each pass is arithmetic and one reduction; else each pass reads the row
+    in blocks of BLOCK (a serial chain of loads: about 1.5 us a block on an H200)."""
     top = hi
     ways = tl.arange(0, WAYS)
+    offs = tl.arange(0, BLOCK)
+    if RESIDENT:
+        row = tl.load(VALS + base + offs, mask=offs < n, other=0)
     while lo < hi:
         step = (hi - lo) // WAYS + 1                    # ceil((hi - lo + 1) / WAYS): the last pivot is hi
         pivots = tl.minimum(lo + (ways + 1).to(tl.int64) * step - 1, hi)
-        count = tl.zeros([WAYS], tl.int32)
-        for c0 in range(0, n, BLOCK):
-            offs = c0 + tl.arange(0, BLOCK)
-            x = tl.load(VALS + base + offs, mask=offs < n, other=0).to(tl.int64)
-            count += tl.sum(((offs < n)[:, None] & (x[:, None] <= pivots[None, :])).to(tl.int32), 0)
+        if RESIDENT:
+            count = tl.sum(((offs < n)[:, None] & (row[:, None] <= pivots[None, :])).to(tl.int32), 0)
+        else:
+            count = tl.zeros([WAYS], tl.int32)
+            for c0 in range(0, n, BLOCK):
+                x = tl.load(VALS + base + c0 + offs, mask=c0 + offs < n, other=0)
+                count += tl.sum(((c0 + offs < n)[:, None] & (x[:, None] <= pivots[None, :])).to(tl.int32), 0)
         first = tl.min(tl.where(count > k, ways, WAYS), 0)     # WAYS: none (k >= n), then stop
         new_hi = tl.sum(tl.where(ways == first, pivots, 0), 0)
         below = tl.sum(tl.where(ways == first - 1, pivots + 1, 0), 0)
@@ -249,7 +256,7 @@ def _select_kernel(
     K, V, SCORE, POS, LENGTH, SPLIT, E_IDX, N_EV, K_E, V_E, TARGETS, KEYS,
     skb, skh, skc, skd, svb, svh, svc, svd, B, HKV, C,
     M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr, COUNT_BLOCK: tl.constexpr, WAYS: tl.constexpr,
+    BLOCK_D: tl.constexpr, COUNT_BLOCK: tl.constexpr, WAYS: tl.constexpr, RESIDENT: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     b = row // HKV
@@ -287,11 +294,11 @@ def _select_kernel(
             below_r += tl.sum((pos < t_r).to(tl.int64), 0)
             below_t += tl.sum((pos < t_t).to(tl.int64), 0)
         if below_s != sinks:
-            t_s = _kth_smallest(POS, base, n, sinks, lo, hi, COUNT_BLOCK, WAYS)
+            t_s = _kth_smallest(POS, base, n, sinks, lo, hi, COUNT_BLOCK, WAYS, RESIDENT)
         if below_r != k_r:
-            t_r = _kth_smallest(POS, base, n, k_r, lo, hi, COUNT_BLOCK, WAYS)
+            t_r = _kth_smallest(POS, base, n, k_r, lo, hi, COUNT_BLOCK, WAYS, RESIDENT)
         if below_t != target_from:
-            t_t = _kth_smallest(POS, base, n, target_from, lo, hi, COUNT_BLOCK, WAYS)
+            t_t = _kth_smallest(POS, base, n, target_from, lo, hi, COUNT_BLOCK, WAYS, RESIDENT)
         k_lo = tl.full([], _BIG, tl.int64)
         k_hi = tl.full([], -_BIG, tl.int64)
         n_cand = tl.zeros([], tl.int64)
@@ -307,7 +314,7 @@ def _select_kernel(
         tl.debug_barrier()
         # T: the smallest key with #{key <= T} >= n_ev (n_ev <= n_cand <= n: never past k_hi; the others' keys,
         # _KEY_NONE, lie above k_hi)
-        k_lo = _kth_smallest(KEYS, base, n, n_ev - 1, k_lo, k_hi, COUNT_BLOCK, WAYS)
+        k_lo = _kth_smallest(KEYS, base, n, n_ev - 1, k_lo, k_hi, COUNT_BLOCK, WAYS, RESIDENT)
         below = tl.zeros([], tl.int64)
         for c0 in range(0, n, BLOCK):
             offs = c0 + tl.arange(0, BLOCK)
@@ -484,7 +491,8 @@ def _merge_compact_kernel(
 def evict_many_triton(k: Tensor, v: Tensor, score: Tensor, position: Tensor, log_weight: Tensor, length: Tensor,
                       tau: Tensor, tau_set: Tensor, others: list[Tensor], split: Tensor, m: int, beta: float,
                       variant: str, min_cos: float, bias: bool = False, *, block: int = 4096,
-                      count_block: int = 1024, ways: int = 16, num_warps: int = 8) -> None:
+                      count_block: int = 1024, ways: int = 16, resident_max: int = 8192, resident_ways: int = 4,
+                      num_warps: int = 8) -> None:
     """``evict_many_in_place`` as the three kernels (the comment above them), one process, no ``protect`` or
     ``score_weights``, 16/32-bit k, v. ``split``: [5, B] int64, each batch row's (keep, due, sinks, recent,
     target_from) (``split_tensor``). Scratch: O(B Hkv (m D + C)). Nothing synchronises with the host."""
@@ -508,11 +516,13 @@ def evict_many_triton(k: Tensor, v: Tensor, score: Tensor, position: Tensor, log
     v_e = torch.empty(b, h, m, d, dtype=v.dtype, device=dev)
     targets = torch.empty(b, h, c, dtype=torch.bool, device=dev)
     keys = torch.empty(b * h * c, dtype=torch.int32, device=dev)
+    resident = next_pow2(c) <= resident_max                  # a row's keys fit the select kernel's registers
     _select_kernel[(b * h,)](
         k, v, score, position, length, split, e_idx, n_ev, k_e, v_e, targets.view(torch.int8), keys,
         *k.stride(), *v.stride(), b, h, c,
         M=m, HEAD_DIM=d, BLOCK=min(block, next_pow2(c)), BLOCK_H=block_h, BLOCK_M=block_m, BLOCK_D=block_d,
-        COUNT_BLOCK=min(count_block, next_pow2(c)), WAYS=ways, num_warps=num_warps)
+        COUNT_BLOCK=next_pow2(c) if resident else min(count_block, next_pow2(c)), WAYS=resident_ways if resident
+        else ways, RESIDENT=resident, num_warps=num_warps)
     match = torch.ops.kvpass.cosine_match if k.is_cuda else cosine_match_reference
     nearest, u = match(k_e, k, targets)                                      # [B, Hkv, m]
     merged = torch.empty(b * h * m, dtype=torch.int8, device=dev)

@@ -51,14 +51,15 @@ def in_runs(cache):
 
 
 def run_both(cache, device, keep, due, m, sinks, recent, target_from=0, variant="paper", min_cos=NO_FLOOR,
-             bias=False, block=2048):
-    """The plain-torch step and the Triton step on copies of one layer: (torch's, Triton's) tensors."""
+             bias=False, block=2048, **options):
+    """The plain-torch step and the Triton step on copies of one layer: (torch's, Triton's) tensors. ``options``:
+    ``evict_many_triton``'s block sizes."""
     want = layer_args(cache, "cpu")
     got = layer_args(cache, device)
     evict_many_in_place(*want, keep, due, m, sinks, recent, target_from, 0.7, variant, min_cos, bias)
     b = cache.k.shape[0]
     split = split_tensor(b, torch.device(device), keep, due, sinks, recent, target_from)
-    evict_many_triton(*got, split, m, 0.7, variant, min_cos, bias, block=block)
+    evict_many_triton(*got, split, m, 0.7, variant, min_cos, bias, block=block, **options)
     return got, want
 
 
@@ -106,8 +107,13 @@ def test_rows_of_their_own_budgets(m: int, triton_device: str) -> None:
         assert torch.equal(want[5][2], cache.length[2]), "a row that is not due changed"
 
 
-def test_long_rows_in_several_blocks(triton_device: str) -> None:
-    """Rows longer than the kernel's block (the bisections and the selection loop over blocks). With scores tied
+# the select kernel's searches over a row held in registers, and over blocks of 64 slots (rows longer than that)
+SEARCHES = {"resident": dict(), "blocks": dict(resident_max=1, count_block=64)}
+
+
+@pytest.mark.parametrize("search", SEARCHES)
+def test_long_rows_in_several_blocks(search: str, triton_device: str) -> None:
+    """Rows longer than the kernel's block (the searches and the selection loop over blocks). With scores tied
     on a coarse grid the kernel evicts, of the candidates, the lowest (score, slot) pairs: its rule for ties
     (torch's top-k breaks them its own way); with continuous scores it is the torch step, slot for slot."""
     keep, m, d, sinks, recent = 250, 24, 8, 4, 60
@@ -118,7 +124,7 @@ def test_long_rows_in_several_blocks(triton_device: str) -> None:
     cache.slot_meta["col_sum"] = torch.where(score > 0, (score * 32).floor() / 32 + 1 / 64, score)
     before = layer_args(cache, "cpu")
     split_ties = 0
-    got, want = run_both(cache, triton_device, keep, keep + 1, m, sinks, recent, 0, block=64)
+    got, want = run_both(cache, triton_device, keep, keep + 1, m, sinks, recent, 0, block=64, **SEARCHES[search])
     assert torch.equal(got[5].cpu(), want[5])
     for b, g in ((0, 0), (0, 1), (1, 0), (1, 1)):
         n = int(before[5][b, g])
@@ -137,7 +143,7 @@ def test_long_rows_in_several_blocks(triton_device: str) -> None:
         assert (after[n - n_ev:] == -1).all()
     assert split_ties >= 2, "no tie split at the threshold"
     untied = shuffled(ordered_cache(lengths, c, d, 3, torch.float32), 3)
-    got, want = run_both(untied, triton_device, keep, keep + 1, m, sinks, recent, 0, block=64)
+    got, want = run_both(untied, triton_device, keep, keep + 1, m, sinks, recent, 0, block=64, **SEARCHES[search])
     assert_same_layer(got, want, torch.float32, "continuous scores")
 
 
