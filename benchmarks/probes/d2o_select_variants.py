@@ -23,13 +23,9 @@ from kvpass.policies.d2o import D2O
 VARIANTS = {
     "default": {},
     "blocks, 16-ary": dict(resident_max=1),
-    "blocks of 4096, 16-ary": dict(resident_max=1, count_block=4096),
-    "resident, 2-ary": dict(resident_ways=2),
-    "resident, 8-ary": dict(resident_ways=8),
+    "blocks, 4-ary": dict(resident_max=1, ways=4),
     "resident, 16 warps": dict(num_warps=16),
     "resident, block 8192": dict(block=8192),
-    "resident, block 8192, 16 warps": dict(block=8192, num_warps=16),
-    "resident, 4 warps": dict(num_warps=4),
 }
 
 

@@ -184,8 +184,8 @@ def evict_many_in_place(k: Tensor, v: Tensor, score: Tensor, position: Tensor, l
 #           count is off
 #     forced = position < t_s or position >= t_r     (the sinks and the recent window, wherever their slots are)
 #     T = the (n_ev - 1)-th smallest key(score) outside the forced (key: the fp32 bits as an ordered int32,
-#         written to a scratch row once), by a 16-ary search (``_kth_smallest``: 8 passes over 4 bytes a slot;
-#         a bisection's 31 passes over score and position took 100 us a layer at B 1 and 32k on an H200);
+#         written to a scratch row once), by a search (``_kth_smallest``: a bisection over the row in registers
+#         where it fits, else 16-ary passes over blocks of it);
 #         evicted = key < T, then the slots of key == T in slot order until there are n_ev
 #     e_idx = the evicted slots by ascending position; k_e, v_e their rows; targets = live, kept and
 #         position >= t_t (the nearest-key search's candidates)
@@ -222,32 +222,35 @@ def _candidates(SCORE, POS, base, offs, n, t_s, t_r):
 @triton.jit
 def _kth_smallest(VALS, base, n, k, lo, hi, BLOCK: tl.constexpr, WAYS: tl.constexpr, RESIDENT: tl.constexpr):
     """The k-th smallest (0-based) of the values VALS[base + j], j < n, that lie in [lo, hi] (the others must lie
-    above hi): the smallest x with #{value <= x} > k; hi + 1 where k >= n. A WAYS-ary search: each pass counts
-    the values at or below WAYS evenly spaced pivots and keeps the stretch between the two around the k-th, so
-    log_WAYS(hi - lo) passes (8 for 32-bit keys at WAYS = 16) where a bisection takes log_2. RESIDENT (n <=
-    BLOCK): the row is loaded once and each pass is arithmetic and one reduction; else each pass reads the row
-    in blocks of BLOCK (a serial chain of loads: about 1.5 us a block on an H200)."""
+    above hi): the smallest x with #{value <= x} > k; hi + 1 where k >= n. RESIDENT (n <= BLOCK): the row is
+    loaded once into registers and bisected, each step one compare and one sum over it. Else a WAYS-ary search
+    over blocks of BLOCK: each pass reads the row once and counts the values at or below WAYS evenly spaced
+    pivots, keeping the stretch between the two around the k-th: log_WAYS(hi - lo) passes, where each pass is a
+    serial chain of loads (a bisection's 31 passes over the row took 100 us at 6.6k slots on an H200)."""
     top = hi
-    ways = tl.arange(0, WAYS)
     offs = tl.arange(0, BLOCK)
     if RESIDENT:
         row = tl.load(VALS + base + offs, mask=offs < n, other=0)
-    while lo < hi:
-        step = (hi - lo) // WAYS + 1                    # ceil((hi - lo + 1) / WAYS): the last pivot is hi
-        pivots = tl.minimum(lo + (ways + 1).to(tl.int64) * step - 1, hi)
-        if RESIDENT:
-            count = tl.sum(((offs < n)[:, None] & (row[:, None] <= pivots[None, :])).to(tl.int32), 0)
-        else:
+        while lo < hi:
+            mid = lo + (hi - lo) // 2
+            up = tl.sum(((offs < n) & (row <= mid.to(row.dtype))).to(tl.int32), 0) > k
+            hi = tl.where(up, mid, hi)
+            lo = tl.where(up, lo, mid + 1)
+    else:
+        ways = tl.arange(0, WAYS)
+        while lo < hi:
+            step = (hi - lo) // WAYS + 1                # ceil((hi - lo + 1) / WAYS): the last pivot is hi
+            pivots = tl.minimum(lo + (ways + 1).to(tl.int64) * step - 1, hi)
             count = tl.zeros([WAYS], tl.int32)
             for c0 in range(0, n, BLOCK):
                 x = tl.load(VALS + base + c0 + offs, mask=c0 + offs < n, other=0)
                 count += tl.sum(((c0 + offs < n)[:, None] & (x[:, None] <= pivots[None, :])).to(tl.int32), 0)
-        first = tl.min(tl.where(count > k, ways, WAYS), 0)     # WAYS: none (k >= n), then stop
-        new_hi = tl.sum(tl.where(ways == first, pivots, 0), 0)
-        below = tl.sum(tl.where(ways == first - 1, pivots + 1, 0), 0)
-        hi = tl.where(first < WAYS, new_hi, lo)
-        lo = tl.where(first > 0, below, lo)
-        lo = tl.minimum(lo, hi)
+            first = tl.min(tl.where(count > k, ways, WAYS), 0)     # WAYS: none (k >= n), then stop
+            new_hi = tl.sum(tl.where(ways == first, pivots, 0), 0)
+            below = tl.sum(tl.where(ways == first - 1, pivots + 1, 0), 0)
+            hi = tl.where(first < WAYS, new_hi, lo)
+            lo = tl.where(first > 0, below, lo)
+            lo = tl.minimum(lo, hi)
     return tl.where(k >= n, top + 1, lo)
 
 
@@ -491,8 +494,7 @@ def _merge_compact_kernel(
 def evict_many_triton(k: Tensor, v: Tensor, score: Tensor, position: Tensor, log_weight: Tensor, length: Tensor,
                       tau: Tensor, tau_set: Tensor, others: list[Tensor], split: Tensor, m: int, beta: float,
                       variant: str, min_cos: float, bias: bool = False, *, block: int = 4096,
-                      count_block: int = 1024, ways: int = 16, resident_max: int = 8192, resident_ways: int = 4,
-                      num_warps: int = 8) -> None:
+                      count_block: int = 1024, ways: int = 16, resident_max: int = 8192, num_warps: int = 8) -> None:
     """``evict_many_in_place`` as the three kernels (the comment above them), one process, no ``protect`` or
     ``score_weights``, 16/32-bit k, v. ``split``: [5, B] int64, each batch row's (keep, due, sinks, recent,
     target_from) (``split_tensor``). Scratch: O(B Hkv (m D + C)). Nothing synchronises with the host."""
@@ -521,8 +523,8 @@ def evict_many_triton(k: Tensor, v: Tensor, score: Tensor, position: Tensor, log
         k, v, score, position, length, split, e_idx, n_ev, k_e, v_e, targets.view(torch.int8), keys,
         *k.stride(), *v.stride(), b, h, c,
         M=m, HEAD_DIM=d, BLOCK=min(block, next_pow2(c)), BLOCK_H=block_h, BLOCK_M=block_m, BLOCK_D=block_d,
-        COUNT_BLOCK=next_pow2(c) if resident else min(count_block, next_pow2(c)), WAYS=resident_ways if resident
-        else ways, RESIDENT=resident, num_warps=num_warps)
+        COUNT_BLOCK=next_pow2(c) if resident else min(count_block, next_pow2(c)), WAYS=ways, RESIDENT=resident,
+        num_warps=num_warps)
     match = torch.ops.kvpass.cosine_match if k.is_cuda else cosine_match_reference
     nearest, u = match(k_e, k, targets)                                      # [B, Hkv, m]
     merged = torch.empty(b * h * m, dtype=torch.int8, device=dev)
