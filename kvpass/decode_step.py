@@ -247,9 +247,10 @@ def release_failed_capture(graph: torch.cuda.CUDAGraph, pool: tuple[int, int], d
         log.debug("reset of a failed capture: %s", exc)
     gc.collect()
     torch.cuda.empty_cache()
-    if not pool_segments(device, pool):
+    total, active = pool_bytes(device, pool)
+    if not total:
         return
-    if pool_segments(device, pool, active=True):
+    if active:
         log.debug("the failed capture's pool still holds live tensors: left to torch, which frees it when they go")
         return
     try:
@@ -278,12 +279,13 @@ def restore_generator_after_capture(device: torch.device) -> None:
         graph.reset()
 
 
-def pool_segments(device: torch.device, pool: tuple[int, int], active: bool = False) -> int:
-    """Bytes of the allocator's segments that belong to memory pool ``pool`` on ``device``; with ``active``, the
-    bytes of those segments in use (allocated to live tensors, or freed but awaiting a stream)."""
+def pool_bytes(device: torch.device, pool: tuple[int, int]) -> tuple[int, int]:
+    """(total, active) bytes of the allocator's segments that belong to memory pool ``pool`` on ``device``, from
+    one snapshot: all of them, and those in use (allocated to live tensors, or freed but awaiting a stream)."""
     index = device.index or 0
-    return sum(s.get("active_size", 0) if active else s["total_size"] for s in torch.cuda.memory_snapshot()
-               if s.get("device", index) == index and tuple(s.get("segment_pool_id", ())) == pool)
+    ours = [s for s in torch.cuda.memory_snapshot()
+            if s.get("device", index) == index and tuple(s.get("segment_pool_id", ())) == pool]
+    return sum(s["total_size"] for s in ours), sum(s.get("active_size", 0) for s in ours)
 
 
 def _branches(calls: Sequence[Callable[[], object]], streams: Sequence[torch.cuda.Stream]) -> Iterator[torch.cuda.Stream]:

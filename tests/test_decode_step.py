@@ -284,9 +284,8 @@ def test_a_failed_capture_pool_is_released_only_where_torch_kept_it(monkeypatch,
     assert graph.resets == 1 and state["ended"] == [(0, pool)]
     assert state["released"] == ([] if torch_released_it else [(0, pool)])
     assert state["emptied"] == (1 if torch_released_it else 2)
-    assert ds.pool_segments(torch.device("cuda", 0), pool) == ((1 << 30) if live else 0)
-    assert ds.pool_segments(torch.device("cuda", 0), pool, active=True) == ((1 << 20) if live else 0)
-    assert ds.pool_segments(torch.device("cuda", 0), other) == 1 << 20
+    assert ds.pool_bytes(torch.device("cuda", 0), pool) == (((1 << 30), (1 << 20)) if live else (0, 0))
+    assert ds.pool_bytes(torch.device("cuda", 0), other) == (1 << 20, 1 << 10)
 
 
 @pytest.mark.parametrize(("free", "unused", "empties"), [(10, 4, False), (3, 4, True), (0, 0, False)])
