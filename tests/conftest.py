@@ -73,3 +73,20 @@ def gemma3_270m():
         return load_model("gemma3-270m")
     except FileNotFoundError as err:
         pytest.skip(str(err))
+
+
+@pytest.fixture(scope="session")
+def capture_once():
+    """``capture(model)``: ``kvpass.rewrites.capture_model(model)`` once per model object for the session (a trace
+    of SmolLM2 takes 8 s on 2 cores, of Gemma-3-270M 17 s), for the real-model tests to share through
+    ``kvpass.apply(model, ..., captured=capture(model))`` (what ``apply`` traces itself otherwise)."""
+    from kvpass.rewrites import capture_model
+
+    traces: dict[int, tuple] = {}
+
+    def capture(model):
+        if id(model) not in traces:
+            traces[id(model)] = (model, capture_model(model))         # the model held, so its id is not reused
+        return traces[id(model)][1]
+
+    return capture

@@ -14,14 +14,14 @@ from kvpass.runtime.chunked_prefill import chunk_bounds
 pytestmark = pytest.mark.real_model
 
 
-def test_smollm2_chunked_prefill(smollm2):
+def test_smollm2_chunked_prefill(smollm2, capture_once):
     model, tokenizer = smollm2
     prompt = needle_prompt(tokenizer, 1000, 0.3, seed=2)
     ids = torch.tensor([chat_ids(tokenizer, prompt.messages())])
-    full = kvpass.apply(model, "full")
+    full = kvpass.apply(model, "full", captured=capture_once(model))
     want = full.generate(ids, max_new_tokens=12, do_sample=False)
     assert torch.equal(full.generate(ids, max_new_tokens=12, do_sample=False, prefill_chunk=256), want)
-    kv = kvpass.apply(model, budget=0.3)                            # the default policy
+    kv = kvpass.apply(model, budget=0.3, captured=capture_once(model))      # the default policy
     kv.generate(ids, max_new_tokens=4, do_sample=False)
     assert min(kv.last_report.peak_entries.values()) >= ids.shape[1]
     out = kv.generate(ids, max_new_tokens=4, do_sample=False, prefill_chunk=256)
