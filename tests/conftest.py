@@ -3,11 +3,17 @@ real models shipped in PyPI packages (loaded once per session).
 
 Triton decides at ``@triton.jit`` time (when kvpass is imported) whether to interpret kernels, so
 TRITON_INTERPRET is set here, before any test module imports kvpass: without a GPU, Triton kernels
-run on the CPU through the interpreter."""
+run on the CPU through the interpreter.
+
+The session keeps some 4M objects alive (the cached tiny models and their traces, the real models), so each of
+Python's automatic full collections takes 1.5-2.5 s on 2 cores: a run made 60 of them (100 s of 20 minutes).
+They are made rare here (the third generation's threshold 10 -> 1000); a test that needs garbage gone calls
+``gc.collect()`` itself."""
 
 from __future__ import annotations
 
 import functools
+import gc
 import os
 
 import pytest
@@ -17,6 +23,7 @@ from transformers import AutoModelForCausalLM
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+gc.set_threshold(gc.get_threshold()[0], gc.get_threshold()[1], 1000)
 
 _COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)

@@ -339,8 +339,8 @@ def run_policy(model, captured, policy: str, args, device: torch.device, recorde
     _steps(warm, warm.logits.argmax(-1), 2 * args.steps, device)
     del warm
     warm_seconds = time.perf_counter() - t0
-    gc.collect()
-    if device.type == "cuda":
+    if device.type == "cuda":          # the GPU's memory back (a full collection: seconds in a test process)
+        gc.collect()
         torch.cuda.empty_cache()
     ids = torch.randint(1, vocab, (1, args.tokens), generator=torch.Generator().manual_seed(args.tokens)).to(device)
     full = full_cache_bytes(model.config, 1, args.tokens + new, next(model.parameters()).element_size())
@@ -432,8 +432,8 @@ def main(argv: list[str] | None = None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
         print(json.dumps(summary(row)), flush=True)
-        gc.collect()
-        if device.type == "cuda":
+        if device.type == "cuda":          # the GPU's memory back (a full collection: seconds in a test process)
+            gc.collect()
             torch.cuda.empty_cache()
     result["seconds"] = round(time.monotonic() - began, 1)
     out.parent.mkdir(parents=True, exist_ok=True)
