@@ -78,7 +78,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.flo
     else:
         kwargs, directory = {}, str(path)
     log.info("loading %s", path)
-    with one_gguf_parse() if kwargs else contextlib.nullcontext():
+    with one_gguf_parse() if path.suffix == ".gguf" else contextlib.nullcontext():
         tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs).to(device).eval()
     return model, tokenizer

@@ -89,11 +89,4 @@ def capture_once():
     ``kvpass.apply(model, ..., captured=capture(model))`` (what ``apply`` traces itself otherwise)."""
     from kvpass.rewrites import capture_model
 
-    traces: dict[int, tuple] = {}
-
-    def capture(model):
-        if id(model) not in traces:
-            traces[id(model)] = (model, capture_model(model))         # the model held, so its id is not reused
-        return traces[id(model)][1]
-
-    return capture
+    return functools.cache(capture_model)          # keyed by the model object (modules hash by identity)
