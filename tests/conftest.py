@@ -6,7 +6,7 @@ TRITON_INTERPRET is set here, before any test module imports kvpass: without a G
 run on the CPU through the interpreter.
 
 The session keeps some 4M objects alive (the cached tiny models and their traces, the real models), so each of
-Python's automatic full collections takes 1.5-2.5 s on 2 cores: a run made 60 of them (100 s of 20 minutes).
+Python's full collections takes 1.5-2.5 s on 2 cores: a run made 68 of them (105 s of 20 minutes).
 They are made rare here (the third generation's threshold 10 -> 1000); a test that needs garbage gone calls
 ``gc.collect()`` itself."""
 
