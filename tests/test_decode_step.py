@@ -108,8 +108,8 @@ def test_replayed_steps_equal_eager_steps(monkeypatch, policy, options):
 POLICY_KWARGS = {"chelsea": {"sinks": 4, "recent": 8, "interval": 4, "r_min": 0.1}}
 
 
-@pytest.mark.parametrize("policy, budget", [("full", 1.0), ("streamingllm", 24), ("d2o", 24), ("h2o", 24),
-                                            ("snapkv", 24), ("pyramidkv", 24), ("cam", 24), ("chelsea", 100),
+@pytest.mark.parametrize("policy, budget", [("full", 1.0), ("streamingllm", 24), ("d2o", 24), ("d2o[interval=1]", 24),
+                                            ("h2o", 24), ("snapkv", 24), ("pyramidkv", 24), ("cam", 24), ("chelsea", 100),
                                             ("kvmerger", 24), ("clusterkv", 24), ("quest", 24), ("ems", 40)])
 def test_replayed_generate_matches_eager_with_bounded_captures(monkeypatch, policy, budget):
     """Through the runtime: replaying the recorded steps (the plain step, and the step that first
@@ -129,7 +129,7 @@ def test_replayed_generate_matches_eager_with_bounded_captures(monkeypatch, poli
     variants = 1 + (kv.last_report.compressions > 0)
     assert kv.decode_step.captures <= variants + 1
     if policy in ("streamingllm", "d2o", "chelsea"):                   # decode-time compressions too
-        assert kv.last_report.compressions > {"d2o": 20, "chelsea": 8}.get(policy, 1)
+        assert kv.last_report.compressions > {"d2o[interval=1]": 20, "chelsea": 8}.get(policy, 1)
     before = kv.decode_step.captures
     kv.generate(ids[:1], max_new_tokens=3, do_sample=False)              # new buffers: new captures
     assert kv.decode_step.captures > before

@@ -159,7 +159,7 @@ class DecodeSession:
         whole: list[int] = []
         due_rows: dict[int, set[int]] = {}
         for i, (site, lay) in enumerate(zip(self.owner.graphs.sites, self.layers, strict=True)):
-            rows = lay.due_rows() if lay.compressible and not self._still_wide(lay) else []
+            rows = lay.due_rows() if lay.compressible and not self._prompt_buffers(lay) else []
             self._add_waiting_rows(site, lay, compressing=bool(rows))
             if not rows:
                 continue
@@ -259,10 +259,11 @@ class DecodeSession:
             return lay.cache, lay.keep_rows()
         return lay.cache, lay.budget
 
-    def _still_wide(self, lay: Layer) -> bool:
-        """A layer whose prompt compression ``Policy.prompt_compression_deferred`` put off: its buffers
-        still hold the whole prompt and the first decode step (wider than any row's budget + interval)."""
-        return bool(lay.row_caps) and lay.cache.capacity > max(lay.row_caps)
+    def _prompt_buffers(self, lay: Layer) -> bool:
+        """A layer whose prompt compression ``Policy.prompt_compression_deferred`` put off: its buffers are still
+        the prefill's, the whole prompt and the first decode step, not the rows' largest budget + interval (wider,
+        or narrower where budget + interval exceeds prompt + 1)."""
+        return bool(lay.row_caps) and lay.cache.capacity != max(lay.row_caps)
 
     def _deferred_prompt_compression(self) -> None:
         """``Policy.prompt_compression_deferred``: a layer still holding its whole prompt and full after the
@@ -272,7 +273,7 @@ class DecodeSession:
         if not self.policy.prompt_compression_deferred():
             return
         for site, lay in zip(self.owner.graphs.sites, self.layers, strict=True):
-            if not (lay.compressible and self._still_wide(lay) and lay.host_len >= lay.cache.capacity):
+            if not (lay.compressible and self._prompt_buffers(lay) and lay.host_len >= lay.cache.capacity):
                 continue
             self._add_waiting_rows(site, lay, compressing=True)
             groups: dict[int, list[int]] = {}

@@ -153,7 +153,7 @@ def test_rows_in_one_call_accepts_interval_rows(monkeypatch) -> None:
     assert D2O(interval=4, merge_weighting="score", merge_protect=0.5).rows_in_one_call([10, 12], [14, 16])
     monkeypatch.setattr(D2O, "in_place_many", False)             # the general path: per-row copies
     assert not D2O(interval=4).rows_in_one_call([10, 12], [14, 16])
-    assert D2O().rows_in_one_call([10, 12], [11, 13])
+    assert D2O(interval=1).rows_in_one_call([10, 12], [11, 13])
 
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(allocation="uniform"), dict(scores="window", merge_into_sinks=False),

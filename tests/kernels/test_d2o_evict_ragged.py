@@ -149,7 +149,7 @@ def test_compress_rows_into_equals_the_per_row_path(options: dict, with_tau: boo
     """``D2O.compress_rows_into`` (the ragged reference, one call) against the per-row path, over steps: the
     same kept entries in the same slots, merged K, V, scores, positions, log-weights, lengths and thresholds;
     slots past a row's own capacity are never touched. ``with_tau`` False: the threshold state is created."""
-    policy = D2O(**options)
+    policy = D2O(interval=1, **options)
     keeps = [6, 13, 9, 13, NEVER]
     want = ragged_layer(keeps, 2, 8, seed=7, dtype=torch.float32, near=0.5)
     got = copied(want, "cpu")
@@ -226,7 +226,7 @@ def test_guarded_rows_in_one_call_equal_each_row_alone(protect: float, weighting
     step) gives every row, at every step, what the pure one-in-one-out path ``_compress_one`` gives the row
     alone at its own budget: the same entries with their positions, merged K, V, scores, log-weights and
     threshold; the other rows are untouched."""
-    policy = D2O(merge_protect=protect, merge_weighting=weighting, merge_bias=bias, d2o_variant=variant,
+    policy = D2O(interval=1, merge_protect=protect, merge_weighting=weighting, merge_bias=bias, d2o_variant=variant,
                  sinks=2, merge_into_sinks=protect != 0.25)
     keeps = [6, 13, 9, NEVER, 11]
     layer = ragged_layer(keeps, 3, 8, seed=int(protect * 8) + 2 * bias + (weighting == "score"),
@@ -248,7 +248,7 @@ def test_guarded_rows_in_one_call_equal_each_row_alone(protect: float, weighting
             merged += _changed_keys(start, b, want)
         for name, t in layer.items():                           # the never-due row: every tensor as it was
             assert torch.equal(t[3], start[name][3]), f"step {step} {name}"
-        plain = D2O(d2o_variant=variant, sinks=2, merge_into_sinks=policy.merge_into_sinks, merge_bias=bias)
+        plain = D2O(interval=1, d2o_variant=variant, sinks=2, merge_into_sinks=policy.merge_into_sinks, merge_bias=bias)
         unguarded += sum(not torch.equal(plain._compress_one(_row_cache(start, b, keeps[b] + 1), keeps[b]).k, want.k)
                          for b, want in alone.items())
         decode_write(layer, step, gen)
@@ -335,7 +335,7 @@ def test_cuda_guarded_rows_in_one_call_equal_each_row_alone_and_replay(options: 
     """merge_protect / merge_weighting="score" on CUDA (the plain-torch step, batched): every row as
     ``_compress_one`` gives it alone on CUDA, at budgets of a few hundred (one row never evicting), float64;
     then the step captured in a CUDA graph and replayed equals the eager call (no host sync, no .item())."""
-    policy = D2O(**options)
+    policy = D2O(interval=1, **options)
     keeps = [600, 450, 520, 700]
     layer = {n: t.cuda() for n, t in ragged_layer(keeps, 8, 64, seed=13, dtype=torch.float64, near=0.3,
                                                    capacity=601).items()}
@@ -356,7 +356,7 @@ def test_compress_rows_into_calls_the_ragged_op_with_its_signature(options: dict
     """The branch CUDA takes (``torch.ops.kvpass.d2o_evict_one_ragged``, whose CPU kernel is the ragged reference),
     forced on the CPU: the op accepts the call and gives what the plain-torch step gives. The Triton branch never
     runs on a CPU otherwise, so a call the op's schema refuses would first fail on a GPU."""
-    policy = D2O(**options)
+    policy = D2O(interval=1, **options)
     keep = torch.tensor([6, 13, 9, 13, NEVER])
     want = ragged_layer(keep.tolist(), 2, 8, seed=11, dtype=torch.float32, near=0.5)
     got = copied(want, "cpu")

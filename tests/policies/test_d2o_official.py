@@ -108,7 +108,7 @@ def _assert_same_layer(got: LayerCache, want: OfficialLayer, what: str) -> None:
 
 
 def _code_policy(**kwargs) -> D2O:
-    return D2O(d2o_variant="code", beta=BETA, sinks=SINKS, expand_kv_heads=True, **kwargs)
+    return D2O(d2o_variant="code", beta=BETA, sinks=SINKS, expand_kv_heads=True, interval=1, **kwargs)   # one in, one out
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

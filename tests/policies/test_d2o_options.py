@@ -257,19 +257,25 @@ def test_options_generate_within_the_budget(kwargs: dict, prompt_ids: torch.Tens
     out = model.generate(prompt_ids, max_new_tokens=6, do_sample=False, eos_token_id=None)
     assert out.shape == (2, prompt_ids.shape[1] + 6)
     report = model.last_report
-    assert all(n <= 12 + 1 for n in report.entries.values()), report.entries
+    assert all(n <= 12 + model.policy.interval for n in report.entries.values()), report.entries
     assert report.compressions > 0
 
 
-def test_first_compression_decode_defers_the_prompt(prompt_ids: torch.Tensor) -> None:
-    model = apply_cached("llama", "d2o", 12, allocation="uniform", first_compression="decode")
+@pytest.mark.parametrize("interval", [1, 16])
+def test_first_compression_decode_defers_the_prompt(prompt_ids: torch.Tensor, interval: int) -> None:
+    """The prompt's buffers (prompt + 1 entries) are compressed after the first decode step into the decode's
+    (budget + interval, at most the tokens), also where those are wider than the prompt's (interval 16: 28 > 25)."""
+    model = apply_cached("llama", "d2o", 12, allocation="uniform", first_compression="decode", interval=interval)
+    n = prompt_ids.shape[1]
     session = model.start(prompt_ids, max_new_tokens=4)
-    assert [lay.host_len for lay in session.layers] == [prompt_ids.shape[1]] * len(session.layers)
+    assert [lay.host_len for lay in session.layers] == [n] * len(session.layers)
     session.step(torch.tensor([1, 2]))
-    assert [lay.host_len for lay in session.layers] == [prompt_ids.shape[1] + 1] * len(session.layers)
+    assert [lay.host_len for lay in session.layers] == [n + 1] * len(session.layers)
     session.step(torch.tensor([3, 4]))                       # compressed first, then this step's entry
     assert [lay.host_len for lay in session.layers] == [13] * len(session.layers)
-    assert all(lay.cache.capacity == 13 for lay in session.layers)
+    assert all(lay.cache.capacity == min(12 + interval, n + 4) for lay in session.layers)
+    session.step(torch.tensor([5, 6]))                       # interval 1: due again (evicts one, then writes)
+    assert [lay.host_len for lay in session.layers] == [13 if interval == 1 else 14] * len(session.layers)
 
 
 def test_skip_layers_at_extra_memory_keep_every_token(prompt_ids: torch.Tensor) -> None:
@@ -277,7 +283,7 @@ def test_skip_layers_at_extra_memory_keep_every_token(prompt_ids: torch.Tensor) 
     model = apply_cached("llama", "d2o", 12, allocation="uniform", skip_layers=(-1,), skip_memory="extra")
     model.generate(prompt_ids, max_new_tokens=5, do_sample=False, eos_token_id=None)
     report = model.last_report
-    assert report.entries[1] == prompt_ids.shape[1] + 4 and report.entries[0] <= 13
+    assert report.entries[1] == prompt_ids.shape[1] + 4 and report.entries[0] <= 12 + model.policy.interval
     assert list(report.layer_budgets) == [0]
 
 

@@ -26,7 +26,8 @@ POLICIES = {
     "full": dict(policy="full", budget=1.0),
     "streamingllm": dict(policy="streamingllm", budget=0.3, sinks=2, interval=4),
     "snapkv": dict(policy="snapkv", budget=0.3, interval=4),
-    "d2o": dict(policy="d2o", budget=0.3),
+    "d2o": dict(policy="d2o", budget=0.3, interval=4),
+    "d2o-one-in-one-out": dict(policy="d2o", budget=0.3, interval=1),
 }
 
 
@@ -61,7 +62,7 @@ def test_a_dropped_compiled_model_frees_its_weights():
 
 @pytest.mark.inductor
 @pytest.mark.parametrize("arch, name", [("llama", "full"), ("llama", "streamingllm"), ("qwen2", "snapkv"),
-                                        ("llama", "d2o")])
+                                        ("llama", "d2o"), ("llama", "d2o-one-in-one-out")])
 def test_compiled_tokens_equal_eager_with_one_compilation_for_every_length(arch, name):
     eager, compiled = _pair(arch, name)
     before = compiled.compile_report["compilations"]

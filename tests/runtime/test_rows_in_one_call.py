@@ -36,7 +36,7 @@ def test_d2o_rows_of_their_own_budgets_compress_in_one_call(monkeypatch, lengths
     """Rows whose layer budgets differ (their own attention variance, their own prompt length): no decode
     step goes through the per-row path, every compression is one ``compress_rows_into`` per layer; the
     tokens and logits equal the per-row path's (``rows_in_one_call = False``) and each row's alone."""
-    kv = apply_cached("llama", "d2o", 0.4, **options)
+    kv = apply_cached("llama", "d2o", 0.4, interval=1, **options)      # one compression per step
     ids, mask = padded_batch(lengths, seed=2)
     session = kv.start(ids, mask, max_new_tokens=NEW)
     compressed = [lay for lay in session.layers if lay.compressible]
@@ -79,7 +79,7 @@ def test_interval_above_one_compresses_in_one_call(monkeypatch, lengths):
 def test_rows_in_one_call_accepts_one_in_one_out_and_full_intervals():
     """The policy's host-side decision: every row's capacity at most its budget + 1, or (interval > 1) its
     budget + interval or at most its budget; one process."""
-    d2o = D2O()
+    d2o = D2O(interval=1)
     assert d2o.rows_in_one_call([20, 18, 23], [21, 19, 24])
     assert d2o.rows_in_one_call([20, 18], [21, 10])              # a short row: never due before its end
     assert not d2o.rows_in_one_call([20, 18], [21, 20])          # two entries at a time: interval 2

@@ -66,7 +66,7 @@ def test_each_row_decodes_as_alone(policy, lengths, budget):
 def test_d2o_layer_budgets_are_per_row():
     """Rows of different prompts get different D2O layer budgets (the row's own attention variance), each
     summing to the row's total and equal to the row's alone; the buffers hold the largest."""
-    kv = apply_cached("llama", "d2o", 0.4)
+    kv = apply_cached("llama", "d2o[interval=1]", 0.4)
     ids, mask = padded_batch([40, 40, 40], seed=2)
     session = kv.start(ids, mask, max_new_tokens=NEW)
     compressed = [lay for lay in session.layers if lay.compressible]
@@ -81,8 +81,9 @@ def test_d2o_layer_budgets_are_per_row():
 
 
 @pytest.mark.parametrize("lengths", [[40, 40, 40], [40, 23, 31]], ids=["equal", "padded"])
-@pytest.mark.parametrize("spec", ["d2o[merge_protect=0.5]", "d2o[merge_weighting=score]",
-                                  "d2o[merge_protect=0.25,merge_weighting=score,merge_bias=true,d2o_variant=code]"],
+@pytest.mark.parametrize("spec", ["d2o[interval=1,merge_protect=0.5]", "d2o[interval=1,merge_weighting=score]",
+                                  "d2o[interval=1,merge_protect=0.25,merge_weighting=score,merge_bias=true,"
+                                  "d2o_variant=code]"],
                          ids=["merge_protect", "score-weights", "both"])
 def test_d2o_guarded_merges_decode_each_row_as_alone(spec, lengths, monkeypatch):
     """D2O's merge_protect and merge_weighting="score" (no Triton op: the plain-torch in-place step): rows of
