@@ -74,13 +74,16 @@ def main() -> None:
             except Exception as exc:  # noqa: BLE001  (a launch may not fit shared memory)
                 row["lse_configs"].append({"cfg": [bm, bn, nw, ns], "error": repr(exc)[:120]})
         recent._LSE_CONFIG = lse_default
+        block_m_default = recent._COLUMN_BLOCK_M       # the op's own query tile for the column pass
         for bm, bn, nw in itertools.product((32, 64, 128), (64, 128), (4, 8)):
             column_pass._CACHE_COLUMN_SUM_CONFIG = (bm, bn, nw, 2)
+            recent._COLUMN_BLOCK_M = bm
             try:
                 row["column_configs"].append({"cfg": [bm, bn, nw, 2], "us": _timed(run, dev)})
             except Exception as exc:  # noqa: BLE001
                 row["column_configs"].append({"cfg": [bm, bn, nw, 2], "error": repr(exc)[:120]})
         column_pass._CACHE_COLUMN_SUM_CONFIG = col_default
+        recent._COLUMN_BLOCK_M = block_m_default
         best = {key: min((r for r in row[key] if "us" in r), key=lambda r: r["us"]) for key in ("lse_configs",
                                                                                                  "column_configs")}
         print(f"b={b} c={c} m={m}: deferred {row['default_us']:.0f} us ({row['deferred_us_per_step']:.1f} a step) vs "

@@ -125,6 +125,10 @@ def _combine_lse_kernel(PART_M, PART_L, QPOS, LSE, ROWS, HQ, T, SPLITS, BLOCK_R:
 
 
 _LSE_CONFIG = (64, 128, 4, 3)    # (BLOCK_M, BLOCK_N, num_warps, num_stages) on CUDA: recent-query-column-sums-sweep-nvidia-h200.json
+# The column pass's query tile on CUDA (the chunked prefill's column sums keep 64): an H200 sweep of the whole op at
+# C 6.5k (benchmarks/results/h200-session37/recent-query-column-sums-sweep-*) took 348 against 403 us at B 32, m 16,
+# 28 against 29 us at B 1, m 16, and 941 against 951 us at B 32, m 64.
+_COLUMN_BLOCK_M = 32
 
 
 def recent_query_column_sums_triton(q: Tensor, q_position: Tensor, k_cache: Tensor, log_weight: Tensor,
@@ -160,8 +164,9 @@ def recent_query_column_sums_triton(q: Tensor, q_position: Tensor, k_cache: Tens
     block_r = 64
     _combine_lse_kernel[(triton.cdiv(rows, block_r),)](part_m, part_l, q_position, lse, rows, hq, t, splits,
                                                         BLOCK_R=block_r, BLOCK_S=next_pow2(splits))
+    column_m = block_m or (_COLUMN_BLOCK_M if q.device.type == "cuda" else None)
     return cache_column_sums_triton(q, k_cache, lw, lse, scale, q_position=q_position, position=position,
-                                    block_m=block_m, block_n=block_n)
+                                    block_m=column_m, block_n=block_n)
 
 
 @torch.library.custom_op("kvpass::recent_query_column_sums", mutates_args=())
