@@ -37,7 +37,6 @@ Runs from a plain checkout (the repository root goes on ``sys.path``).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import sys
@@ -51,7 +50,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from benchmarks.bench.models import TINY_LLAMA, build_model  # noqa: E402
-from benchmarks.bench.timing import gpu_name  # noqa: E402
+from benchmarks.bench.timing import gpu_name, release_gpu_memory  # noqa: E402
 from kvpass import DEFAULT_POLICY  # noqa: E402
 
 SMALL_LLAMA = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
@@ -179,9 +178,7 @@ def run(args: argparse.Namespace) -> dict:
                 kv.rows_in_one_call = True
             rows.append(row)
             print(f"[ragged] {json.dumps(row)}", flush=True)
-            if device.type == "cuda":          # the GPU's memory back (a full collection: seconds in a test process)
-                gc.collect()
-                torch.cuda.empty_cache()
+            release_gpu_memory(device)
         for label in ("d2o", "streamingllm"):            # one call against the per-row path: the same tokens
             if label in tokens_by_label and f"{label}-per-row" in tokens_by_label:
                 (one, m_one), (per_row, m_per_row) = tokens_by_label[label], tokens_by_label[f"{label}-per-row"]

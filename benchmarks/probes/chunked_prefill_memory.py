@@ -35,7 +35,6 @@ interval + chunk slots of K, V, log-weight, position and the policy's per-slot s
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import linecache
 import os
@@ -52,6 +51,7 @@ import torch  # noqa: E402
 
 import kvpass  # noqa: E402
 from benchmarks.bench.models import LLAMA_8B, TINY_LLAMA  # noqa: E402
+from benchmarks.bench.timing import release_gpu_memory  # noqa: E402
 from benchmarks.chunked_prefill_gpu import build_model, full_cache_bytes  # noqa: E402
 from kvpass.budget import budget_tokens  # noqa: E402
 from kvpass.rewrites import capture_model  # noqa: E402
@@ -339,9 +339,7 @@ def run_policy(model, captured, policy: str, args, device: torch.device, recorde
     _steps(warm, warm.logits.argmax(-1), 2 * args.steps, device)
     del warm
     warm_seconds = time.perf_counter() - t0
-    if device.type == "cuda":          # the GPU's memory back (a full collection: seconds in a test process)
-        gc.collect()
-        torch.cuda.empty_cache()
+    release_gpu_memory(device)
     ids = torch.randint(1, vocab, (1, args.tokens), generator=torch.Generator().manual_seed(args.tokens)).to(device)
     full = full_cache_bytes(model.config, 1, args.tokens + new, next(model.parameters()).element_size())
     buffers = cache_buffer_bytes(kv, args.tokens, new, args.chunk)
@@ -432,9 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
         print(json.dumps(summary(row)), flush=True)
-        if device.type == "cuda":          # the GPU's memory back (a full collection: seconds in a test process)
-            gc.collect()
-            torch.cuda.empty_cache()
+        release_gpu_memory(device)
     result["seconds"] = round(time.monotonic() - began, 1)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
