@@ -77,8 +77,9 @@ class D2O(Policy):
     skip_layers: indices among the compressed layers (negative from the end) that are not compressed
         at prefill (budget = prompt length); the code skips 0, 1, L-1 at extra memory, here they are
         paid for by the other layers, so the default is none [OURS].
-    interval: decode steps between compressions (default 16, as ``streamingllm``'s and ``snapkv``'s) [OURS];
-        1 = the paper's one-in-one-out step (``d2o[interval=1]``). Above 1 a layer holds up to
+    interval: decode steps between compressions; 1 (default) = the paper's one-in-one-out step. 16 is faster at
+        long prompts but lost 2 of 16 essay-cloze answers at 512-1k tokens, query-agnostic (docs/speed-notes.md,
+        "Session 37"). Above 1 a layer holds up to
         budget + interval entries and a due row evicts interval of them in place (``compress_into``,
         ``kvpass.kernels.d2o_evict_many``: on CUDA the Triton op ``kvpass::d2o_evict_many``, else plain torch;
         under tensor parallelism too, the threshold gathered from every rank).
@@ -140,7 +141,7 @@ class D2O(Policy):
     d2o_variant: str = "paper"
     allocation: str = "code"
     skip_layers: tuple[int, ...] = ()
-    interval: int = 16
+    interval: int = 1
     defer_scores: bool = True
     scores: str = "accumulated"
     window: int = 32

@@ -98,6 +98,6 @@ def test_the_decode_graph_keeps_queries_and_the_exporters_get_scores():
 
 
 def test_interval_one_and_other_policies_do_not_defer():
-    assert apply_cached("llama", "d2o", 0.4).graphs.deferred_scores == (0, 1)      # the default, interval 16
-    assert apply_cached("llama", "d2o", 0.4, interval=1).graphs.deferred_scores == ()
+    assert apply_cached("llama", "d2o", 0.4, interval=16).graphs.deferred_scores == (0, 1)
+    assert apply_cached("llama", "d2o", 0.4).graphs.deferred_scores == ()          # the default, interval 1
     assert apply_cached("llama", "h2o", 0.4).graphs.deferred_scores == ()
