@@ -66,6 +66,7 @@ from kvpass.cache import EMPTY, gather_slots, put_slots
 from kvpass.head_group import SINGLE_PROCESS, HeadGroup
 from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
 from kvpass.kernels.cosine_match import cosine_match_reference
+from kvpass.kernels.d2o_merge_chains import chain_similarities, fold_chains
 from kvpass.kernels.d2o_evict_one import (
     SCORE_EPS,
     _rows,
@@ -78,11 +79,12 @@ from kvpass.kernels.d2o_evict_one import (
 )
 
 
+
 def evict_many_in_place(k: Tensor, v: Tensor, score: Tensor, position: Tensor, log_weight: Tensor, length: Tensor,
                         tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: int | Tensor, due: int | Tensor,
                         m: int, sinks: int | Tensor, recent: int | Tensor, target_from: int | Tensor, beta: float,
                         variant: str, min_cos: float, bias: bool = False, protect: float = 0.0,
-                        score_weights: bool = False, heads: HeadGroup = SINGLE_PROCESS) -> None:
+                        score_weights: bool = False, heads: HeadGroup = SINGLE_PROCESS, chains: bool = True) -> None:
     """The module docstring's step (plain torch; on CUDA the nearest keys by ``torch.ops.kvpass.cosine_match``).
     A (b, g) row evicts iff its batch row b holds at least ``due`` entries in some head and it holds more than
     ``keep``; callers ensure its length - keep <= ``m``. ``bias`` (D2O's merge_bias): a target's log_weight becomes
@@ -128,11 +130,21 @@ def evict_many_in_place(k: Tensor, v: Tensor, score: Tensor, position: Tensor, l
     nearest, u_star = match(k_e, k, targets)                                # [B, Hkv, m]
     matched = valid & (nearest >= 0) if protect > 0 else valid              # no target left: evicted without trace
     nearest = nearest.clamp(min=0)
+    if chains:                              # a later evicted entry may be the better target (d2o_merge_chains)
+        u_star, chained, parent = chain_similarities(k_e, valid, torch.where(matched, u_star, float("-inf")))
+        matched = matched | chained
     u_star = torch.where(matched, u_star, 0.0)
     merged, w_e, w_self = threshold_and_merge_in_place(heads, u_star, matched, tau, tau_set, beta, variant,
                                                        min_cos)                            # [B, Hkv, m]
+    score_e = torch.gather(score.float(), 2, e_idx) + SCORE_EPS
     if score_weights:                       # each entry weighs its score + SCORE_EPS (the target's: per evicted f)
-        w_e = torch.where(merged, torch.gather(score.float(), 2, e_idx) + SCORE_EPS, 0.0)
+        w_e = torch.where(merged, score_e, 0.0)
+    sizes = torch.gather(log_weight, 2, e_idx).exp() if bias else None
+    if chains:                              # the linked entries fold into their evicted parents, children first
+        k_e, v_e, sizes = fold_chains(k_e, v_e, parent, chained & merged, w_e, score_e if score_weights else w_self,
+                                      variant == "code" and not score_weights, sizes)
+        merged, w_e = merged & ~chained, torch.where(chained, 0.0, w_e)
+    if score_weights:
         w_self = (torch.gather(score.float(), 2, nearest) + SCORE_EPS)[..., None]          # [B, Hkv, m, 1]
     # assign[f, e] = evicted e merges into the target of evicted f: each f computes its target's final value,
     # so every write of one target slot carries the same value
@@ -147,7 +159,7 @@ def evict_many_in_place(k: Tensor, v: Tensor, score: Tensor, position: Tensor, l
         put_slots(buf, nearest, torch.where(absorbed, (acc / norm).to(buf.dtype), into))
     if bias:                                # sizes add, before anything moves (fp32, as the general path)
         into = gather_slots(log_weight, nearest)
-        size_e = torch.where(merged, gather_slots(log_weight, e_idx).exp(), 0.0)
+        size_e = torch.where(merged, sizes, 0.0)
         size = into.exp() + (assign @ size_e[..., None])[..., 0]
         put_slots(log_weight, nearest, torch.where(absorbed[..., 0], size.log(), into))
     # compaction: kept entries at slots >= new length fill the evicted slots below it, both ascending
@@ -493,7 +505,7 @@ def _merge_compact_kernel(
 
 def evict_many_triton(k: Tensor, v: Tensor, score: Tensor, position: Tensor, log_weight: Tensor, length: Tensor,
                       tau: Tensor, tau_set: Tensor, others: list[Tensor], split: Tensor, m: int, beta: float,
-                      variant: str, min_cos: float, bias: bool = False, *, block: int = 4096,
+                      variant: str, min_cos: float, bias: bool = False, chains: bool = True, *, block: int = 4096,
                       count_block: int = 1024, ways: int = 16, resident_max: int = 8192, num_warps: int = 8) -> None:
     """``evict_many_in_place`` as the three kernels (the comment above them), one process, no ``protect`` or
     ``score_weights``, 16/32-bit k, v. ``split``: [5, B] int64, each batch row's (keep, due, sinks, recent,
@@ -527,12 +539,26 @@ def evict_many_triton(k: Tensor, v: Tensor, score: Tensor, position: Tensor, log
         num_warps=num_warps)
     match = torch.ops.kvpass.cosine_match if k.is_cuda else cosine_match_reference
     nearest, u = match(k_e, k, targets)                                      # [B, Hkv, m]
+    if chains:                              # a later evicted entry may be the better target (d2o_merge_chains)
+        valid = torch.arange(m, device=dev) < n_ev.view(b, h, 1)
+        u, chained, parent = chain_similarities(k_e, valid, u)
     merged = torch.empty(b * h * m, dtype=torch.int8, device=dev)
     w_e = torch.empty(b * h * m, dtype=torch.float32, device=dev)
     _threshold_kernel[(b,)](
         u.contiguous(), n_ev, tau, tau_set.view(torch.uint8), merged, w_e, h, float(beta), 1.0 - float(beta),
         float(min_cos), M=m, BLOCK_H=block_h, BLOCK_M=block_m, PAPER=variant == "paper", num_warps=4,
         enable_fp_fusion=False)
+    if chains:                              # fold the linked entries into their parents; they merge nowhere else
+        link = chained & (merged.view(b, h, m) != 0)
+        e_slots = e_idx.view(b, h, m)
+        sizes = torch.gather(log_weight, 2, e_slots).exp() if bias else None
+        k_f, v_f, sizes = fold_chains(k_e, v_e, parent, link, w_e.view(b, h, m),
+                                      math.e if variant == "paper" else 1.0, variant == "code", sizes)
+        k_e.copy_(k_f)
+        v_e.copy_(v_f)
+        merged.masked_fill_(chained.view(-1), 0)
+        if bias:                            # the merge kernel reads the evicted entries' sizes from their slots
+            log_weight.scatter_(2, e_slots, torch.where(valid, sizes.log(), torch.gather(log_weight, 2, e_slots)))
     before = length.clone() if others else None
     move_dst = torch.empty(b * h, m, dtype=torch.int64, device=dev)
     move_src = torch.empty(b * h, m, dtype=torch.int64, device=dev)
@@ -571,29 +597,31 @@ def _constant_split(b: int, device: str, values: tuple[int, ...]) -> Tensor:
     "k", "v", "score", "position", "log_weight", "length", "tau", "tau_set", "others"))
 def d2o_evict_many(k: Tensor, v: Tensor, score: Tensor, position: Tensor, log_weight: Tensor, length: Tensor,
                    tau: Tensor, tau_set: Tensor, others: list[Tensor], split: Tensor, m: int, beta: float,
-                   variant: str, min_cos: float, bias: bool = False) -> None:
+                   variant: str, min_cos: float, bias: bool = False, chains: bool = True) -> None:
     d2o_evict_many_reference(k, v, score, position, log_weight, length, tau, tau_set, others, split, m, beta,
-                             variant, min_cos, bias)
+                             variant, min_cos, bias, chains)
 
 
 def d2o_evict_many_reference(k: Tensor, v: Tensor, score: Tensor, position: Tensor, log_weight: Tensor,
                              length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], split: Tensor,
-                             m: int, beta: float, variant: str, min_cos: float, bias: bool = False) -> None:
+                             m: int, beta: float, variant: str, min_cos: float, bias: bool = False,
+                             chains: bool = True) -> None:
     """The op's definition: ``evict_many_in_place`` with each batch row's (keep, due, sinks, recent, target_from)
     from ``split`` [5, B]."""
     keep, due, sinks, recent, target_from = split.unbind(0)
     evict_many_in_place(k, v, score, position, log_weight, length, tau, tau_set, others, keep, due, m, sinks,
-                        recent, target_from, beta, variant, min_cos, bias)
+                        recent, target_from, beta, variant, min_cos, bias, chains=chains)
 
 
 @d2o_evict_many.register_fake
-def _(k, v, score, position, log_weight, length, tau, tau_set, others, split, m, beta, variant, min_cos, bias=False):
+def _(k, v, score, position, log_weight, length, tau, tau_set, others, split, m, beta, variant, min_cos, bias=False,
+      chains=True):
     return None
 
 
 if HAS_TRITON:
     @d2o_evict_many.register_kernel("cuda")
     def _(k, v, score, position, log_weight, length, tau, tau_set, others, split, m, beta, variant, min_cos,
-          bias=False):
+          bias=False, chains=True):
         evict_many_triton(k, v, score, position, log_weight, length, tau, tau_set, others, split, m, beta, variant,
-                          min_cos, bias)
+                          min_cos, bias, chains)

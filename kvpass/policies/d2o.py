@@ -13,6 +13,7 @@ import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
 from kvpass.cache import LayerCache, gather_slots, keep_slots, put_slots
 from kvpass.kernels.cosine_match import cosine_match_reference
 from kvpass.kernels.d2o_evict_many import evict_many_in_place, split_tensor
+from kvpass.kernels.d2o_merge_chains import chain_similarities, fold_chains
 from kvpass.kernels.d2o_evict_one import (
     NO_FLOOR,
     NO_MERGE,
@@ -122,6 +123,11 @@ class D2O(Policy):
     merge_bias: True adds log(n) to the attention logit of an entry standing for n tokens (n = 1 + the
         tokens merged into it, recursively; ``LayerCache.log_weight``, as Chelsea's), so merged mass is
         attended in proportion to the tokens it replaced [OURS; the paper attends plainly].
+    merge_chains: with ``interval`` m > 1, a compression evicting at most m entries (the decode's) lets an evicted
+        entry merge into a later evicted one (ascending position), which then merges on, as the paper's
+        one-in-one-out step lets it merge into a neighbour that a later step evicts (``kvpass.kernels.d2o_merge_chains``).
+        False: only kept entries are targets, which lost essay-cloze answers (docs/speed-notes.md, "Session 38")
+        [OURS: interval > 1 is ours].
     first_compression: "prefill" (kvpass's contract: the budget holds from the first step) or "decode": the
         released code's timing, the prompt compressed after the first decode step with that step's
         attention row in its scores, the layer holding prompt + 1 entries until then.
@@ -153,6 +159,7 @@ class D2O(Policy):
     merge_protect: float = 0.0
     merge_weighting: str = "similarity"
     merge_bias: bool = False
+    merge_chains: bool = True
     first_compression: str = "prefill"
     skip_memory: str = "shared"
 
@@ -178,7 +185,7 @@ class D2O(Policy):
         require(isinstance(self.window_kernel, int) and self.window_kernel >= 1 and self.window_kernel % 2 == 1,
                 f"d2o: window_kernel must be an odd int >= 1, got {self.window_kernel!r}")
         require(self.window_pool in ("avg", "max"), f"d2o: window_pool must be 'avg' or 'max', got {self.window_pool!r}")
-        for name in ("merge", "merge_into_sinks", "merge_bias", "defer_scores"):
+        for name in ("merge", "merge_into_sinks", "merge_bias", "merge_chains", "defer_scores"):
             require(isinstance(getattr(self, name), bool), f"d2o: {name} must be True or False, got {getattr(self, name)!r}")
         protect = self.merge_protect
         require(isinstance(protect, (int, float)) and not isinstance(protect, bool) and 0.0 <= protect < 1.0,
@@ -271,10 +278,10 @@ class D2O(Policy):
         if self._triton_step(cache) and self.heads.world == 1 and cache.k.dtype != torch.float64:
             split = split_tensor(cache.k.shape[0], cache.k.device, keep, due, sinks, recent, target_from)
             torch.ops.kvpass.d2o_evict_many(*layer, split, m, self.beta, self.d2o_variant, self._min_cos(),
-                                            self.merge_bias)
+                                            self.merge_bias, self._chains(m))
         else:
             evict_many_in_place(*layer, keep, due, m, sinks, recent, target_from, *self._step_options(),
-                                heads=self.heads)
+                                heads=self.heads, chains=self._chains(m))
 
     def _unprotected(self, score: Tensor, live: Tensor, keep: int | Tensor) -> Tensor:
         """[B, Hkv, C] bool: the live slots outside the floor(merge_protect * keep) highest ``score`` [B, Hkv, C]
@@ -363,16 +370,27 @@ class D2O(Policy):
         if self._protecting():
             targets = targets & self._unprotected(self._score(out), out.live, keep)
         nearest, u_star = match(k_e, out.k, targets)                           # [B, Hkv, E]
-        if self._protecting():                  # no unprotected target left: evicted without trace
-            valid = valid & (nearest >= 0)
+        matched = valid & (nearest >= 0) if self._protecting() else valid   # no target left: evicted without trace
         nearest = nearest.clamp(min=0)
-        u_star = torch.where(valid, u_star, 0.0)
-        merged, w_e, w_self = self._threshold_and_merge(out.state, u_star, valid)
+        chains = self._chains(n_evicted)
+        if chains:                              # a later evicted entry may be the better target (merge_chains)
+            u_star, chained, parent = chain_similarities(k_e, valid, torch.where(matched, u_star, float("-inf")))
+            matched = matched | chained
+        u_star = torch.where(matched, u_star, 0.0)
+        merged, w_e, w_self = self._threshold_and_merge(out.state, u_star, matched)
+        score_e = torch.gather(self._score(cache).float(), 2, e_idx) + SCORE_EPS
         if self.merge_weighting == "score":     # [OURS] w_self per kept entry [B, Hkv, K, 1]
-            w_e = torch.where(merged, torch.gather(self._score(cache).float(), 2, e_idx) + SCORE_EPS, 0.0)
+            w_e = torch.where(merged, score_e, 0.0)
+        sizes = torch.gather(cache.log_weight, 2, e_idx).exp() if self.merge_bias else None
+        if chains:                              # the linked entries fold into their evicted parents, children first
+            own = score_e if self.merge_weighting == "score" else w_self
+            k_e, v_e, sizes = fold_chains(k_e, v_e, parent, chained & merged, w_e, own,
+                                          self.d2o_variant == "code" and self.merge_weighting != "score", sizes)
+            merged, w_e = merged & ~chained, torch.where(chained, 0.0, w_e)
+        if self.merge_weighting == "score":
             w_self = self._score(out).float()[..., None] + SCORE_EPS
         if self.merge_bias:                     # sizes add: log_weight = log(sum of the members' sizes)
-            size_e = torch.where(merged, torch.gather(cache.log_weight, 2, e_idx).exp(), 0.0)
+            size_e = torch.where(merged, sizes, 0.0)
             size = out.log_weight.exp().scatter_add(2, nearest, size_e)
             out.log_weight = torch.where(out.live, size.log(), out.log_weight)
         count, w_sum, (k_acc, v_acc) = _sums_into(nearest, merged.float(), w_e, (k_e, v_e),
@@ -386,6 +404,11 @@ class D2O(Policy):
             base = getattr(out, name)
             setattr(out, name, torch.where(target, (acc / norm[..., None]).to(base.dtype), base))
         return out
+
+    def _chains(self, n_evicted: int) -> bool:
+        """Whether a compression evicting up to ``n_evicted`` entries chains its merges (``merge_chains``: the
+        decode's compressions under ``interval`` > 1, never the prompt's larger ones)."""
+        return self.merge_chains and self.merge and 1 < n_evicted <= self.interval
 
     def compress_into(self, cache: LayerCache, keep: int) -> None:
         """The runtime's call. One-in-one-out (capacity keep + 1, the decode step) runs in place: the

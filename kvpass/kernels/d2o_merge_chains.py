@@ -1,0 +1,103 @@
+"""D2O's merge chains: m evictions in one call merged as the one-in-one-out step would merge them (docs/policies.md
+§5.6; docs/speed-notes.md, "Session 38").
+
+With ``interval`` m > 1 a decode compression evicts up to m entries at once (``d2o_evict_many``). The paper's step
+evicts one entry a step, and each merges into its most similar *live* key, which is often the entry next to it
+that a later step evicts in turn: the evicted mass travels along such chains to an entry that stays. Evicting
+the m together, only the kept entries are targets, so each evicted entry lands in a kept one, more often one far
+from it in the text: on the quality suite (essay cloze, 512 tokens, query-agnostic) interval 16 merged 43% of its
+entries within 8 positions against 76% for the paper's step and lost 5 of 11 answers; with chains it kept them.
+
+Per (b, g) row, with the evicted entries e_0 .. e_{m-1} in ascending position (the order both evict-many paths
+use, that in which entries leave the recent window), the valid ones E:
+
+    s_ij       = cos(k_{e_i}, k_{e_j}) for j > i, both valid             (fp32; fp64 for fp64 keys)
+    best_i     = max_j s_ij, parent_i = its first argmax                 (-inf, 0 where no j)
+    chained_i  = best_i > u_i                                            (u_i: the best kept similarity)
+    u_i       <- max(u_i, best_i)                                        (the threshold and decision see it)
+
+Then, after the threshold's decisions (merged_i, weights w_i), every entry j folds in the entries merged into it,
+children before parents (a child's index is below its parent's, so the system is triangular):
+
+    x'_j = (w_self_j x_j + sum_{i: parent_i = j, link_i} w_i x'_i) / (w_self_j + sum_i w_i)    ("paper", "score")
+    x'_j = (x_j + sum_i w_i x'_i) / (1 + #children)                                           ("code")
+    n'_j = n_j + sum_i n'_i                                          (merge_bias: sizes, n = exp(log_weight))
+
+with link_i = chained_i & merged_i. As X' = diag(a) X + B X' with B strictly lower triangular,
+X' = (I - B)^-1 diag(a) X = (I + B)(I + B^2)(I + B^4) ... diag(a) X: log2(m) small batched matmuls, no loop over
+the entries and no host sync (a CUDA graph captures it). A linked entry then merges nowhere else; the others merge
+their folded x' into their kept targets as before.
+
+Shapes: k_e, v_e [B, Hkv, m, D]; u, valid, merged, w_e [B, Hkv, m]; w_self a float or [B, Hkv, m] (the evicted
+entries' own weights under merge_weighting="score"); sizes [B, Hkv, m] fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+_EPS = 1e-12
+
+
+def chain_parents(k_e: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    """(best [B, Hkv, m] fp32, parent [B, Hkv, m] int64): each valid evicted entry's most cosine-similar valid
+    evicted entry later in the order (-inf, 0 where there is none)."""
+    m = k_e.shape[2]
+    acc = torch.float64 if k_e.dtype == torch.float64 else torch.float32
+    x = torch.nn.functional.normalize(k_e.to(acc), dim=-1, eps=_EPS)
+    sim = x @ x.transpose(-1, -2)                                           # [B, Hkv, m, m]
+    i = torch.arange(m, device=k_e.device)
+    allowed = valid[..., :, None] & valid[..., None, :] & (i[None, :] > i[:, None])
+    best, parent = sim.masked_fill(~allowed, float("-inf")).max(dim=-1)
+    return best.float(), parent
+
+
+def chain_similarities(k_e: Tensor, valid: Tensor, u: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(u' = max(u, best), chained [B, Hkv, m] bool, parent [B, Hkv, m]): the best similarity over the kept keys
+    and the later evicted ones, and whether an evicted one was the strictly better target."""
+    best, parent = chain_parents(k_e, valid)
+    chained = valid & (best > u)
+    return torch.where(chained, best, u), chained, parent
+
+
+def _triangular_solve(b: Tensor, x: Tensor) -> Tensor:
+    """(I - b)^-1 x for b [.., m, m] strictly lower triangular (b^m = 0) and x [.., m, n]."""
+    steps = max(math.ceil(math.log2(b.shape[-1])), 0) if b.shape[-1] > 1 else 0
+    for _ in range(steps):
+        x = x + b @ x
+        b = b @ b
+    return x
+
+
+def fold_chains(k_e: Tensor, v_e: Tensor, parent: Tensor, link: Tensor, w_e: Tensor, w_self: float | Tensor,
+                by_count: bool, sizes: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(k', v' [B, Hkv, m, D] in k_e's dtype, sizes' or None): each evicted entry with the linked entries merged
+    into it (the module docstring). ``link`` [B, Hkv, m]: the entries that merge into their ``parent``; ``w_e``
+    their weights; ``w_self`` the parents' own weight (float, or [B, Hkv, m]); ``by_count``: the "code"
+    variant's normaliser 1 + #children instead of w_self + sum w."""
+    m = k_e.shape[2]
+    acc = torch.float64 if k_e.dtype == torch.float64 else torch.float32
+    weight = torch.where(link, w_e.to(acc), 0.0)
+    into = torch.zeros(*link.shape, m, dtype=acc, device=k_e.device)   # [B, Hkv, parent, child]
+    into.scatter_add_(-2, parent[..., None, :], weight[..., None, :])
+    count = torch.zeros_like(weight).scatter_add_(-1, parent, link.to(acc))
+    own = w_self.to(acc) if isinstance(w_self, Tensor) else torch.full_like(weight, w_self)
+    norm = own + (count if by_count else into.sum(-1))
+    b = into / norm[..., None]
+    a = (own / norm)[..., None]
+    x = torch.cat((k_e.to(acc), v_e.to(acc)), dim=-1) * a
+    # (I - b)^-1 x = x + N x where N's only nonzero columns are the linked children's: solve for those rows
+    # alone (other rows, padding among them, may hold anything, even NaN: 0 * NaN would spread)
+    z = torch.where(link[..., None], x, 0.0)
+    folded = x + (_triangular_solve(b, z) - z)
+    d = k_e.shape[-1]
+    k_new, v_new = folded[..., :d].to(k_e.dtype), folded[..., d:].to(v_e.dtype)
+    if sizes is None:
+        return k_new, v_new, None
+    adjacency = torch.zeros_like(into).scatter_add_(-2, parent[..., None, :], link.to(acc)[..., None, :])
+    n = sizes.to(acc)[..., None]
+    z = torch.where(link[..., None], n, 0.0)
+    return k_new, v_new, (n + (_triangular_solve(adjacency, z) - z))[..., 0].float()

@@ -1,0 +1,112 @@
+"""D2O's merge chains (``kvpass.kernels.d2o_merge_chains``): the fold against a child-by-child loop in float64 on
+fresh random forests, the parents against a brute-force search, and the evict-many step on a layer small enough to
+work out by hand (both the plain-torch step and the Triton kernels, through the interpreter on CPU), with chains and
+without."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvpass.kernels.d2o_evict_many import evict_many_in_place, evict_many_triton, split_tensor
+from kvpass.kernels.d2o_evict_one import NO_FLOOR
+from kvpass.kernels.d2o_merge_chains import chain_parents, chain_similarities, fold_chains
+
+
+def random_forest(b: int, h: int, m: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(parent, link) [b, h, m]: each entry's parent a later entry, linked with probability 0.7 (the last never)."""
+    gen = torch.Generator().manual_seed(seed)
+    i = torch.arange(m)
+    parent = i + 1 + (torch.rand(b, h, m, generator=gen) * (m - 1 - i)).long()
+    link = (torch.rand(b, h, m, generator=gen) < 0.7) & (i < m - 1)
+    return parent.clamp(max=m - 1), link
+
+
+@pytest.mark.parametrize("variant", ["paper", "code", "score"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_fold_equals_merging_children_before_parents(variant: str, seed: int) -> None:
+    b, h, m, d = 2, 3, 9, 5
+    gen = torch.Generator().manual_seed(100 + seed)
+    k, v = (torch.randn(b, h, m, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    parent, link = random_forest(b, h, m, seed)
+    w = torch.rand(b, h, m, generator=gen, dtype=torch.float64) + 0.1
+    sizes = torch.rand(b, h, m, generator=gen) + 1
+    own = torch.rand(b, h, m, generator=gen, dtype=torch.float64) + 0.1 if variant == "score" else \
+        (math.e if variant == "paper" else 1.0)
+    k[0, 0, 0] = float("nan")               # an entry neither linked nor a parent may hold anything
+    link[0, 0, 0] = False
+    got_k, got_v, got_n = fold_chains(k, v, parent, link, w, own, variant == "code", sizes)
+    want = [k.clone(), v.clone(), sizes.double().clone()]
+    for bi in range(b):
+        for g in range(h):
+            for j in range(m):                      # children have lower indices: their values are final
+                kids = [c for c in range(j) if link[bi, g, c] and parent[bi, g, c] == j]
+                if not kids:
+                    continue
+                self_w = float(own[bi, g, j]) if variant == "score" else own
+                norm = self_w + (len(kids) if variant == "code" else sum(float(w[bi, g, c]) for c in kids))
+                for x in want[:2]:
+                    x[bi, g, j] = (self_w * x[bi, g, j] + sum(w[bi, g, c] * x[bi, g, c] for c in kids)) / norm
+                want[2][bi, g, j] += sum(want[2][bi, g, c] for c in kids)
+    torch.testing.assert_close(got_k[:, :, 1:], want[0][:, :, 1:], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_v, want[1], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_n.double(), want[2], rtol=1e-6, atol=1e-6)
+    assert not torch.equal(got_v, v), "nothing folded"
+
+
+def test_parents_are_the_most_similar_later_valid_entries() -> None:
+    gen = torch.Generator().manual_seed(7)
+    b, h, m, d = 2, 2, 8, 4
+    k = torch.randn(b, h, m, d, generator=gen)
+    valid = torch.rand(b, h, m, generator=gen) < 0.8
+    best, parent = chain_parents(k, valid)
+    x = torch.nn.functional.normalize(k, dim=-1)
+    for bi in range(b):
+        for g in range(h):
+            for i in range(m):
+                later = [j for j in range(i + 1, m) if valid[bi, g, j]]
+                if not valid[bi, g, i] or not later:
+                    assert best[bi, g, i] == float("-inf")
+                    continue
+                sims = torch.stack([x[bi, g, i] @ x[bi, g, j] for j in later])
+                assert later[int(sims.argmax())] == int(parent[bi, g, i])
+                torch.testing.assert_close(best[bi, g, i], sims.max())
+    u = torch.full((b, h, m), 0.5)
+    u2, chained, _ = chain_similarities(k, valid, u)
+    assert torch.equal(chained, valid & (best > 0.5)) and torch.equal(u2, torch.maximum(u, best))
+
+
+def two_neighbours() -> list:
+    """One (b, g) row of 3 entries: a kept one t at position 0 (high score) and two evicted neighbours at
+    positions 1 and 2 with the same key k_n (cos(k_n, k_t) = 0.6), values v0, v1; the threshold already set at -1."""
+    k = torch.tensor([[0.6, 0.8], [1.0, 0.0], [1.0, 0.0]]).view(1, 1, 3, 2)
+    v = torch.tensor([[1.0, 0.0], [0.0, 2.0], [4.0, 0.0]]).view(1, 1, 3, 2)
+    return [k, v, torch.tensor([[[5.0, 0.1, 0.2]]]), torch.tensor([[[0, 1, 2]]]), torch.zeros(1, 1, 3),
+            torch.tensor([[3]]), torch.tensor([-1.0]), torch.tensor([True]), []]
+
+
+@pytest.mark.parametrize("chains", [True, False])
+@pytest.mark.parametrize("step", ["torch", "triton"])
+def test_neighbours_merge_into_each_other_then_on(chains: bool, step: str, triton_device: str) -> None:
+    """With chains the first neighbour (u = 1 to the second) merges into the second, and the pair into t: tau =
+    0.7 * mean(1, 0.6) + 0.3 * (-1), v_pair = (e v1 + e v0) / 2e, v_t = (e v_t + e^0.6 v_pair) / (e + e^0.6).
+    Without, both merge into t: tau = 0.7 * 0.6 + 0.3 * (-1), v_t = (e v_t + e^0.6 (v0 + v1)) / (e + 2 e^0.6)."""
+    layer = two_neighbours()
+    v0, v1, vt = (layer[1][0, 0, i].clone() for i in (1, 2, 0))
+    if step == "torch":
+        evict_many_in_place(*layer, 1, 2, 2, 0, 0, 0, 0.7, "paper", NO_FLOOR, chains=chains)
+    else:
+        dev = torch.device(triton_device)
+        layer = [t.to(dev) for t in layer[:8]] + [[]]
+        evict_many_triton(*layer, split_tensor(1, dev, 1, 2, 0, 0, 0), 2, 0.7, "paper", NO_FLOOR, False, chains)
+        layer = [t.cpu() for t in layer[:8]] + [[]]
+    a = math.exp(0.6)
+    if chains:
+        tau, want = 0.7 * 0.8 - 0.3, (math.e * vt + a * (v0 + v1) / 2) / (math.e + a)
+    else:
+        tau, want = 0.7 * 0.6 - 0.3, (math.e * vt + a * (v0 + v1)) / (math.e + 2 * a)
+    assert int(layer[5]) == 1 and int(layer[3][0, 0, 0]) == 0
+    torch.testing.assert_close(layer[1][0, 0, 0], want.float(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer[6], torch.tensor([tau]), rtol=1e-5, atol=1e-6)
