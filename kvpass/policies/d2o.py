@@ -80,7 +80,7 @@ class D2O(Policy):
         paid for by the other layers, so the default is none [OURS].
     interval: decode steps between compressions; 1 (default) = the paper's one-in-one-out step. 16 is faster at
         long prompts but lost 2 of 16 essay-cloze answers at 512-1k tokens, query-agnostic (docs/speed-notes.md,
-        "Session 37"). Above 1 a layer holds up to
+        "Session 37"; with ``merge_chains`` it lost 3 of 11 on 32 cases, "Session 38"). Above 1 a layer holds up to
         budget + interval entries and a due row evicts interval of them in place (``compress_into``,
         ``kvpass.kernels.d2o_evict_many``: on CUDA the Triton op ``kvpass::d2o_evict_many``, else plain torch;
         under tensor parallelism too, the threshold gathered from every rank).
@@ -126,7 +126,7 @@ class D2O(Policy):
     merge_chains: with ``interval`` m > 1, a compression evicting at most m entries (the decode's) lets an evicted
         entry merge into a later evicted one (ascending position), which then merges on, as the paper's
         one-in-one-out step lets it merge into a neighbour that a later step evicts (``kvpass.kernels.d2o_merge_chains``).
-        False: only kept entries are targets, which lost essay-cloze answers (docs/speed-notes.md, "Session 38")
+        False: only kept entries are targets, which lost more essay-cloze answers (docs/speed-notes.md, "Session 38")
         [OURS: interval > 1 is ours].
     first_compression: "prefill" (kvpass's contract: the budget holds from the first step) or "decode": the
         released code's timing, the prompt compressed after the first decode step with that step's
