@@ -66,7 +66,6 @@ from kvpass.cache import EMPTY, gather_slots, put_slots
 from kvpass.head_group import SINGLE_PROCESS, HeadGroup
 from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
 from kvpass.kernels.cosine_match import cosine_match_reference
-from kvpass.kernels.d2o_merge_chains import chain_similarities, fold_chains
 from kvpass.kernels.d2o_evict_one import (
     SCORE_EPS,
     _rows,
@@ -77,7 +76,7 @@ from kvpass.kernels.d2o_evict_one import (
     threshold_and_merge_in_place,
     unprotected,
 )
-
+from kvpass.kernels.d2o_merge_chains import chain_similarities, fold_chains
 
 
 def evict_many_in_place(k: Tensor, v: Tensor, score: Tensor, position: Tensor, log_weight: Tensor, length: Tensor,

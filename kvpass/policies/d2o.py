@@ -13,7 +13,6 @@ import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
 from kvpass.cache import LayerCache, gather_slots, keep_slots, put_slots
 from kvpass.kernels.cosine_match import cosine_match_reference
 from kvpass.kernels.d2o_evict_many import evict_many_in_place, split_tensor
-from kvpass.kernels.d2o_merge_chains import chain_similarities, fold_chains
 from kvpass.kernels.d2o_evict_one import (
     NO_FLOOR,
     NO_MERGE,
@@ -32,6 +31,7 @@ from kvpass.kernels.d2o_evict_one import (
 )
 from kvpass.kernels.d2o_evict_one import merged_rows as _merged_rows
 from kvpass.kernels.d2o_evict_one_ragged import d2o_evict_one_ragged_steps
+from kvpass.kernels.d2o_merge_chains import chain_similarities, fold_chains
 from kvpass.policies.allocation import apportion
 from kvpass.policies.base import Policy, Stat, require
 from kvpass.policies.selection import kept_slots, ordered_slots, select_kept
