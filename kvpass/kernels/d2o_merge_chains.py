@@ -10,7 +10,8 @@ entries within 8 positions against 76% for the paper's step and lost 5 of the st
 it lost 3 (benchmarks/results/d2o-merge-chains-session38/).
 
 Per (b, g) row, with the evicted entries e_0 .. e_{m-1} in ascending position (the order both evict-many paths
-use, that in which entries leave the recent window), the valid ones E:
+use, that in which entries leave the recent window; D2O's general path takes the last m of a row's evicted entries,
+``chain_window``), the valid ones E:
 
     s_ij       = cos(k_{e_i}, k_{e_j}) for j > i, both valid             (fp32; fp64 for fp64 keys)
     best_i     = max_j s_ij, parent_i = its first argmax                 (-inf, 0 where no j)
@@ -82,9 +83,10 @@ def fold_chains(k_e: Tensor, v_e: Tensor, parent: Tensor, link: Tensor, w_e: Ten
     m = k_e.shape[2]
     acc = torch.float64 if k_e.dtype == torch.float64 else torch.float32
     weight = torch.where(link, w_e.to(acc), 0.0)
-    into = torch.zeros(*link.shape, m, dtype=acc, device=k_e.device)   # [B, Hkv, parent, child]
-    into.scatter_add_(-2, parent[..., None, :], weight[..., None, :])
-    count = torch.zeros_like(weight).scatter_add_(-1, parent, link.to(acc))
+    # dense one-hot products, no scatter-add (TensorRT's core layers have none: docs/deploy.md)
+    onehot = (parent[..., :, None] == torch.arange(m, device=k_e.device)).to(acc)   # [B, Hkv, child, parent]
+    into = (onehot * weight[..., None]).transpose(-1, -2)                          # [B, Hkv, parent, child]
+    count = (onehot * link.to(acc)[..., None]).sum(-2)                             # [B, Hkv, parent]
     own = w_self.to(acc) if isinstance(w_self, Tensor) else torch.full_like(weight, w_self)
     norm = own + (count if by_count else into.sum(-1))
     b = into / norm[..., None]
@@ -98,7 +100,31 @@ def fold_chains(k_e: Tensor, v_e: Tensor, parent: Tensor, link: Tensor, w_e: Ten
     k_new, v_new = folded[..., :d].to(k_e.dtype), folded[..., d:].to(v_e.dtype)
     if sizes is None:
         return k_new, v_new, None
-    adjacency = torch.zeros_like(into).scatter_add_(-2, parent[..., None, :], link.to(acc)[..., None, :])
+    adjacency = (onehot * link.to(acc)[..., None]).transpose(-1, -2)
     n = sizes.to(acc)[..., None]
     z = torch.where(link[..., None], n, 0.0)
     return k_new, v_new, (n + (_triangular_solve(adjacency, z) - z))[..., 0].float()
+
+
+def chain_window(valid: Tensor, width: int) -> tuple[Tensor, Tensor]:
+    """(index, ok) [B, Hkv, width]: the columns of the last ``width`` valid evicted entries of each row (``valid``
+    [B, Hkv, E], the valid ones first, as ``ordered_slots`` gives them); ok is False where a row has fewer. The
+    general path chains only these: all of a decode compression's (at most ``interval``), the ``interval`` nearest
+    the recent window of a prompt's, at one static shape for any E (the exported compress graph serves both)."""
+    n = valid.sum(-1, keepdim=True)
+    index = n - width + torch.arange(width, device=valid.device)
+    return index.clamp(min=0), index >= 0
+
+
+def take(x: Tensor, index: Tensor) -> Tensor:
+    """x [B, Hkv, E, ...] at ``index`` [B, Hkv, w] along dim 2."""
+    return torch.gather(x, 2, index.view(*index.shape, *([1] * (x.dim() - 3))).expand(*index.shape, *x.shape[3:]))
+
+
+def put(x: Tensor, index: Tensor, ok: Tensor, values: Tensor) -> Tensor:
+    """A copy of x [B, Hkv, E, ...] with ``values`` [B, Hkv, w, ...] written at ``index`` where ``ok`` (the others
+    go to a spare column, dropped: no duplicate target, one scatter without reduction)."""
+    e = x.shape[2]
+    dest = torch.where(ok, index, e)
+    dest = dest.view(*dest.shape, *([1] * (x.dim() - 3))).expand(*dest.shape, *x.shape[3:])
+    return torch.cat((x, x[:, :, :1]), dim=2).scatter(2, dest, values.to(x.dtype))[:, :, :e]

@@ -31,7 +31,7 @@ from kvpass.kernels.d2o_evict_one import (
 )
 from kvpass.kernels.d2o_evict_one import merged_rows as _merged_rows
 from kvpass.kernels.d2o_evict_one_ragged import d2o_evict_one_ragged_steps
-from kvpass.kernels.d2o_merge_chains import chain_similarities, fold_chains
+from kvpass.kernels.d2o_merge_chains import chain_similarities, chain_window, fold_chains, put, take
 from kvpass.policies.allocation import apportion
 from kvpass.policies.base import Policy, Stat, require
 from kvpass.policies.selection import kept_slots, ordered_slots, select_kept
@@ -123,9 +123,11 @@ class D2O(Policy):
     merge_bias: True adds log(n) to the attention logit of an entry standing for n tokens (n = 1 + the
         tokens merged into it, recursively; ``LayerCache.log_weight``, as Chelsea's), so merged mass is
         attended in proportion to the tokens it replaced [OURS; the paper attends plainly].
-    merge_chains: with ``interval`` m > 1, a compression evicting at most m entries (the decode's) lets an evicted
-        entry merge into a later evicted one (ascending position), which then merges on, as the paper's
-        one-in-one-out step lets it merge into a neighbour that a later step evicts (``kvpass.kernels.d2o_merge_chains``).
+    merge_chains: with ``interval`` m > 1, an evicted entry may merge into a later evicted one (ascending position),
+        which then merges on, as the paper's one-in-one-out step lets it merge into a neighbour that a later step
+        evicts (``kvpass.kernels.d2o_merge_chains``): among all of a decode compression's evicted entries (at most
+        m), and among the last m of the prompt's (``chain_window``: one static shape, so the exported compress graph
+        chains as the runtime does).
         False: only kept entries are targets, which lost more essay-cloze answers (docs/speed-notes.md, "Session 38")
         [OURS: interval > 1 is ours].
     first_compression: "prefill" (kvpass's contract: the budget holds from the first step) or "decode": the
@@ -278,10 +280,10 @@ class D2O(Policy):
         if self._triton_step(cache) and self.heads.world == 1 and cache.k.dtype != torch.float64:
             split = split_tensor(cache.k.shape[0], cache.k.device, keep, due, sinks, recent, target_from)
             torch.ops.kvpass.d2o_evict_many(*layer, split, m, self.beta, self.d2o_variant, self._min_cos(),
-                                            self.merge_bias, self._chains(m))
+                                            self.merge_bias, self._chaining())
         else:
             evict_many_in_place(*layer, keep, due, m, sinks, recent, target_from, *self._step_options(),
-                                heads=self.heads, chains=self._chains(m))
+                                heads=self.heads, chains=self._chaining())
 
     def _unprotected(self, score: Tensor, live: Tensor, keep: int | Tensor) -> Tensor:
         """[B, Hkv, C] bool: the live slots outside the floor(merge_protect * keep) highest ``score`` [B, Hkv, C]
@@ -372,9 +374,13 @@ class D2O(Policy):
         nearest, u_star = match(k_e, out.k, targets)                           # [B, Hkv, E]
         matched = valid & (nearest >= 0) if self._protecting() else valid   # no target left: evicted without trace
         nearest = nearest.clamp(min=0)
-        chains = self._chains(n_evicted)
+        chains = self._chaining()
         if chains:                              # a later evicted entry may be the better target (merge_chains)
-            u_star, chained, parent = chain_similarities(k_e, valid, torch.where(matched, u_star, float("-inf")))
+            index, ok = chain_window(valid, self.interval)
+            k_w, v_w = take(k_e, index), take(v_e, index)
+            u_m = torch.where(matched, u_star, float("-inf"))
+            u_w, chained_w, parent = chain_similarities(k_w, ok & take(valid, index), take(u_m, index))
+            u_star, chained = put(u_m, index, ok, u_w), put(torch.zeros_like(valid), index, ok, chained_w)
             matched = matched | chained
         u_star = torch.where(matched, u_star, 0.0)
         merged, w_e, w_self = self._threshold_and_merge(out.state, u_star, matched)
@@ -383,9 +389,12 @@ class D2O(Policy):
             w_e = torch.where(merged, score_e, 0.0)
         sizes = torch.gather(cache.log_weight, 2, e_idx).exp() if self.merge_bias else None
         if chains:                              # the linked entries fold into their evicted parents, children first
-            own = score_e if self.merge_weighting == "score" else w_self
-            k_e, v_e, sizes = fold_chains(k_e, v_e, parent, chained & merged, w_e, own,
-                                          self.d2o_variant == "code" and self.merge_weighting != "score", sizes)
+            own = take(score_e, index) if self.merge_weighting == "score" else w_self
+            k_w, v_w, s_w = fold_chains(k_w, v_w, parent, ok & take(chained & merged, index), take(w_e, index), own,
+                                        self.d2o_variant == "code" and self.merge_weighting != "score",
+                                        None if sizes is None else take(sizes, index))
+            k_e, v_e = put(k_e, index, ok, k_w), put(v_e, index, ok, v_w)
+            sizes = None if sizes is None else put(sizes, index, ok, s_w)
             merged, w_e = merged & ~chained, torch.where(chained, 0.0, w_e)
         if self.merge_weighting == "score":
             w_self = self._score(out).float()[..., None] + SCORE_EPS
@@ -405,10 +414,11 @@ class D2O(Policy):
             setattr(out, name, torch.where(target, (acc / norm[..., None]).to(base.dtype), base))
         return out
 
-    def _chains(self, n_evicted: int) -> bool:
-        """Whether a compression evicting up to ``n_evicted`` entries chains its merges (``merge_chains``: the
-        decode's compressions under ``interval`` > 1, never the prompt's larger ones)."""
-        return self.merge_chains and self.merge and 1 < n_evicted <= self.interval
+    def _chaining(self) -> bool:
+        """Whether compressions chain their merges (``merge_chains`` under ``interval`` > 1): the in-place steps
+        all of their evicted entries (at most ``interval``), the general path the last ``interval`` of each row's
+        (``chain_window``: the same entries at decode, those nearest the recent window of a prompt's)."""
+        return self.merge_chains and self.merge and self.interval > 1
 
     def compress_into(self, cache: LayerCache, keep: int) -> None:
         """The runtime's call. One-in-one-out (capacity keep + 1, the decode step) runs in place: the

@@ -12,7 +12,14 @@ import torch
 
 from kvpass.kernels.d2o_evict_many import evict_many_in_place, evict_many_triton, split_tensor
 from kvpass.kernels.d2o_evict_one import NO_FLOOR
-from kvpass.kernels.d2o_merge_chains import chain_parents, chain_similarities, fold_chains
+from kvpass.kernels.d2o_merge_chains import (
+    chain_parents,
+    chain_similarities,
+    chain_window,
+    fold_chains,
+    put,
+    take,
+)
 
 
 def random_forest(b: int, h: int, m: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,3 +117,16 @@ def test_neighbours_merge_into_each_other_then_on(chains: bool, step: str, trito
     assert int(layer[5]) == 1 and int(layer[3][0, 0, 0]) == 0
     torch.testing.assert_close(layer[1][0, 0, 0], want.float(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(layer[6], torch.tensor([tau]), rtol=1e-5, atol=1e-6)
+
+
+def test_window_takes_the_last_valid_entries_and_put_writes_only_those() -> None:
+    valid = torch.tensor([[[True, True, True, True, False], [True, False, False, False, False]]])
+    index, ok = chain_window(valid, 3)
+    assert index.tolist() == [[[1, 2, 3], [0, 0, 0]]] and ok.tolist() == [[[True, True, True], [False, False, True]]]
+    x = torch.arange(10.0).view(1, 2, 5)
+    assert torch.equal(take(x, index), torch.tensor([[[1.0, 2, 3], [5, 5, 5]]]))
+    got = put(x, index, ok, torch.full((1, 2, 3), -1.0))
+    assert got.tolist() == [[[0, -1, -1, -1, 4], [-1, 6, 7, 8, 9]]]
+    rows = torch.arange(20.0).view(1, 2, 5, 2)                 # [B, Hkv, E, D] rows move whole
+    assert torch.equal(take(rows, index)[0, 0], rows[0, 0, 1:4])
+    assert torch.equal(put(rows, index, ok, torch.zeros(1, 2, 3, 2))[0, 1, 1:], rows[0, 1, 1:])
