@@ -135,8 +135,9 @@ def evict_many_in_place(k: Tensor, v: Tensor, score: Tensor, position: Tensor, l
     u_star = torch.where(matched, u_star, 0.0)
     merged, w_e, w_self = threshold_and_merge_in_place(heads, u_star, matched, tau, tau_set, beta, variant,
                                                        min_cos)                            # [B, Hkv, m]
-    score_e = torch.gather(score.float(), 2, e_idx) + SCORE_EPS
+    score_e = None
     if score_weights:                       # each entry weighs its score + SCORE_EPS (the target's: per evicted f)
+        score_e = torch.gather(score.float(), 2, e_idx) + SCORE_EPS
         w_e = torch.where(merged, score_e, 0.0)
     sizes = torch.gather(log_weight, 2, e_idx).exp() if bias else None
     if chains:                              # the linked entries fold into their evicted parents, children first
@@ -550,14 +551,15 @@ def evict_many_triton(k: Tensor, v: Tensor, score: Tensor, position: Tensor, log
     if chains:                              # fold the linked entries into their parents; they merge nowhere else
         link = chained & (merged.view(b, h, m) != 0)
         e_slots = e_idx.view(b, h, m)
-        sizes = torch.gather(log_weight, 2, e_slots).exp() if bias else None
+        lw_e = torch.gather(log_weight, 2, e_slots) if bias else None
         k_f, v_f, sizes = fold_chains(k_e, v_e, parent, link, w_e.view(b, h, m),
-                                      math.e if variant == "paper" else 1.0, variant == "code", sizes)
+                                      math.e if variant == "paper" else 1.0, variant == "code",
+                                      None if lw_e is None else lw_e.exp())
         k_e.copy_(k_f)
         v_e.copy_(v_f)
         merged.masked_fill_(chained.view(-1), 0)
         if bias:                            # the merge kernel reads the evicted entries' sizes from their slots
-            log_weight.scatter_(2, e_slots, torch.where(valid, sizes.log(), torch.gather(log_weight, 2, e_slots)))
+            log_weight.scatter_(2, e_slots, torch.where(valid, sizes.log(), lw_e))
     before = length.clone() if others else None
     move_dst = torch.empty(b * h, m, dtype=torch.int64, device=dev)
     move_src = torch.empty(b * h, m, dtype=torch.int64, device=dev)

@@ -116,11 +116,6 @@ def chain_window(valid: Tensor, width: int) -> tuple[Tensor, Tensor]:
     return index.clamp(min=0), index >= 0
 
 
-def take(x: Tensor, index: Tensor) -> Tensor:
-    """x [B, Hkv, E, ...] at ``index`` [B, Hkv, w] along dim 2."""
-    return torch.gather(x, 2, index.view(*index.shape, *([1] * (x.dim() - 3))).expand(*index.shape, *x.shape[3:]))
-
-
 def put(x: Tensor, index: Tensor, ok: Tensor, values: Tensor) -> Tensor:
     """A copy of x [B, Hkv, E, ...] with ``values`` [B, Hkv, w, ...] written at ``index`` where ``ok`` (the others
     go to a spare column, dropped: no duplicate target, one scatter without reduction)."""

@@ -31,7 +31,7 @@ from kvpass.kernels.d2o_evict_one import (
 )
 from kvpass.kernels.d2o_evict_one import merged_rows as _merged_rows
 from kvpass.kernels.d2o_evict_one_ragged import d2o_evict_one_ragged_steps
-from kvpass.kernels.d2o_merge_chains import chain_similarities, chain_window, fold_chains, put, take
+from kvpass.kernels.d2o_merge_chains import chain_similarities, chain_window, fold_chains, put
 from kvpass.policies.allocation import apportion
 from kvpass.policies.base import Policy, Stat, require
 from kvpass.policies.selection import kept_slots, ordered_slots, select_kept
@@ -377,22 +377,25 @@ class D2O(Policy):
         chains = self._chaining()
         if chains:                              # a later evicted entry may be the better target (merge_chains)
             index, ok = chain_window(valid, self.interval)
-            k_w, v_w = take(k_e, index), take(v_e, index)
+            k_w, v_w = gather_slots(k_e, index), gather_slots(v_e, index)
             u_m = torch.where(matched, u_star, float("-inf"))
-            u_w, chained_w, parent = chain_similarities(k_w, ok & take(valid, index), take(u_m, index))
+            u_w, chained_w, parent = chain_similarities(k_w, ok & gather_slots(valid, index),
+                                                        gather_slots(u_m, index))
             u_star, chained = put(u_m, index, ok, u_w), put(torch.zeros_like(valid), index, ok, chained_w)
             matched = matched | chained
         u_star = torch.where(matched, u_star, 0.0)
         merged, w_e, w_self = self._threshold_and_merge(out.state, u_star, matched)
-        score_e = torch.gather(self._score(cache).float(), 2, e_idx) + SCORE_EPS
+        score_e = None
         if self.merge_weighting == "score":     # [OURS] w_self per kept entry [B, Hkv, K, 1]
+            score_e = torch.gather(self._score(cache).float(), 2, e_idx) + SCORE_EPS
             w_e = torch.where(merged, score_e, 0.0)
         sizes = torch.gather(cache.log_weight, 2, e_idx).exp() if self.merge_bias else None
         if chains:                              # the linked entries fold into their evicted parents, children first
-            own = take(score_e, index) if self.merge_weighting == "score" else w_self
-            k_w, v_w, s_w = fold_chains(k_w, v_w, parent, ok & take(chained & merged, index), take(w_e, index), own,
+            own = gather_slots(score_e, index) if self.merge_weighting == "score" else w_self
+            link = ok & gather_slots(chained & merged, index)
+            k_w, v_w, s_w = fold_chains(k_w, v_w, parent, link, gather_slots(w_e, index), own,
                                         self.d2o_variant == "code" and self.merge_weighting != "score",
-                                        None if sizes is None else take(sizes, index))
+                                        None if sizes is None else gather_slots(sizes, index))
             k_e, v_e = put(k_e, index, ok, k_w), put(v_e, index, ok, v_w)
             sizes = None if sizes is None else put(sizes, index, ok, s_w)
             merged, w_e = merged & ~chained, torch.where(chained, 0.0, w_e)

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from kvpass.cache import gather_slots
 from kvpass.kernels.d2o_evict_many import evict_many_in_place, evict_many_triton, split_tensor
 from kvpass.kernels.d2o_evict_one import NO_FLOOR
 from kvpass.kernels.d2o_merge_chains import (
@@ -18,7 +19,6 @@ from kvpass.kernels.d2o_merge_chains import (
     chain_window,
     fold_chains,
     put,
-    take,
 )
 
 
@@ -124,9 +124,9 @@ def test_window_takes_the_last_valid_entries_and_put_writes_only_those() -> None
     index, ok = chain_window(valid, 3)
     assert index.tolist() == [[[1, 2, 3], [0, 0, 0]]] and ok.tolist() == [[[True, True, True], [False, False, True]]]
     x = torch.arange(10.0).view(1, 2, 5)
-    assert torch.equal(take(x, index), torch.tensor([[[1.0, 2, 3], [5, 5, 5]]]))
+    assert torch.equal(gather_slots(x, index), torch.tensor([[[1.0, 2, 3], [5, 5, 5]]]))
     got = put(x, index, ok, torch.full((1, 2, 3), -1.0))
     assert got.tolist() == [[[0, -1, -1, -1, 4], [-1, 6, 7, 8, 9]]]
     rows = torch.arange(20.0).view(1, 2, 5, 2)                 # [B, Hkv, E, D] rows move whole
-    assert torch.equal(take(rows, index)[0, 0], rows[0, 0, 1:4])
+    assert torch.equal(gather_slots(rows, index)[0, 0], rows[0, 0, 1:4])
     assert torch.equal(put(rows, index, ok, torch.zeros(1, 2, 3, 2))[0, 1, 1:], rows[0, 1, 1:])
