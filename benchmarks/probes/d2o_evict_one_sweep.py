@@ -47,7 +47,7 @@ def main() -> None:
         def call(st=st, keep=keep, **kw):
             st["length"].fill_(a.c)
             d2o_evict_one_triton(st["k"], st["v"], st["col_sum"], st["position"], st["log_weight"], st["length"],
-                                 st["tau"], st["tau_set"], [], keep, 4, keep // 4, 0.7, "paper", **kw)
+                                 st["tau"], st["tau_set"], [], [], keep, 4, keep // 4, 0.7, "paper", **kw)
 
         arm = time_fn(lambda st=st: st["length"].fill_(a.c), torch.device("cuda")) * 1e6
         counts = [None if x == "none" else int(x) for x in a.splits.split(",")]

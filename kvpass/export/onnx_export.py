@@ -131,14 +131,15 @@ class ExportPlan:
 
 
 def per_step_graphs(model: KVPassModel) -> RewrittenGraphs:
-    """The model's graphs with a decode step that returns its scores: where the policy defers them
-    (``RewrittenGraphs.deferred_scores``, a ring of queries the runtime reads), built again without deferral,
-    since the exported step is run by callers that know nothing of that ring (the runner adds the returned
-    scores every step, as the compress graph expects)."""
+    """The model's graphs with a decode step that returns its scores and attends with the plain op: where the
+    policy defers them (``RewrittenGraphs.deferred_scores``, a ring of queries the runtime reads) or its attention
+    seeks nearest keys for the next compression (``nearest_layers``, state the runtime keeps), built again without
+    either, since the exported step is run by callers that know nothing of that state (the runner adds the
+    returned scores every step, as the compress graph expects)."""
     graphs = model.graphs
-    if not graphs.deferred_scores:
+    if not (graphs.deferred_scores or graphs.nearest_layers):
         return graphs
-    return compile_model(model.captured, model.policy, sites=graphs.sites, defer_scores=False)
+    return compile_model(model.captured, model.policy, sites=graphs.sites, defer_scores=False, fuse_nearest=False)
 
 
 def graph_specs(model: KVPassModel, max_length: int, budget: int | None = None,

@@ -34,6 +34,10 @@ from kvpass.kernels.d2o_evict_many import d2o_evict_many, d2o_evict_many_referen
 from kvpass.kernels.d2o_evict_one import d2o_evict_one, d2o_evict_one_reference
 from kvpass.kernels.d2o_evict_one_ragged import d2o_evict_one_ragged, d2o_evict_one_ragged_reference
 from kvpass.kernels.decode_attention import decode_attention, decode_attention_reference
+from kvpass.kernels.decode_attention_nearest import (
+    decode_attention_nearest,
+    decode_attention_nearest_reference,
+)
 from kvpass.kernels.ems_expansion_attention import ems_expansion_attention, ems_expansion_attention_reference
 from kvpass.kernels.gemv import gemv, gemv_reference
 from kvpass.kernels.lowest_slots import lowest_slots, lowest_slots_reference
@@ -69,6 +73,7 @@ REFERENCES: dict[str, Callable] = {
     "d2o_evict_one": d2o_evict_one_reference,
     "d2o_evict_one_ragged": d2o_evict_one_ragged_reference,
     "decode_attention": decode_attention_reference,
+    "decode_attention_nearest": decode_attention_nearest_reference,
     "ems_expansion_attention": ems_expansion_attention_reference,
     "gemv": gemv_reference,
     "lowest_slots": lowest_slots_reference,
@@ -115,6 +120,7 @@ __all__ = [
     "d2o_evict_one", "d2o_evict_one_reference",
     "d2o_evict_one_ragged", "d2o_evict_one_ragged_reference",
     "decode_attention", "decode_attention_reference",
+    "decode_attention_nearest", "decode_attention_nearest_reference",
     "ems_expansion_attention", "ems_expansion_attention_reference",
     "gemv", "gemv_reference",
     "lowest_slots", "lowest_slots_reference",

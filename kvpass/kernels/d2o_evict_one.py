@@ -236,14 +236,42 @@ def score_merged_rows(into: Tensor, src: Tensor, merged: Tensor, w_into: Tensor,
     return torch.where(merged[..., None], new.to(into.dtype), into)
 
 
+def next_candidates(col_sum: Tensor, position: Tensor, length: Tensor, e: Tensor, keep: int, sinks: int, recent: int,
+                    m: int) -> Tensor:
+    """[B, Hkv, m] int64: the m lowest-``col_sum`` entries the next step may evict (after this step's eviction of
+    e [B, Hkv, 1] in a full row, before its moves: one more position has left the recent window, and the newest
+    entry, slot C - 1, is named as e, where it moves), -1 for none and for rows that evict nothing. Which of equal
+    scores are named is unspecified: only the set's lowest scores are defined."""
+    b, h, c = col_sum.shape
+    j = torch.arange(c, device=col_sum.device)
+    evict = length > keep
+    newest = position[..., c - 1:]
+    ok = (j < length[..., None]) & (j >= sinks) & (position <= newest + 1 - recent) & (j != e) & evict[..., None]
+    low = torch.where(ok, col_sum.double(), float("inf")).topk(min(m, c), dim=-1, largest=False)
+    slot = torch.where(low.indices == c - 1, e, low.indices)
+    picked = torch.where(low.values < float("inf"), slot, -1)
+    return torch.nn.functional.pad(picked, (0, m - picked.shape[-1]), value=-1)
+
+
 def d2o_evict_one_reference(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor,
-                            length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: int,
-                            sinks: int, recent: int, beta: float, variant: str, min_cos: float = NO_FLOOR,
+                            length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], nearest: list[Tensor],
+                            keep: int, sinks: int, recent: int, beta: float, variant: str, min_cos: float = NO_FLOOR,
                             target_from: int = 0, bias: bool = False) -> None:
     """The in-place step in plain torch (the op's definition; CPU and export). O(C) reads of the
-    scores and keys of a row, writes of two slots per row (index_select / index_copy_)."""
+    scores and keys of a row, writes of two slots per row (index_select / index_copy_).
+
+    ``nearest``: [] or the layer's five tensors of kvpass/kernels/decode_attention_nearest.py (next, from, cand,
+    best, slot): the step also names the next step's candidates (``next_candidates``) and the first target slot.
+    The decode attention's results for this step's candidates (cand, best, slot) are what the scan would find, so
+    the reference scans; the Triton step takes them where e is among the candidates."""
+    if nearest:
+        e = pick_one(k, v, col_sum, position, length, keep, sinks, recent, target_from).e
+        nxt = next_candidates(col_sum, position, length, e, keep, sinks, recent, nearest[0].shape[-1])
     evict_one_in_place(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks, recent,
                        target_from, beta, variant, min_cos, bias)
+    if nearest:
+        nearest[0].copy_(nxt)
+        nearest[1].fill_(target_from)
 
 
 def evict_one_in_place(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor,
@@ -354,10 +382,27 @@ def _of_row(SCALAR, ROWS, b, RAGGED: tl.constexpr):
 _LENGTHS = ("C", "CHUNK", "KEEP", "SPLITS")
 
 
+@triton.jit
+def _lowest_into(score, c0, vals, slots, NPICK: tl.constexpr, BLOCK_SCAN: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The running NPICK lowest (vals, slots) [BLOCK_K] (inf, -1: none yet) with the NPICK lowest of ``score``
+    [BLOCK_SCAN] of slots c0.. (inf: not a candidate) put in: each pick replaces the list's largest if lower."""
+    offs_k = tl.arange(0, BLOCK_K)
+    lanes = tl.arange(0, BLOCK_SCAN)
+    for _ in tl.static_range(NPICK):
+        low = tl.min(score, 0)
+        at = tl.argmin(score, 0)
+        held = tl.where(offs_k < NPICK, vals, float("-inf"))
+        take = (offs_k == tl.argmax(held, 0)) & (held > low)          # the largest held, where low is lower
+        vals = tl.where(take, low, vals)
+        slots = tl.where(take, c0 + at.to(tl.int64), slots)
+        score = tl.where(lanes == at, float("inf"), score)
+    return vals, slots
+
+
 @triton.jit(do_not_specialize=(*_LENGTHS, "SINKS", "RECENT", "HKV"))
 def _candidate_kernel(
-    COL, POS, LENGTH, LOW, ARG, C, CHUNK, KEEP, SINKS, RECENT, SPLITS, HKV, KEEPS, SINKSS, RECENTS,
-    BLOCK_SCAN: tl.constexpr, RAGGED: tl.constexpr,
+    COL, POS, LENGTH, LOW, ARG, NXV, NXS, C, CHUNK, KEEP, SINKS, RECENT, SPLITS, HKV, KEEPS, SINKSS, RECENTS,
+    BLOCK_SCAN: tl.constexpr, RAGGED: tl.constexpr, NPICK: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -369,28 +414,38 @@ def _candidate_kernel(
     newest = tl.load(POS + base + tl.where(evict, n - 1, C - 1))
     low = tl.full([], float("inf"), tl.float32)
     e = lo.to(tl.int64)
+    next_vals = tl.full([BLOCK_K], float("inf"), tl.float32)
+    next_slots = tl.full([BLOCK_K], -1, tl.int64)
     for c0 in range(lo, hi, BLOCK_SCAN):
         offs = c0 + tl.arange(0, BLOCK_SCAN)
         m = offs < hi
         pos = tl.load(POS + base + offs, mask=m, other=-1)
-        score = tl.load(COL + base + offs, mask=m, other=0.0)
-        score = tl.where(m & (offs >= sinks) & (pos <= newest - recent), score, float("inf"))
+        col = tl.load(COL + base + offs, mask=m, other=0.0)
+        score = tl.where(m & (offs >= sinks) & (pos <= newest - recent), col, float("inf"))
         blk_low = tl.min(score, 0)
         blk_e = tl.argmin(score, 0).to(tl.int64) + c0
         e = tl.where(blk_low < low, blk_e, e)
         low = tl.minimum(blk_low, low)
+        if NPICK > 0:                 # the next step's candidates: one more position leaves the recent window
+            nxt = tl.where(m & (offs >= sinks) & (pos <= newest + 1 - recent), col, float("inf"))
+            next_vals, next_slots = _lowest_into(nxt, c0, next_vals, next_slots, NPICK, BLOCK_SCAN, BLOCK_K)
     out = row.to(tl.int64) * SPLITS + split
     tl.store(LOW + out, low)
     tl.store(ARG + out, e)
+    if NPICK > 0:
+        offs_k = tl.arange(0, BLOCK_K)
+        tl.store(NXV + out * BLOCK_K + offs_k, next_vals)
+        tl.store(NXS + out * BLOCK_K + offs_k, next_slots)
 
 
 @triton.jit(do_not_specialize=(*_LENGTHS, "TARGET_FROM"))
 def _nearest_key_kernel(
-    K, LENGTH, LOW, ARG, E, BEST, NEAREST,
+    K, LENGTH, LOW, ARG, E, BEST, NEAREST, NXV, NXS, NEXT, FROM, NEAR_CAND, NEAR_BEST, NEAR_SLOT,
     skb, skh, skc, skd,
     HKV, C, CHUNK, KEEP, SPLITS, TARGET_FROM, KEEPS, TARGETS,
     HEAD_DIM: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr, ACC: tl.constexpr, F64: tl.constexpr, RAGGED: tl.constexpr,
+    M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -404,6 +459,16 @@ def _nearest_key_kernel(
     arg = tl.load(ARG + parts, mask=offs_s < SPLITS, other=0)
     first = tl.argmin(low, 0, tie_break_left=True)
     e = tl.where(evict, tl.sum(tl.where(offs_s == first, arg, 0), 0), C - 1)
+    if M > 0:                          # e's nearest key from the decode attention, where e was its candidate
+        offs_r = tl.arange(0, M)
+        hit = evict & (tl.load(NEAR_CAND + row.to(tl.int64) * M + offs_r) == e)
+        known = tl.max(hit.to(tl.int32), 0) > 0
+        hi = tl.where(known, lo, hi)                                # then nothing to scan
+        at = tl.argmax(hit.to(tl.int32), 0)
+        known_best = tl.sum(tl.where(offs_r == at, tl.load(NEAR_BEST + row.to(tl.int64) * M + offs_r), 0.0), 0)
+        known_slot = tl.sum(tl.where(offs_r == at, tl.load(NEAR_SLOT + row.to(tl.int64) * M + offs_r), 0), 0)
+        if split == 0:
+            _next_candidates(NXV, NXS, NEXT, FROM, row, e, n - 1, target_from, SPLITS, M, BLOCK_SPLITS, BLOCK_K)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     k_row = K + b * skb + g * skh
@@ -423,10 +488,36 @@ def _nearest_key_kernel(
         blk_j = tl.argmax(s, 0).to(tl.int64) + c0
         nearest = tl.where(blk_best > best, blk_j, nearest)
         best = tl.maximum(blk_best, best)
+    if M > 0:
+        best = tl.where(known & (split == 0), known_best.to(ACC), best)
+        nearest = tl.where(known & (split == 0), known_slot, nearest)
     out = row.to(tl.int64) * SPLITS + split
     tl.store(BEST + out, best)
     tl.store(NEAREST + out, nearest)
     tl.store(E + row, e, mask=split == 0)
+
+
+@triton.jit
+def _next_candidates(NXV, NXS, NEXT, FROM, row, e, last, target_from, SPLITS, M: tl.constexpr,
+                     BLOCK_SPLITS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The next step's M candidates of ``row`` from kernel A's lists: the M lowest other than e (slot ``last``,
+    the newest entry, named as e, where kernel C moves it; -1 for none), and the row's first target slot."""
+    offs = tl.arange(0, BLOCK_SPLITS * BLOCK_K)
+    flat = row.to(tl.int64) * SPLITS * BLOCK_K + offs
+    ok = offs < SPLITS * BLOCK_K
+    slots = tl.load(NXS + flat, mask=ok, other=-1)
+    vals = tl.where(ok & (slots >= 0) & (slots != e), tl.load(NXV + flat, mask=ok, other=float("inf")), float("inf"))
+    offs_r = tl.arange(0, M)
+    picked = tl.full([M], -1, tl.int64)
+    for r in tl.static_range(M):
+        low = tl.min(vals, 0)
+        at = tl.argmin(vals, 0)
+        slot = tl.sum(tl.where(offs == at, slots, 0), 0)
+        slot = tl.where(slot == last, e, slot)
+        picked = tl.where(offs_r == r, tl.where(low < float("inf"), slot, -1), picked)
+        vals = tl.where(offs == at, float("inf"), vals)
+    tl.store(NEXT + row.to(tl.int64) * M + offs_r, picked)
+    tl.store(FROM + row, target_from)
 
 
 # Kernel C, program b over its heads g (vectors of BLOCK_H):
@@ -615,22 +706,22 @@ def default_splits(rows: int, c: int, device: torch.device) -> int:
 # C = 6555: 23.6 us a layer at B = 1 and 54 at B = 4, from 26.8 and 85.5 with 64-key blocks and 2 programs
 # an SM; the two-kernel version before: 32.2 at B = 1).
 def d2o_evict_one_triton(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor,
-                         length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: int,
-                         sinks: int, recent: int, beta: float, variant: str, min_cos: float = NO_FLOOR,
+                         length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], nearest: list[Tensor],
+                         keep: int, sinks: int, recent: int, beta: float, variant: str, min_cos: float = NO_FLOOR,
                          target_from: int = 0, bias: bool = False, *, splits: int | None = None,
                          block_c: int = 32, block_scan: int = 1024, num_warps: int = 8,
                          heads: HeadGroup = SINGLE_PROCESS) -> None:
     """The three Triton kernels (same contract as ``d2o_evict_one_reference``; with ``heads``, as
     ``evict_one_in_place``'s: the threshold over every rank's heads); scratch: 5 tensors of B Hkv (splits)
-    elements."""
-    run_layers([d2o_evict_one_steps(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks,
-                                    recent, beta, variant, min_cos, target_from, bias, splits=splits, block_c=block_c,
-                                    block_scan=block_scan, num_warps=num_warps, heads=heads)], heads)
+    elements, and with ``nearest`` the candidate lists, 2 of B Hkv splits 8."""
+    run_layers([d2o_evict_one_steps(k, v, col_sum, position, log_weight, length, tau, tau_set, others, nearest, keep,
+                                    sinks, recent, beta, variant, min_cos, target_from, bias, splits=splits,
+                                    block_c=block_c, block_scan=block_scan, num_warps=num_warps, heads=heads)], heads)
 
 
 def d2o_evict_one_steps(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor,
-                        length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: int,
-                        sinks: int, recent: int, beta: float, variant: str, min_cos: float = NO_FLOOR,
+                        length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], nearest: list[Tensor],
+                        keep: int, sinks: int, recent: int, beta: float, variant: str, min_cos: float = NO_FLOOR,
                         target_from: int = 0, bias: bool = False, *, splits: int | None = None,
                         block_c: int = 32, block_scan: int = 1024, num_warps: int = 8,
                         heads: HeadGroup = SINGLE_PROCESS) -> Generator[Gathered, Gathered, None]:
@@ -638,9 +729,28 @@ def d2o_evict_one_steps(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor,
     require_triton()
     check_evict_one_inputs(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks, recent,
                            variant, target_from)
+    check_nearest_state(k, nearest)
     return evict_one_steps(k, v, col_sum, position, log_weight, length, tau, tau_set, others,
                            (keep, sinks, recent, target_from), None, beta, variant, min_cos, bias, splits, block_c,
-                           block_scan, num_warps, heads)
+                           block_scan, num_warps, heads, nearest)
+
+
+def check_nearest_state(k: Tensor, nearest: list[Tensor]) -> None:
+    """ValueError unless ``nearest`` is [] or the five tensors of ``NEAREST_INPUTS`` for k's [B, Hkv] rows."""
+    if not nearest:
+        return
+    b, h = k.shape[:2]
+    m = nearest[0].shape[-1]
+    shapes = ((b, h, m), (b, h), (b, h, m), (b, h, m), (b, h, m))
+    dtypes = (torch.int64, torch.int64, torch.int64, torch.float32, torch.int64)
+    if len(nearest) != 5 or m < 1 or m & (m - 1) or any(
+            tuple(t.shape) != s or t.dtype != d or not t.is_contiguous()
+            for t, s, d in zip(nearest, shapes, dtypes, strict=True)):
+        raise ValueError(f"nearest must be [] or (next, from, cand, best, slot): contiguous int64 [B, Hkv, M], int64 "
+                         f"[B, Hkv], int64, fp32, int64 [B, Hkv, M] for [B, Hkv] = {[b, h]}, M a power of 2; got "
+                         f"{[(t.dtype, tuple(t.shape)) for t in nearest]}")
+    for t in nearest:
+        check_device("nearest", t, k.device)
 
 
 Gathered = tuple[Tensor, Tensor] | None          # every rank's (u, ev) [B, H_ALL] of one layer; None in one process
@@ -675,13 +785,17 @@ def evict_one_steps(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log
                     tau: Tensor, tau_set: Tensor, others: list[Tensor], split: tuple[int, int, int, int],
                     row_split: tuple[Tensor, Tensor, Tensor, Tensor] | None, beta: float, variant: str,
                     min_cos: float, bias: bool, splits: int | None, block_c: int, block_scan: int,
-                    num_warps: int, heads: HeadGroup = SINGLE_PROCESS) -> Generator[Gathered, Gathered, None]:
+                    num_warps: int, heads: HeadGroup = SINGLE_PROCESS, nearest: list[Tensor] | None = None
+                    ) -> Generator[Gathered, Gathered, None]:
     """Kernels A, B, C on checked inputs, in two halves for ``run_layers``: launches kernels A and B, yields
     this rank's (u [B, Hkv] fp32: each head's best similarity where it evicts, else 0; ev [B, Hkv] bool: whether
     it evicts) under tensor parallelism (None in one process), takes back every rank's (u, ev as uint8)
     [B, H_ALL], whose sum kernel C's threshold takes as one process does, then launches kernel C and moves the
     other metadata. ``split``: (keep, sinks, recent, target_from) of every row; ``row_split``: the same as [B]
-    int64 tensors, one value per batch row (``d2o_evict_one_ragged``; then ``split`` is ignored), or None."""
+    int64 tensors, one value per batch row (``d2o_evict_one_ragged``; then ``split`` is ignored), or None.
+    ``nearest``: the layer's (next, from, cand, best, slot) of kvpass/kernels/decode_attention_nearest.py, or None:
+    kernel A also lists each split's lowest entries for the next step, kernel B takes e's nearest key from the
+    decode attention where e was one of its candidates (else it scans) and names the next step's candidates."""
     b, h, c, d = k.shape
     keep, sinks, recent, target_from = split
     ragged = row_split is not None
@@ -693,19 +807,26 @@ def evict_one_steps(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log
     low = torch.empty(b * h * splits, dtype=torch.float32, device=k.device)
     arg = torch.empty(b * h * splits, dtype=torch.int64, device=k.device)
     best = torch.empty(b * h * splits, dtype=acc, device=k.device)
-    nearest = torch.empty(b * h * splits, dtype=torch.int64, device=k.device)
+    nearest_slot = torch.empty(b * h * splits, dtype=torch.int64, device=k.device)
     if others:                                                        # before kernel C shortens rows
         evict = length > (keeps[:, None] if ragged else keep)
         last = newest_slot(length, evict, c) if ragged else c - 1
     block_d = max(16, next_pow2(d))
     tl_acc = tl.float64 if acc == torch.float64 else tl.float32
+    m = nearest[0].shape[-1] if nearest else 0
+    block_k = next_pow2(m + 1) if m else 1
+    nx_val = torch.empty(b * h * splits * block_k if m else 1, dtype=torch.float32, device=k.device)
+    nx_slot = torch.empty(nx_val.numel(), dtype=torch.int64, device=k.device)
+    nxt, c_from, n_cand, n_best, n_slot = nearest if nearest else (e,) * 5                # not read without
     _candidate_kernel[(b * h, splits)](
-        col_sum, position, length, low, arg, c, chunk, keep, sinks, recent, splits, h, keeps, sinkss, recents,
-        BLOCK_SCAN=min(block_scan, next_pow2(chunk)), RAGGED=ragged, num_warps=4)
+        col_sum, position, length, low, arg, nx_val, nx_slot, c, chunk, keep, sinks, recent, splits, h, keeps, sinkss,
+        recents, BLOCK_SCAN=min(block_scan, next_pow2(chunk)), RAGGED=ragged, NPICK=m + 1 if m else 0, BLOCK_K=block_k,
+        num_warps=4)
     _nearest_key_kernel[(b * h, splits)](
-        k, length, low, arg, e, best, nearest, *k.stride(), h, c, chunk, keep, splits, target_from, keeps, targets,
+        k, length, low, arg, e, best, nearest_slot, nx_val, nx_slot, nxt, c_from, n_cand, n_best, n_slot,
+        *k.stride(), h, c, chunk, keep, splits, target_from, keeps, targets,
         HEAD_DIM=d, BLOCK_C=block_c, BLOCK_D=block_d, BLOCK_SPLITS=next_pow2(splits),
-        ACC=tl_acc, F64=acc == torch.float64, RAGGED=ragged, num_warps=num_warps)
+        ACC=tl_acc, F64=acc == torch.float64, RAGGED=ragged, M=m, BLOCK_K=block_k, num_warps=num_warps)
     mine: Gathered = None
     if heads.world > 1:                                 # what kernel C computes per head, for every rank's
         ev = length > (keeps[:, None] if ragged else keep)                                    # [B, Hkv]
@@ -713,7 +834,7 @@ def evict_one_steps(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log
     every = yield mine                                  # every rank's, from run_layers' all-gather
     u_all, ev_all = every if every is not None else (best, e)        # not read unless sharded
     _merge_move_kernel[(b,)](
-        k, v, col_sum, position, log_weight, length, tau, tau_set.view(torch.uint8), e, best, nearest, u_all, ev_all,
+        k, v, col_sum, position, log_weight, length, tau, tau_set.view(torch.uint8), e, best, nearest_slot, u_all, ev_all,
         *k.stride(), *v.stride(), h, c, keep, splits, float(beta), 1.0 - float(beta),
         math.e if variant == "paper" else 1.0, float(min_cos), keeps, h * heads.world,
         HEAD_DIM=d, BLOCK_H=next_pow2(h), BLOCK_D=min(block_d, 128),
@@ -730,24 +851,24 @@ def evict_one_steps(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log
 
 
 @torch.library.custom_op("kvpass::d2o_evict_one", mutates_args=(
-    "k", "v", "col_sum", "position", "log_weight", "length", "tau", "tau_set", "others"))
+    "k", "v", "col_sum", "position", "log_weight", "length", "tau", "tau_set", "others", "nearest"))
 def d2o_evict_one(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor, length: Tensor,
-                  tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: int, sinks: int, recent: int,
-                  beta: float, variant: str, min_cos: float = NO_FLOOR, target_from: int = 0,
+                  tau: Tensor, tau_set: Tensor, others: list[Tensor], nearest: list[Tensor], keep: int, sinks: int,
+                  recent: int, beta: float, variant: str, min_cos: float = NO_FLOOR, target_from: int = 0,
                   bias: bool = False) -> None:
-    d2o_evict_one_reference(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks,
+    d2o_evict_one_reference(k, v, col_sum, position, log_weight, length, tau, tau_set, others, nearest, keep, sinks,
                             recent, beta, variant, min_cos, target_from, bias)
 
 
 @d2o_evict_one.register_fake
-def _(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks, recent, beta, variant,
+def _(k, v, col_sum, position, log_weight, length, tau, tau_set, others, nearest, keep, sinks, recent, beta, variant,
       min_cos=NO_FLOOR, target_from=0, bias=False):
     return None
 
 
 if HAS_TRITON:
     @d2o_evict_one.register_kernel("cuda")
-    def _(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks, recent, beta, variant,
-          min_cos=NO_FLOOR, target_from=0, bias=False):
-        d2o_evict_one_triton(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks,
+    def _(k, v, col_sum, position, log_weight, length, tau, tau_set, others, nearest, keep, sinks, recent, beta,
+          variant, min_cos=NO_FLOOR, target_from=0, bias=False):
+        d2o_evict_one_triton(k, v, col_sum, position, log_weight, length, tau, tau_set, others, nearest, keep, sinks,
                              recent, beta, variant, min_cos, target_from, bias)

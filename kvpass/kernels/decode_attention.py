@@ -100,21 +100,78 @@ def _dot(a, b, DOT: tl.constexpr):
 
 
 @triton.jit
-def _logits2(q, k, lw, scale, softcap, HAS_SOFTCAP: tl.constexpr, DOT: tl.constexpr):
-    """q [BM, BD], k [BN, BD], lw [BN] fp32 -> base-2 logits [BM, BN] fp32 (with the bias)."""
-    s = _dot(q, tl.trans(k), DOT) * scale
+def _logits2(raw, lw, scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    """raw = q . k [BM, BN] fp32, lw [BN] fp32 -> base-2 logits [BM, BN] fp32 (with the bias)."""
+    s = raw * scale
     if HAS_SOFTCAP:
         s = softcap * _tanh(s / softcap)
     return (s + lw[None, :]) * 1.4426950408889634
 
 
+# Nearest keys of candidate slots (``decode_attention_nearest``: D2O's next eviction, docs/policies.md §5.5). For
+# each of the NCAND candidate slots c_r of KV row (b, g) (-1: none), over the live slots j of the split (log-weight
+# > -inf), j != c_r, j >= from[b, g]:
+#     cos_rj = (k_c . k_j) / max(|k_c|, eps) / max(|k_j|, eps)          (eps = 1e-12; fp32, IEEE sqrt and division)
+#     best_r, slot_r = running (max, first argmax) over the split's tiles (a later tile wins only if greater)
+# k_c rides in row G*T + r of the query tile (rows G*T.. are otherwise zero padding), so the tile's one dot gives
+# k_c . k_j beside q . k_j and K is read once for both. The merge launch combines the splits (an earlier split
+# wins ties), so slot_r is the lowest slot of the maximum, as a scan of the whole row finds it.
+
+@triton.jit
+def _candidate_rows(CAND, FROM, k_base, pid_bg, offs_m, offs_d, d_mask, skc, skd, GT, NCAND: tl.constexpr):
+    """Per query-tile row m: the candidate slot of row m (rows GT..GT+NCAND-1; -1 elsewhere or for none), its key
+    (zeros where none), the key's norm max(|k_c|, eps) and the split's first target slot from[b, g]."""
+    r = offs_m - GT
+    is_c = (offs_m >= GT) & (r < NCAND)
+    cand = tl.load(CAND + pid_bg.to(tl.int64) * NCAND + tl.where(is_c, r, 0), mask=is_c, other=-1)
+    kc = tl.load(k_base + cand[:, None] * skc + offs_d[None, :] * skd, mask=(cand >= 0)[:, None] & d_mask[None, :],
+                 other=0.0)
+    c32 = kc.to(tl.float32)
+    c_norm = tl.maximum(tl.sqrt_rn(tl.sum(c32 * c32, 1)), 1e-12)
+    return cand, kc, c_norm, tl.load(FROM + pid_bg)
+
+
+@triton.jit
+def _nearest_in_tile(raw, k, lw, n0, offs_n, cand, c_norm, c_from, c_best, c_arg):
+    """The running (best, slot) of every candidate row after the tile of slots offs_n = n0 + [0, BN): raw = the
+    tile's dot products [BM, BN], k its keys [BN, BD], lw their log-weights (-inf: empty or past the cache)."""
+    k32 = k.to(tl.float32)
+    k_norm = tl.maximum(tl.sqrt_rn(tl.sum(k32 * k32, 1)), 1e-12)
+    cos = tl.div_rn(tl.div_rn(raw, c_norm[:, None]), k_norm[None, :])
+    ok = ((cand >= 0)[:, None] & (lw > float("-inf"))[None, :] & (offs_n[None, :] != cand[:, None])
+          & (offs_n >= c_from)[None, :])
+    cos = tl.where(ok, cos, float("-inf"))
+    blk = tl.max(cos, 1)
+    blk_j = tl.argmax(cos, 1).to(tl.int64) + n0
+    better = blk > c_best
+    return tl.where(better, blk, c_best), tl.where(better, blk_j, c_arg)
+
+
+@triton.jit
+def _combine_nearest(CAND, PBEST, PARG, NEAR_CAND, NEAR_BEST, NEAR_SLOT, pid_bg, NUM_SPLITS,
+                     NCAND: tl.constexpr, BLOCK_SC: tl.constexpr):
+    """Row (b, g)'s candidates over its splits: the first maximum (an earlier split wins ties) and its slot."""
+    offs_s = tl.arange(0, BLOCK_SC)
+    offs_r = tl.arange(0, NCAND)
+    parts = (pid_bg.to(tl.int64) * NUM_SPLITS + offs_s)[:, None] * NCAND + offs_r[None, :]
+    m = (offs_s < NUM_SPLITS)[:, None]
+    part = tl.load(PBEST + parts, mask=m, other=float("-inf"))
+    first = tl.argmax(part, 0, tie_break_left=True)
+    slot = tl.sum(tl.where(offs_s[:, None] == first[None, :], tl.load(PARG + parts, mask=m, other=0), 0), 0)
+    out = pid_bg.to(tl.int64) * NCAND + offs_r
+    tl.store(NEAR_BEST + out, tl.max(part, 0))
+    tl.store(NEAR_SLOT + out, slot)
+    tl.store(NEAR_CAND + out, tl.load(CAND + out))
+
+
 @triton.jit
 def _decode_attention_split_kernel(
-    Q, K, V, LW, OUT, OPART, LSE, LOGITS,
+    Q, K, V, LW, OUT, OPART, LSE, LOGITS, CAND, FROM, PBEST, PARG, NEAR_CAND, NEAR_BEST, NEAR_SLOT,
     sqb, sqh, sqt, sqd, skb, skh, skc, skd, svb, svh, svc, svd, slb, slh, slc, sob, soh, sot, sod,
     HKV, C, T, G, SPLIT_LEN, NUM_SPLITS, scale, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, DOT: tl.constexpr, DIRECT: tl.constexpr, WANT_SCORES: tl.constexpr,
+    NCAND: tl.constexpr,
 ):
     pid_bg = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -128,13 +185,19 @@ def _decode_attention_split_kernel(
     tok = offs_m % T
     q_ptrs = Q + b * sqb + head[:, None] * sqh + tok[:, None] * sqt + offs_d[None, :] * sqd
     q = tl.load(q_ptrs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    k_base = K + b * skb + g * skh
+    if NCAND > 0:             # the candidates' keys ride in the query tile's spare rows (decode_attention_nearest)
+        cand, kc, c_norm, c_from = _candidate_rows(CAND, FROM, k_base, pid_bg, offs_m, offs_d, d_mask, skc, skd,
+                                                   G * T, NCAND)
+        q = tl.where((cand >= 0)[:, None], kc.to(q.dtype), q)
+        c_best = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        c_arg = tl.zeros([BLOCK_M], tl.int64)
 
     start = pid_s * SPLIT_LEN
     end = tl.minimum(start + SPLIT_LEN, C)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    k_base = K + b * skb + g * skh
     v_base = V + b * svb + g * svh
     lw_base = LW + b * slb + g * slh
     for n0 in range(start, end, BLOCK_N):
@@ -143,7 +206,10 @@ def _decode_attention_split_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_base + offs_n[:, None] * skc + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
         lw = tl.load(lw_base + offs_n * slc, mask=n_mask, other=float("-inf"))
-        s = _logits2(q, k, lw, scale, softcap, HAS_SOFTCAP, DOT)
+        raw = _dot(q, tl.trans(k), DOT)
+        s = _logits2(raw, lw, scale, softcap, HAS_SOFTCAP)
+        if NCAND > 0:
+            c_best, c_arg = _nearest_in_tile(raw, k, lw, n0, offs_n, cand, c_norm, c_from, c_best, c_arg)
         if WANT_SCORES:       # keep the logits (G*T x 4 bytes a slot, vs 4*D bytes of K and V) for the scores pass
             l_ptrs = LOGITS + (pid_bg.to(tl.int64) * G * T + offs_m[:, None]) * C + offs_n[None, :]
             tl.store(l_ptrs, s, mask=m_mask[:, None] & n_mask[None, :])
@@ -167,6 +233,18 @@ def _decode_attention_split_kernel(
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         part = OPART + ((pid_bg * NUM_SPLITS + pid_s) * BLOCK_M + offs_m[:, None]) * BLOCK_D + offs_d[None, :]
         tl.store(part, o, mask=m_mask[:, None])
+    if NCAND > 0:
+        r = offs_m - G * T                                   # candidate r's row
+        is_c = (offs_m >= G * T) & (r < NCAND)
+        if DIRECT:
+            out = pid_bg.to(tl.int64) * NCAND + r
+            tl.store(NEAR_CAND + out, cand, mask=is_c)
+            tl.store(NEAR_BEST + out, c_best, mask=is_c)
+            tl.store(NEAR_SLOT + out, c_arg, mask=is_c)
+        else:
+            out = (pid_bg.to(tl.int64) * NUM_SPLITS + pid_s) * NCAND + r
+            tl.store(PBEST + out, c_best, mask=is_c)
+            tl.store(PARG + out, c_arg, mask=is_c)
 
 
 @triton.jit
@@ -229,9 +307,10 @@ def _scores_block(LOGITS, LSE, S, pid_bg, n0, C, T, G, NUM_SPLITS,
 
 @triton.jit
 def _decode_attention_merge_kernel(
-    OUT, OPART, LSE, LOGITS, S, sob, soh, sot, sod, HKV, C, T, G, NUM_SPLITS, COMBINE_ROWS,
+    OUT, OPART, LSE, LOGITS, S, CAND, PBEST, PARG, NEAR_CAND, NEAR_BEST, NEAR_SLOT,
+    sob, soh, sot, sod, HKV, C, T, G, NUM_SPLITS, COMBINE_ROWS,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, NCAND: tl.constexpr, BLOCK_SC: tl.constexpr,
 ):
     # Program (b, g, i): i < COMBINE_ROWS merges the splits of row m = i (COMBINE_ROWS = G*T, 0 when the split
     # kernel wrote o itself); a later i computes the scores of slot block i - COMBINE_ROWS. One launch for both:
@@ -243,6 +322,10 @@ def _decode_attention_merge_kernel(
     if i < COMBINE_ROWS:
         _combine_row(OUT, OPART, LSE, pid_bg, i, b, g, sob, soh, sot, sod, T, G, NUM_SPLITS, HEAD_DIM, BLOCK_M,
                      BLOCK_D, BLOCK_S)
+        if NCAND > 0:
+            if i == 0:
+                _combine_nearest(CAND, PBEST, PARG, NEAR_CAND, NEAR_BEST, NEAR_SLOT, pid_bg, NUM_SPLITS, NCAND,
+                                 BLOCK_SC)
     else:
         _scores_block(LOGITS, LSE, S, pid_bg, (i - COMBINE_ROWS) * BLOCK_N, C, T, G, NUM_SPLITS, BLOCK_M, BLOCK_N,
                       BLOCK_S)
@@ -320,18 +403,22 @@ def check_decode_inputs(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor, sca
 
 def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor, scale: float,
                             softcap: float | None = None, want_scores: bool = False, *,
+                            nearest: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None,
                             num_splits: int | None = None, block_n: int | None = None,
                             num_warps: int | None = None, num_stages: int | None = None) -> tuple[Tensor, Tensor]:
-    """The Triton decode attention (same contract as ``decode_attention_reference``). The keyword
-    arguments override the launch heuristics (tests and the benchmark sweep use them); on CUDA, a tile and stage
-    count that would not fit the device's shared memory (fp32, a small GPU) is narrowed (``fit_pipeline``)."""
+    """The Triton decode attention (same contract as ``decode_attention_reference``). ``nearest``: (candidates
+    [B, Hkv, M] int64, target_from [B, Hkv] int64, near_cand, near_best, near_slot [B, Hkv, M]), the inputs and
+    outputs of ``decode_attention_nearest`` (checked there). The keyword arguments override the launch
+    heuristics (tests and the benchmark sweep use them); on CUDA, a tile and stage count that would not fit the
+    device's shared memory (fp32, a small GPU) is narrowed (``fit_pipeline``)."""
     require_triton()
     check_decode_inputs(q, k, v, log_weight, scale, softcap)
     b, hq, t, d = q.shape
     hkv, c = k.shape[1], k.shape[2]
     group = hq // hkv
     rows = group * t
-    block_m = max(16, next_pow2(rows))
+    n_cand = 0 if nearest is None else nearest[0].shape[-1]
+    block_m = max(16, next_pow2(rows + n_cand))
     block_d = max(16, next_pow2(d))
     wide = block_m <= WIDE_TILE_ROWS and block_d <= 128
     if block_n is None:
@@ -354,21 +441,26 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor,
     dot = dot_mode(q)
     cap = float(softcap) if softcap is not None else 1.0
     logits = torch.empty(b * hkv * rows * c if want_scores else 1, device=q.device, dtype=torch.float32)
+    cand, c_from, near_cand, near_best, near_slot = nearest if nearest is not None else (lse,) * 5   # unread if none
+    p_best = torch.empty(b * hkv * splits * n_cand if n_cand and not direct else 1, device=q.device,
+                         dtype=torch.float32)
+    p_arg = torch.empty(p_best.numel(), device=q.device, dtype=torch.int64)
     _decode_attention_split_kernel[(b * hkv, splits)](
-        q, k, v, log_weight, o, part, lse, logits,
+        q, k, v, log_weight, o, part, lse, logits, cand, c_from, p_best, p_arg, near_cand, near_best, near_slot,
         *q.stride(), *k.stride(), *v.stride(), *log_weight.stride(), *o.stride(),
         hkv, c, t, group, split_len, splits, float(scale), cap,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        HAS_SOFTCAP=softcap is not None, DOT=dot, DIRECT=direct, WANT_SCORES=want_scores,
+        HAS_SOFTCAP=softcap is not None, DOT=dot, DIRECT=direct, WANT_SCORES=want_scores, NCAND=n_cand,
         num_warps=num_warps, num_stages=num_stages)
     scores = torch.empty((b, hkv, c) if want_scores else (0,), device=q.device, dtype=torch.float32)
     combine_rows = 0 if direct else rows
     score_blocks = triton.cdiv(c, SCORE_BLOCK) if want_scores else 0
     if combine_rows + score_blocks:
         _decode_attention_merge_kernel[(b * hkv, combine_rows + score_blocks)](
-            o, part, lse, logits, scores, *o.stride(), hkv, c, t, group, splits, combine_rows,
+            o, part, lse, logits, scores, cand, p_best, p_arg, near_cand, near_best, near_slot,
+            *o.stride(), hkv, c, t, group, splits, combine_rows,
             HEAD_DIM=d, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_S=min(32, next_pow2(splits)), BLOCK_N=SCORE_BLOCK,
-            num_warps=4)
+            NCAND=0 if direct else n_cand, BLOCK_SC=next_pow2(splits), num_warps=4)
     return o, scores
 
 

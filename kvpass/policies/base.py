@@ -215,6 +215,13 @@ class Policy:
         same ``col_sum`` up to rounding. Default 0: every step returns its row."""
         return 0
 
+    def nearest_candidates(self) -> int:
+        """M > 0: the policy's decode-time compression of a layer seeks the nearest key of one of M candidate slots
+        that it names a step ahead, and the decode step's attention finds them from its own read of K
+        (``kvpass::decode_attention_nearest``, kvpass/kernels/decode_attention_nearest.py): the rewrite gives those
+        layers the op and the runtime their state. Default 0: no such search."""
+        return 0
+
     def rows_in_one_call(self, budgets: Sequence[int], capacities: Sequence[int]) -> bool:
         """Whether a layer whose batch row b has budget ``budgets[b]`` and is compressed when it holds
         ``capacities[b]`` entries (its own budget + interval, or fewer for a short row) can be compressed

@@ -32,6 +32,7 @@ from kvpass.kernels.d2o_evict_one import (
 from kvpass.kernels.d2o_evict_one import merged_rows as _merged_rows
 from kvpass.kernels.d2o_evict_one_ragged import d2o_evict_one_ragged_steps
 from kvpass.kernels.d2o_merge_chains import chain_similarities, chain_window, fold_chains, put
+from kvpass.kernels.decode_attention_nearest import CANDIDATES, NEAREST_INPUTS, has_nearest_state
 from kvpass.policies.allocation import apportion
 from kvpass.policies.base import Policy, Stat, require
 from kvpass.policies.selection import kept_slots, ordered_slots, select_kept
@@ -88,6 +89,9 @@ class D2O(Policy):
         their kept queries instead of at every step (``deferred_scores``: the same scores up to rounding, a
         step without the per-slot scores pass). False: every step's attention returns its row (the
         before/after of tests and benchmarks).
+    fuse_nearest: with ``interval`` 1 on CUDA, the decode attention also finds the nearest key of the four
+        entries the next step may evict (``nearest_candidates``), so that step need not read the keys again:
+        the same slots and values. False: every step scans the keys (the before/after of benchmarks).
 
     Options, off by default (docs/d2o-official.md says which are the paper's, which the code's, and why):
     scores: "accumulated" (the paper: prompt column sums + every decode row) or "window": the first
@@ -151,6 +155,7 @@ class D2O(Policy):
     skip_layers: tuple[int, ...] = ()
     interval: int = 1
     defer_scores: bool = True
+    fuse_nearest: bool = True
     scores: str = "accumulated"
     window: int = 32
     window_kernel: int = 7
@@ -187,7 +192,7 @@ class D2O(Policy):
         require(isinstance(self.window_kernel, int) and self.window_kernel >= 1 and self.window_kernel % 2 == 1,
                 f"d2o: window_kernel must be an odd int >= 1, got {self.window_kernel!r}")
         require(self.window_pool in ("avg", "max"), f"d2o: window_pool must be 'avg' or 'max', got {self.window_pool!r}")
-        for name in ("merge", "merge_into_sinks", "merge_bias", "merge_chains", "defer_scores"):
+        for name in ("merge", "merge_into_sinks", "merge_bias", "merge_chains", "defer_scores", "fuse_nearest"):
             require(isinstance(getattr(self, name), bool), f"d2o: {name} must be True or False, got {getattr(self, name)!r}")
         protect = self.merge_protect
         require(isinstance(protect, (int, float)) and not isinstance(protect, bool) and 0.0 <= protect < 1.0,
@@ -223,6 +228,13 @@ class D2O(Policy):
         (every m steps), so the steps' rows are computed then, from the last m queries (``Policy.deferred_scores``);
         the steps in between attend without scores. ``defer_scores=False``: every step returns its row."""
         return self.interval if self.defer_scores and self.interval > 1 else 0
+
+    def nearest_candidates(self) -> int:
+        """``fuse_nearest`` with the one-in-one-out step of the Triton op (``interval`` 1, no merge_protect or score
+        weights): the step names the M = 4 entries of lowest score the next step may evict, and the decode
+        attention finds their nearest keys from its own read of K, so the next step reads the keys again only
+        where its entry was not among them (kvpass/kernels/decode_attention_nearest.py). Same slots and values."""
+        return CANDIDATES if self.fuse_nearest and self.interval == 1 and self._in_place_op_applies() else 0
 
     def uncompressed_layers(self, n_layers: int) -> frozenset[int]:
         if self.skip_memory != "extra":
@@ -455,7 +467,8 @@ class D2O(Policy):
         elif self.heads.world > 1 and self._triton_step(cache):     # the threshold over every rank's heads
             self.compress_layers_into([(cache, keep)])
         elif self._triton_step(cache) and self.heads.world == 1:
-            torch.ops.kvpass.d2o_evict_one(*layer, keep, sinks, recent, self.beta, self.d2o_variant, self._min_cos(),
+            torch.ops.kvpass.d2o_evict_one(*layer, self._nearest(cache), keep, sinks, recent, self.beta,
+                                           self.d2o_variant, self._min_cos(),
                                            self._target_from(keep), self.merge_bias)
         else:
             evict_one_in_place(*layer, keep, sinks, recent, self._target_from(keep), *self._step_options(),
@@ -474,6 +487,11 @@ class D2O(Policy):
         others = [t for n, t in cache.slot_meta.items() if n != score]
         return (cache.k, cache.v, cache.slot_meta[score], cache.position, cache.log_weight, cache.length,
                 cache.state[TAU], cache.state[TAU_SET], others)
+
+    @staticmethod
+    def _nearest(cache: LayerCache) -> list[Tensor]:
+        """The layer's state of the fused nearest-key search (``nearest_candidates``), or [] where it has none."""
+        return [cache.state[n] for n in NEAREST_INPUTS] if has_nearest_state(cache) else []
 
     def _step_options(self) -> tuple[float, str, float, bool, float, bool]:
         """The plain-torch in-place steps' trailing arguments (``evict_one_in_place``, ``evict_many_in_place``):
@@ -518,7 +536,8 @@ class D2O(Policy):
         if cache.capacity != keep + 1:
             return None
         sinks, _, recent = self.split(keep)
-        return d2o_evict_one_steps(*layer, keep, sinks, recent, self.beta, self.d2o_variant, self._min_cos(),
+        return d2o_evict_one_steps(*layer, self._nearest(cache), keep, sinks, recent, self.beta, self.d2o_variant,
+                                   self._min_cos(),
                                    self._target_from(keep), self.merge_bias, heads=self.heads)
 
     def rows_in_one_call(self, budgets: Sequence[int], capacities: Sequence[int]) -> bool:

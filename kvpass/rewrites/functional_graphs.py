@@ -173,6 +173,10 @@ def functional_decode(graphs: RewrittenGraphs, policy: Policy, meta: dict[int, t
     if graphs.deferred_scores:
         raise ValueError(f"functional decode needs a decode graph that returns its scores; layers "
                          f"{list(graphs.deferred_scores)} defer them: build it with compile_model(..., defer_scores=False)")
+    if graphs.nearest_layers:
+        raise ValueError(f"functional decode needs a decode graph of the plain attention; layers "
+                         f"{list(graphs.nearest_layers)} seek nearest keys in theirs: build it with "
+                         "compile_model(..., fuse_nearest=False)")
     decode = graphs.decode
     old = iter(n for n in decode.graph.nodes if n.op == "placeholder")
     graph = Graph()

@@ -18,6 +18,9 @@ decode(input_ids [B, 1], position_ids [B, 1], then per layer: k_cache_l, v_cache
     with recent_query_l [B, Hq, m, D] and recent_position_l [B, m] int64, a ring the step writes its query and
     position into (``kvpass::write_query``), and their attention returns no scores (the runtime computes the
     kept queries' rows before the layer's next compression, kvpass/runtime/recent_queries.py).
+    Where the policy names candidate slots whose nearest keys its next compression seeks (``Policy.nearest_candidates``
+    M > 0: D2O's one-in-one-out step, ``nearest_layers`` below), a layer's inputs end with the five tensors of
+    ``NEAREST_INPUTS`` and it attends with ``kvpass::decode_attention_nearest``, which finds them from its read of K.
     A layer some of whose KV heads keep every token (``Policy.full_kv_heads``, Chelsea's outlier heads)
     is split into two dense sub-groups (docs/policies.md §0.6 b): k_cache_l, v_cache_l, log_weight_l, slot_l,
     position_l (and the scores) cover its other heads, in order, [B, Hkv - F, C_l, ...], and the inputs
@@ -43,6 +46,7 @@ from torch.fx import Graph, GraphModule, Node
 
 import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
 from kvpass.cache import LayerCache, entries_from_prompt
+from kvpass.kernels.decode_attention_nearest import NEAREST_INPUTS
 from kvpass.policies.base import Attention, Policy, Stat
 from kvpass.rewrites.attention_sites import (
     AttentionSite,
@@ -91,6 +95,7 @@ class RewrittenGraphs:
     prefill_stats: tuple[tuple[int, Stat], ...]    # (layer, stat) of each stats output, in order
     decode_scores: tuple[int, ...]                 # layers whose step scores the decode graph returns
     deferred_scores: tuple[int, ...] = ()          # layers whose step queries the decode graph keeps instead
+    nearest_layers: tuple[int, ...] = ()           # layers whose attention also seeks the candidates' nearest keys
     full_heads: dict[int, tuple[int, ...]] = field(default_factory=dict)   # layer -> KV heads kept full
     fused_linears: bool = False                    # fuse_sibling_linears ran on both graphs
 
@@ -318,11 +323,23 @@ def deferred_score_layers(sites: list[AttentionSite], policy: Policy, split: dic
     return frozenset(s.layer for s in sites if s.window is None and s.layer not in split)
 
 
+def nearest_search_layers(sites: list[AttentionSite], policy: Policy, split: dict[int, tuple[int, ...]],
+                          deferred: frozenset[int], fuse_nearest: bool = True) -> frozenset[int]:
+    """The layers whose decode attention also seeks the nearest keys of the policy's candidate slots: where
+    ``fuse_nearest`` and the policy names them (``Policy.nearest_candidates`` > 0), the layer is compressed,
+    full-attention, one dense group, its scores not deferred, and the policy has no decode inputs of its own."""
+    if not (fuse_nearest and policy.compresses and policy.nearest_candidates() > 0
+            and policy.attention is Attention.DENSE and not policy.decode_inputs):
+        return frozenset()
+    return frozenset(s.layer for s in sites if s.window is None and s.layer not in split and s.layer not in deferred)
+
+
 def build_decode(gm: GraphModule, sites: list[AttentionSite], policy: Policy,
-                 full_heads: dict[int, tuple[int, ...]] | None = None, defer_scores: bool = True
-                 ) -> tuple[GraphModule, tuple[int, ...], tuple[int, ...]]:
-    """The decode-step graph; returns it, the layers whose scores it returns and those whose queries it keeps
-    (``deferred_score_layers``; ``defer_scores=False``: none, every step returns its scores)."""
+                 full_heads: dict[int, tuple[int, ...]] | None = None, defer_scores: bool = True,
+                 fuse_nearest: bool = True) -> tuple[GraphModule, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """The decode-step graph; returns it, the layers whose scores it returns, those whose queries it keeps
+    (``deferred_score_layers``; ``defer_scores=False``: none, every step returns its scores) and those that seek
+    nearest keys (``nearest_search_layers``; ``fuse_nearest=False``: none)."""
     if policy.attention not in DECODE_ATTENTION_OPS:
         raise NotImplementedError(f"decode attention variant {policy.attention.value} has no op yet")
     split = split_heads(full_heads or {}, sites)
@@ -335,9 +352,10 @@ def build_decode(gm: GraphModule, sites: list[AttentionSite], policy: Policy,
     full_base = ("k_full", "v_full", "log_weight_full", "slot_full", "position_full")
     pos = [n for n in graph.nodes if n.op == "placeholder"][1]            # position_ids [B, 1]
     deferred = deferred_score_layers(sites, policy, split, defer_scores)
+    nearest = nearest_search_layers(sites, policy, split, deferred, fuse_nearest)
     names = [f"{what}_{s.layer}" for s in sites
              for what in base + (policy_inputs if s.window is None else ()) + (full_base if s.layer in split else ())
-             + (RECENT_INPUTS if s.layer in deferred else ())]
+             + (RECENT_INPUTS if s.layer in deferred else ()) + (NEAREST_INPUTS if s.layer in nearest else ())]
     inputs = iter(_add_inputs(graph, names))
     scores, score_layers = [], []
     for site in sites:
@@ -357,7 +375,11 @@ def build_decode(gm: GraphModule, sites: list[AttentionSite], policy: Policy,
                                           q, k, v, pos)
             else:
                 recent = [next(inputs) for _ in RECENT_INPUTS] if site.layer in deferred else None
-                res = _write_and_attend(graph, site, attend, q, k, v, pos, cache, extra, want)
+                if site.layer in nearest:     # next, from, cand, best, slot: the op's inputs after log_weight
+                    res = _write_and_attend(graph, site, ops.decode_attention_nearest.default, q, k, v, pos, cache,
+                                            [next(inputs) for _ in NEAREST_INPUTS], want)
+                else:
+                    res = _write_and_attend(graph, site, attend, q, k, v, pos, cache, extra, want)
                 attn = graph.call_function(operator.getitem, (res, 0))
                 if recent is not None:     # after the write: rope_into_write_kv folds rope(q) only where every
                     graph.call_function(ops.write_query.default, (*recent, pos, q))     # reader follows it
@@ -366,25 +388,26 @@ def build_decode(gm: GraphModule, sites: list[AttentionSite], policy: Policy,
                 score_layers.append(site.layer)
         target.replace_all_uses_with(attn)
     return (_finish(graph, gm, [_logits_node(out)] + scores, "KVPassDecode"), tuple(score_layers),
-            tuple(s.layer for s in sites if s.layer in deferred))
+            tuple(s.layer for s in sites if s.layer in deferred), tuple(s.layer for s in sites if s.layer in nearest))
 
 
 def insert_compressed_cache(gm: GraphModule, sites: list[AttentionSite], policy: Policy,
-                            defer_scores: bool = True) -> RewrittenGraphs:
+                            defer_scores: bool = True, fuse_nearest: bool = True) -> RewrittenGraphs:
     """Build the prefill and decode graphs of ``policy`` over the captured graph ``gm``. With
     ``policy.expand_kv_heads`` the sites are expanded first (the returned ``sites`` say so); a policy's
     full-cache KV heads (named in the model's KV heads) then keep all their G copies. ``defer_scores=False``:
-    every decode step returns its scores even where the policy defers them (the exporters' per-step graphs)."""
+    every decode step returns its scores even where the policy defers them (the exporters' per-step graphs);
+    ``fuse_nearest=False``: no layer seeks nearest keys in its attention (the exporters' graphs too)."""
     if policy.expand_kv_heads:
         sites = expand_kv_heads(sites)
     full_heads = {}
     if policy.compresses:
         full_heads = expanded_head_indices(policy.full_kv_heads(per_model_kv_head(sites)), sites)
     prefill, stat_keys = build_prefill(gm, sites, policy)
-    decode, score_layers, deferred = build_decode(gm, sites, policy, full_heads, defer_scores)
+    decode, score_layers, deferred, nearest = build_decode(gm, sites, policy, full_heads, defer_scores, fuse_nearest)
     log.info("insert_compressed_cache: rewrote %d attention sites (%s)%s%s", len(sites), policy.name,
              ", KV heads expanded per query head" if any(s.kv_repeat > 1 for s in sites) else "",
              f", full-cache KV heads {full_heads}" if full_heads else "")
     return RewrittenGraphs(prefill=prefill, decode=decode, sites=tuple(sites),
                            prefill_stats=stat_keys, decode_scores=score_layers, deferred_scores=deferred,
-                           full_heads=full_heads)
+                           nearest_layers=nearest, full_heads=full_heads)

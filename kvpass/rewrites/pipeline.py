@@ -96,7 +96,8 @@ def _fuse(graphs: list[GraphModule], decode: GraphModule | None, fuse_linears: b
 
 def compile_model(captured: CapturedModel, policy: Policy, *, fuse_linears: bool | None = None,
                   prefill_only: bool = False, last_logits_only: bool = True,
-                  sites: Sequence[AttentionSite] | None = None, defer_scores: bool = True) -> RewrittenGraphs:
+                  sites: Sequence[AttentionSite] | None = None, defer_scores: bool = True,
+                  fuse_nearest: bool = True) -> RewrittenGraphs:
     """Every pass after capture, in order: ``insert_compressed_cache`` for ``policy`` (on a sharded capture,
     then ``check_sharded_prefill``), then the fusion passes (``fuse_sibling_linears`` on both graphs where
     ``fuse_linears``, default on CUDA only; on CUDA ``linears_to_gemv`` on the decode graph).
@@ -106,7 +107,8 @@ def compile_model(captured: CapturedModel, policy: Policy, *, fuse_linears: bool
     prefill_only: build the prefill graph alone (``decode`` is None): ``policy`` may then be anything with
     ``stats``, ``stat_options`` and ``compresses`` (``kvpass.eval.shared.StatUnion``); last_logits_only:
     whether the prefill's LM head runs on the last position only (False: logits [B, T, V]); defer_scores: False
-    builds a decode graph that returns every step's scores even where the policy defers them (the exporters')."""
+    builds a decode graph that returns every step's scores even where the policy defers them (the exporters');
+    fuse_nearest: False builds one whose attention never seeks the policy's nearest keys (the exporters' too)."""
     if sites is None:
         if not captured.sites:
             raise ValueError("compile_model needs a capture with its attention sites: capture_model(model), "
@@ -125,7 +127,7 @@ def compile_model(captured: CapturedModel, policy: Policy, *, fuse_linears: bool
     if sharded and policy.compresses and policy.full_kv_heads(per_model_kv_head(list(captured.model_sites))):
         raise UnsupportedModel(f"tensor parallel: {policy.name}'s full-cache KV heads (a calibration's outlier "
                                "heads) are not supported yet; run it in one process or without the calibration")
-    graphs = insert_compressed_cache(captured.gm, sites, policy, defer_scores)
+    graphs = insert_compressed_cache(captured.gm, sites, policy, defer_scores, fuse_nearest)
     if sharded:
         check_sharded_prefill(graphs.prefill, list(graphs.sites), captured.vocab)
     fused = _fuse([graphs.prefill, graphs.decode], graphs.decode, fuse_linears, on_cuda)

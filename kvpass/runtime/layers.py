@@ -29,6 +29,7 @@ from kvpass.cache import (
 )
 from kvpass.decode_step import StaticDecodeStep
 from kvpass.head_group import HeadGroup
+from kvpass.kernels.decode_attention_nearest import add_nearest_state
 from kvpass.policies.base import Policy
 from kvpass.rewrites import RewrittenGraphs
 from kvpass.rewrites.insert_compressed_cache import prompt_cache
@@ -291,6 +292,8 @@ def build_layers(model: RuntimeModel, kv: Sequence[Tensor] | None, stats: dict[i
             setattr(lay.cache, name, getattr(lay.cache, name).to("cpu").pin_memory())
         if site.layer in model.graphs.deferred_scores:
             add_recent_queries(lay.cache, site.n_heads, model.policy.deferred_scores())
+        if site.layer in model.graphs.nearest_layers:
+            add_nearest_state(lay.cache, model.policy.nearest_candidates())
     return layers, compressions
 
 

@@ -22,6 +22,7 @@ from kvpass.cache import (
     with_capacity,
 )
 from kvpass.decode_step import fork_side_by_side, join_pending
+from kvpass.kernels.decode_attention_nearest import NEAREST_INPUTS, has_nearest_state
 from kvpass.rewrites.attention_sites import AttentionSite
 from kvpass.rewrites.insert_compressed_cache import DECODE_STATS
 from kvpass.runtime.layers import (
@@ -329,7 +330,8 @@ class DecodeSession:
         full = ([] if lay.full is None else
                 [lay.full.k, lay.full.v, lay.full.log_weight, lay.full.length, lay.full.position])
         recent = [cache.state[n] for n in RECENT_INPUTS] if has_recent_queries(cache) else []
-        return [cache.k, cache.v, cache.log_weight, slot, cache.position, *extra, *full, *recent]
+        near = [cache.state[n] for n in NEAREST_INPUTS] if has_nearest_state(cache) else []
+        return [cache.k, cache.v, cache.log_weight, slot, cache.position, *extra, *full, *recent, *near]
 
     def _device_step(self, tokens: Tensor, compress: tuple[int, ...] = ()) -> Tensor:
         """The device work of one step: compression of the layers ``compress`` names, slots, the decode

@@ -89,7 +89,7 @@ def copied(layer: dict[str, torch.Tensor], device: str | torch.device) -> dict[s
 def run_step(impl, layer: dict[str, torch.Tensor], keep: int, sinks: int, recent: int, variant: str,
              **kwargs) -> None:
     impl(layer["k"], layer["v"], layer["col_sum"], layer["position"], layer["log_weight"], layer["length"],
-         layer["tau"], layer["tau_set"], [layer["window"]], keep, sinks, recent, 0.7, variant, **kwargs)
+         layer["tau"], layer["tau_set"], [layer["window"]], [], keep, sinks, recent, 0.7, variant, **kwargs)
 
 
 def merge_outcomes(layer: dict[str, torch.Tensor], keep: int, sinks: int, recent: int, variant: str
@@ -333,4 +333,4 @@ def test_triton_equals_reference_with_the_merge_guard_and_bias(variant: str, tri
 
 def _args(layer: dict[str, torch.Tensor], keep: int, sinks: int, recent: int, variant: str) -> tuple:
     return (layer["k"], layer["v"], layer["col_sum"], layer["position"], layer["log_weight"], layer["length"],
-            layer["tau"], layer["tau_set"], [layer["window"]], keep, sinks, recent, 0.7, variant)
+            layer["tau"], layer["tau_set"], [layer["window"]], [], keep, sinks, recent, 0.7, variant)

@@ -37,7 +37,7 @@ def _step(layer: dict[str, torch.Tensor], variant: str, ragged: bool, heads=None
         d2o_evict_one_ragged_triton(*args, keep, sinks, recent, target, 0.7, variant, heads=heads, splits=2,
                                     block_c=4, block_scan=8)
     else:
-        d2o_evict_one_triton(*args, KEEP, 3, 4, 0.7, variant, heads=heads, splits=2, block_c=4, block_scan=8)
+        d2o_evict_one_triton(*args, [], KEEP, 3, 4, 0.7, variant, heads=heads, splits=2, block_c=4, block_scan=8)
 
 
 def _steps(layer: dict[str, torch.Tensor], variant: str, heads):
@@ -52,7 +52,7 @@ def _steps(layer: dict[str, torch.Tensor], variant: str, heads):
         keep, sinks, recent, target = (torch.full((b,), x, dtype=torch.long) for x in (KEEP, 3, 4, 0))
         return d2o_evict_one_ragged_steps(*args, keep, sinks, recent, target, 0.7, variant, heads=heads, splits=2,
                                           block_c=4, block_scan=8)
-    return d2o_evict_one_steps(*args, KEEP, 3, 4, 0.7, variant, heads=heads, splits=2, block_c=4, block_scan=8)
+    return d2o_evict_one_steps(*args, [], KEEP, 3, 4, 0.7, variant, heads=heads, splits=2, block_c=4, block_scan=8)
 
 
 # layers of one step: (batch, seed); three of 3 rows (one gather) and one of 2 rows, ragged (a second)

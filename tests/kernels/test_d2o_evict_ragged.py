@@ -109,7 +109,7 @@ def test_ragged_reference_with_one_keep_is_the_one_budget_reference() -> None:
     gen, gen2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
     for step in range(3):
         d2o_evict_one_reference(want["k"], want["v"], want["col_sum"], want["position"], want["log_weight"],
-                                want["length"], want["tau"], want["tau_set"], [want["window"]], keep, sinks, recent,
+                                want["length"], want["tau"], want["tau_set"], [want["window"]], [], keep, sinks, recent,
                                 0.7, "paper")
         run_ragged(d2o_evict_one_ragged_reference, got, split, "paper")
         for name, t in want.items():

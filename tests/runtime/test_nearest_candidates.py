@@ -1,0 +1,70 @@
+"""D2O's fused nearest-key search end to end (``Policy.nearest_candidates``, kvpass/kernels/decode_attention_nearest.py):
+the decode graph attends with ``decode_attention_nearest`` where the paper's one-in-one-out step runs, the runtime
+keeps the layers' state, and generation is token for token what it is without (``fuse_nearest=False``), here with
+the Triton eviction (under the interpreter, as on CUDA) taking the attention's results where it can; the exporters
+get the plain attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvpass.policies.d2o as d2o_module
+from kvpass.export.onnx_export import per_step_graphs
+from kvpass.kernels.d2o_evict_one import d2o_evict_one_triton, pick_one
+from tests.conftest import padded_batch
+from tests.policies.policy_helpers import apply_cached
+from tests.runtime.test_rows_independent import _greedy
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+NEAREST_OP = torch.ops.kvpass.decode_attention_nearest.default
+
+
+def _attention_ops(kv) -> list:
+    return [n.target for n in kv.graphs.decode.graph.nodes
+            if n.op == "call_function" and "decode_attention" in str(n.target)]
+
+
+def test_the_paper_step_attends_with_the_search_and_the_rest_do_not():
+    kv = apply_cached("llama", "d2o", 0.4)
+    layers = tuple(s.layer for s in kv.graphs.sites)
+    assert kv.graphs.nearest_layers == layers and _attention_ops(kv) == [NEAREST_OP] * len(layers)
+    for other in (apply_cached("llama", "d2o", 0.4, fuse_nearest=False), apply_cached("llama", "d2o", 0.4, interval=3),
+                  apply_cached("llama", "d2o", 0.4, merge_protect=0.5), apply_cached("llama", "h2o", 0.4)):
+        assert other.graphs.nearest_layers == () and NEAREST_OP not in _attention_ops(other)
+    exported = per_step_graphs(kv)
+    assert exported.nearest_layers == () and NEAREST_OP not in [n.target for n in exported.decode.graph.nodes]
+
+
+def _triton_eviction(monkeypatch) -> list[int]:
+    """Run D2O's decode step through the Triton kernels on CPU (the interpreter); returns [hits, misses]: evicting
+    rows whose entry was among the attention's candidates, and the others."""
+    counts = [0, 0]
+
+    def op(k, v, col_sum, position, log_weight, length, tau, tau_set, others, nearest, keep, sinks, recent, *rest):
+        if nearest:
+            e = pick_one(k, v, col_sum, position, length, keep, sinks, recent).e
+            hit = (nearest[2] == e).any(-1)[length > keep]
+            counts[0] += int(hit.sum())
+            counts[1] += int((~hit).sum())
+        d2o_evict_one_triton(k, v, col_sum, position, log_weight, length, tau, tau_set, others, nearest, keep, sinks,
+                             recent, *rest, splits=2, block_c=8, block_scan=16)
+
+    monkeypatch.setattr(d2o_module.D2O, "_triton_step", lambda self, cache: self._in_place_op_applies())
+    monkeypatch.setattr(torch.ops.kvpass, "d2o_evict_one", op)
+    return counts
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton step on CPU tensors needs the interpreter (no GPU); "
+                    "on a GPU benchmarks/probes/nearest_candidates_gpu.py checks the same")
+@pytest.mark.parametrize("lengths", [[40], [33]])        # one row: one budget, the in-place step of compress_into
+def test_same_tokens_and_logits_as_the_scanning_step(monkeypatch, lengths):
+    counts = _triton_eviction(monkeypatch)
+    fused = apply_cached("llama", "d2o", 0.4)
+    plain = apply_cached("llama", "d2o", 0.4, fuse_nearest=False)
+    ids, mask = padded_batch(lengths, seed=5)
+    tokens, logits = _greedy(fused, ids, mask)
+    assert counts[0] > 0, counts                        # the step took the attention's results
+    want_tokens, want_logits = _greedy(plain, ids, mask)
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
