@@ -781,6 +781,9 @@ def run_layers(steps: list[Generator[Gathered, Gathered, None]], heads: HeadGrou
         raise RuntimeError("evict_one_steps yielded twice")
 
 
+NEXT_PER_SPLIT: int | None = None    # probe: the lowest entries each split lists for the next step's candidates
+
+
 def evict_one_steps(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor, length: Tensor,
                     tau: Tensor, tau_set: Tensor, others: list[Tensor], split: tuple[int, int, int, int],
                     row_split: tuple[Tensor, Tensor, Tensor, Tensor] | None, beta: float, variant: str,
@@ -814,13 +817,14 @@ def evict_one_steps(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log
     block_d = max(16, next_pow2(d))
     tl_acc = tl.float64 if acc == torch.float64 else tl.float32
     m = nearest[0].shape[-1] if nearest else 0
-    block_k = next_pow2(m + 1) if m else 1
+    per_split = min(NEXT_PER_SPLIT or m + 1, m + 1) if m else 0
+    block_k = next_pow2(per_split) if m else 1
     nx_val = torch.empty(b * h * splits * block_k if m else 1, dtype=torch.float32, device=k.device)
     nx_slot = torch.empty(nx_val.numel(), dtype=torch.int64, device=k.device)
     nxt, c_from, n_cand, n_best, n_slot = nearest if nearest else (e,) * 5                # not read without
     _candidate_kernel[(b * h, splits)](
         col_sum, position, length, low, arg, nx_val, nx_slot, c, chunk, keep, sinks, recent, splits, h, keeps, sinkss,
-        recents, BLOCK_SCAN=min(block_scan, next_pow2(chunk)), RAGGED=ragged, NPICK=m + 1 if m else 0, BLOCK_K=block_k,
+        recents, BLOCK_SCAN=min(block_scan, next_pow2(chunk)), RAGGED=ragged, NPICK=per_split, BLOCK_K=block_k,
         num_warps=4)
     _nearest_key_kernel[(b * h, splits)](
         k, length, low, arg, e, best, nearest_slot, nx_val, nx_slot, nxt, c_from, n_cand, n_best, n_slot,
