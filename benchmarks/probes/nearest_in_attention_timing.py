@@ -11,7 +11,8 @@ Each row is timed from a CUDA graph by ``time_fn`` (triton's do_bench, median):
 * ``nearest[stored]``: the keys' inverse norms read from a [B, Hkv, C] fp32 tensor instead;
 * ``...+lazy``: the argmax over a tile only where some candidate's best improves;
 * ``...+elementwise``: a running (max, slot) per lane of the tile, reduced once after the loop;
-* ``evict[scan]`` / ``evict[hit]``: D2O's one-in-one-out op with its nearest-key scan, and with the attention's
+* ``evict[scan]`` / ``evict[hit]``: D2O's one-in-one-out op (scores, positions and log-weights restored before
+  each call, so every call evicts the same entries; the restore is timed apart and subtracted) with its nearest-key scan, and with the attention's
   result for its entry (the scan kernel's programs return at once); ``2 a split``: each split lists its 2 lowest
   entries for the next step's candidates, not M + 1.
 
@@ -86,14 +87,21 @@ def main() -> None:
                      torch.zeros(b, 8, dtype=torch.long, device="cuda"),
                      e.expand(-1, -1, 4).contiguous(), torch.full((b, 8, 4), 0.5, device="cuda"),
                      torch.zeros(b, 8, 4, dtype=torch.long, device="cuda")]
-        arm = time_fn(lambda: st["length"].fill_(a.c), dev) * 1e6
+        saved = {n: st[n].clone() for n in ("col_sum", "position", "log_weight")}
+
+        def rearm():                                  # the same e every call, so a hit stays a hit
+            st["length"].fill_(a.c)
+            for n, t in saved.items():
+                st[n].copy_(t)
+
+        arm = time_fn(rearm, dev) * 1e6
         import kvpass.kernels.d2o_evict_one as evict_module
         for name, state, per_split in (("evict[scan]", [], None), ("evict[hit]", hit_state, None),
                                        ("evict[hit,2 a split]", hit_state, 2)):
             evict_module.NEXT_PER_SPLIT = per_split
 
             def evict(state=state):
-                st["length"].fill_(a.c)
+                rearm()
                 d2o_evict_one_triton(st["k"], st["v"], st["col_sum"], st["position"], st["log_weight"],
                                      st["length"], st["tau"], st["tau_set"], [], state, keep, 4, keep // 4, 0.7,
                                      "paper")
