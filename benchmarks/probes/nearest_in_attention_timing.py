@@ -52,10 +52,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--c", type=int, default=6555)
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--variants", default="all", help="'all', or 'ew' (the plain attention, the elementwise search "
+                    "under a launch sweep, and the evictions)")
     a = ap.parse_args()
     dev = torch.device("cuda")
     rows = []
-    for b in (1, 32):
+    for b in (int(x) for x in a.batches.split(",")):
         x = case(b, a.c, b)
         scale = 1 / math.sqrt(128)
         nearest = (x["cand"], x["tfrom"], *x["near"])
@@ -64,6 +67,12 @@ def main() -> None:
                     "nearest[stored]": dict(nearest=nearest, key_inv_norm=x["inv"]),
                     "nearest[stored]+lazy": dict(nearest=nearest, key_inv_norm=x["inv"], lazy_argmax=True),
                     "nearest[stored]+elementwise": dict(nearest=nearest, key_inv_norm=x["inv"], elementwise=True)}
+        if a.variants == "ew":
+            ew = dict(nearest=nearest, key_inv_norm=x["inv"], elementwise=True)
+            variants = {"attention": {}, "nearest[stored]+elementwise": ew}
+            for warps, stages, bn in ((4, 2, 128), (8, 3, 128), (8, 2, 128), (4, 3, 64), (4, 4, 64), (8, 3, 64)):
+                variants[f"nearest[stored]+elementwise w{warps} s{stages} n{bn}"] = dict(
+                    ew, num_warps=warps, num_stages=stages, block_n=bn)
         want_best, want_slot = nearest_of_candidates_reference(x["k"], x["lw"], x["cand"], x["tfrom"])
         for name, kw in variants.items():
             def call(kw=kw):
