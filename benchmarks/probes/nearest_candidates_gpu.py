@@ -1,9 +1,10 @@
 """D2O's fused nearest-key search on a GPU: same tokens as the scanning step, and how often the step could use it.
 
-    python benchmarks/probes/nearest_candidates_gpu.py --out OUT.json
+    python benchmarks/probes/nearest_candidates_gpu.py --out OUT.json [--batch 4]
 
-A random bf16 Llama (8 layers, 32 query heads, 8 KV heads, head dim 128: the 8B model's attention shape), a
-``--prompt`` (4096) token prompt, budget 0.2, greedy ``--new`` (128) tokens, for ``d2o`` (the decode attention
+A random bf16 Llama (8 layers, 32 query heads, 8 KV heads, head dim 128: the 8B model's attention shape), a batch
+of ``--batch`` (4, the smallest that fuses: ``FUSE_FROM_BATCH``) ``--prompt`` (4096) token prompts, budget 0.2,
+greedy ``--new`` (128) tokens, for ``d2o`` (the decode attention
 finds the nearest keys of the next eviction's candidates, ``fuse_nearest``) and ``d2o[fuse_nearest=False]``
 (every step scans the keys):
 
@@ -40,13 +41,14 @@ def count_hits(counts: list[int]):
     """Wrap the eviction op the policy calls to count hits and misses (host syncs: eager steps only)."""
     import kvpass.policies.d2o as d2o_module  # noqa: F401
     from kvpass.kernels.d2o_evict_one import pick_one
+    from kvpass.kernels.decode_attention_nearest import fuses_at
 
     real = torch.ops.kvpass.d2o_evict_one
 
     def op(k, v, col_sum, position, log_weight, length, tau, tau_set, others, nearest, keep, sinks, recent, *rest):
-        if nearest:
+        if nearest and fuses_at(k.shape[0]):
             e = pick_one(k, v, col_sum, position, length, keep, sinks, recent).e
-            hit = (nearest[2] == e).any(-1)[length > keep]
+            hit = (nearest[3] == e).any(-1)[length > keep]
             counts[0] += int(hit.sum())
             counts[1] += int((~hit).sum())
         real(k, v, col_sum, position, log_weight, length, tau, tau_set, others, nearest, keep, sinks, recent, *rest)
@@ -63,15 +65,17 @@ def run(model, policy: str, ids: torch.Tensor, new: int) -> tuple[torch.Tensor, 
 
 
 def compare(fused: tuple[torch.Tensor, torch.Tensor], plain: tuple[torch.Tensor, torch.Tensor]) -> dict:
-    """Tokens and logits [1, n], [1, n, V] of the two runs: whether the tokens agree, the first step where they do
-    not, the largest logit difference before it, and the scanning run's margin (top-1 minus top-2 logit) there."""
-    differ = (fused[0] != plain[0])[0].nonzero()
+    """Tokens and logits [B, n], [B, n, V] of the two runs: whether the tokens agree, the first step where they do
+    not (any row), the largest logit difference before it, and the scanning run's margin (top-1 minus top-2 logit)
+    there in the first row that differs."""
+    differ = (fused[0] != plain[0]).any(0).nonzero()
     first = int(differ[0]) if len(differ) else None
     upto = first if first is not None else fused[1].shape[1]
     out = {"same_tokens": first is None, "first_different_step": first,
            "max_logit_diff_before": float((fused[1][:, :upto] - plain[1][:, :upto]).abs().max()) if upto else 0.0}
     if first is not None:
-        top2 = plain[1][0, first].topk(2).values
+        row = int((fused[0][:, first] != plain[0][:, first]).nonzero()[0])
+        top2 = plain[1][row, first].topk(2).values
         out["margin_there"] = float(top2[0] - top2[1])
     return out
 
@@ -80,11 +84,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompt", type=int, default=4096)
     ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     model = build()
-    ids = torch.randint(0, 32000, (1, a.prompt), generator=torch.Generator().manual_seed(1)).cuda()
-    result = {"device": torch.cuda.get_device_name(), "prompt": a.prompt, "new": a.new}
+    ids = torch.randint(0, 32000, (a.batch, a.prompt), generator=torch.Generator().manual_seed(1)).cuda()
+    result = {"device": torch.cuda.get_device_name(), "prompt": a.prompt, "new": a.new, "batch": a.batch}
     os.environ["KVPASS_CUDA_GRAPH"] = "0"
     counts = [0, 0]
     real, op = count_hits(counts)

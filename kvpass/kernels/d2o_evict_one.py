@@ -67,6 +67,7 @@ from torch import Tensor
 from kvpass.head_group import SINGLE_PROCESS, HeadGroup
 from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
 from kvpass.kernels.cosine_match import cosine_match_reference
+from kvpass.kernels.decode_attention_nearest import fuses_at
 
 _EPS = 1e-12
 SCORE_EPS = 1e-6       # score_weights: added to every weight (entries of zero score average)
@@ -260,10 +261,11 @@ def d2o_evict_one_reference(k: Tensor, v: Tensor, col_sum: Tensor, position: Ten
     """The in-place step in plain torch (the op's definition; CPU and export). O(C) reads of the
     scores and keys of a row, writes of two slots per row (index_select / index_copy_).
 
-    ``nearest``: [] or the layer's five tensors of kvpass/kernels/decode_attention_nearest.py (next, from, cand,
-    best, slot): the step also names the next step's candidates (``next_candidates``) and the first target slot.
-    The decode attention's results for this step's candidates (cand, best, slot) are what the scan would find, so
-    the reference scans; the Triton step takes them where e is among the candidates."""
+    ``nearest``: [] or the layer's six tensors of kvpass/kernels/decode_attention_nearest.py (next, from,
+    inv_norm, cand, best, slot): the step also names the next step's candidates (``next_candidates``) and the
+    first target slot. The decode attention's results for this step's candidates (cand, best, slot) are what the
+    scan would find, so the reference scans (and keeps no norms: its attention reads none); the Triton step takes
+    them where e is among the candidates, and keeps inv_norm for its attention."""
     if nearest:
         e = pick_one(k, v, col_sum, position, length, keep, sinks, recent, target_from).e
         nxt = next_candidates(col_sum, position, length, e, keep, sinks, recent, nearest[0].shape[-1])
@@ -440,7 +442,7 @@ def _candidate_kernel(
 
 @triton.jit(do_not_specialize=(*_LENGTHS, "TARGET_FROM"))
 def _nearest_key_kernel(
-    K, LENGTH, LOW, ARG, E, BEST, NEAREST, NXV, NXS, NEXT, FROM, NEAR_CAND, NEAR_BEST, NEAR_SLOT,
+    K, LENGTH, LOW, ARG, E, BEST, NEAREST, NXV, NXS, NEXT, FROM, NEAR_CAND, NEAR_BEST, NEAR_SLOT, INV_NORM,
     skb, skh, skc, skd,
     HKV, C, CHUNK, KEEP, SPLITS, TARGET_FROM, KEEPS, TARGETS,
     HEAD_DIM: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -482,14 +484,24 @@ def _nearest_key_kernel(
         m = offs < hi
         y = tl.load(k_row + offs[:, None] * skc + offs_d[None, :] * skd, mask=m[:, None] & d_mask[None, :],
                     other=0.0).to(ACC)
-        s = _unit(tl.sum(x[None, :] * y, 1), tl.sum(y * y, 1), eps, F64)       # one division a key, not D
+        norm_sq = tl.sum(y * y, 1)
+        s = _unit(tl.sum(x[None, :] * y, 1), norm_sq, eps, F64)                # one division a key, not D
         s = tl.where(m & (offs != e) & (offs >= target_from), s, float("-inf"))
+        if M > 0:                      # the row's norms, for the next step's attention
+            inv = _unit(tl.full([BLOCK_C], 1.0, ACC), norm_sq, eps, F64)
+            tl.store(INV_NORM + row.to(tl.int64) * C + offs, inv.to(tl.float32), mask=m)
         blk_best = tl.max(s, 0)
         blk_j = tl.argmax(s, 0).to(tl.int64) + c0
         nearest = tl.where(blk_best > best, blk_j, nearest)
         best = tl.maximum(blk_best, best)
-    if M > 0:
-        best = tl.where(known & (split == 0), known_best.to(ACC), best)
+    if M > 0:                          # the attention left out the newest entry (its norm unknown): e against it
+        newest = tl.maximum(n - 1, 0)
+        y = tl.load(k_row + newest * skc + offs_d * skd, mask=d_mask, other=0.0).to(ACC)
+        s_new = _unit(tl.sum(x * y, 0), tl.sum(y * y, 0), eps, F64)
+        newer = known & (newest != e) & (newest >= target_from) & (s_new > known_best.to(ACC))
+        known_best = tl.where(newer, s_new, known_best.to(ACC))
+        known_slot = tl.where(newer, newest.to(tl.int64), known_slot)
+        best = tl.where(known & (split == 0), known_best, best)
         nearest = tl.where(known & (split == 0), known_slot, nearest)
     out = row.to(tl.int64) * SPLITS + split
     tl.store(BEST + out, best)
@@ -568,14 +580,28 @@ def _merge_and_move(X, batch_off, head_off, sc, sd, e, nearest, evict, merged, t
         tl.store(head + e[:, None] * sc, tl.where(take_new[:, None], new, newest), mask=m_ev)
 
 
+@triton.jit
+def _inverse_norms(X, batch_off, head_off, sc, sd, slot, mask, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_H: tl.constexpr):
+    """1 / max(|x|, eps) of each head's row ``slot`` [BLOCK_H] (fp32, IEEE sqrt and division)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    for d0 in range(0, HEAD_DIM, BLOCK_D):
+        d_mask = (d0 + offs_d) < HEAD_DIM
+        x = tl.load(X + batch_off + head_off[:, None] + slot[:, None] * sc + (d0 + offs_d)[None, :] * sd,
+                    mask=mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(x * x, 1)
+    return tl.div_rn(1.0, tl.maximum(tl.sqrt_rn(acc), 1e-12))
+
+
 @triton.jit(do_not_specialize=("C", "KEEP", "SPLITS"))
 def _merge_move_kernel(
-    K, V, COL, POS, LW, LENGTH, TAU, TAU_SET, E, BEST, NEAREST, U_ALL, EV_ALL,
+    K, V, COL, POS, LW, LENGTH, TAU, TAU_SET, E, BEST, NEAREST, U_ALL, EV_ALL, INV_NORM,
     skb, skh, skc, skd, svb, svh, svc, svd,
     HKV, C, KEEP, SPLITS, beta, one_minus_beta, w_self, min_cos, KEEPS, H_ALL,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr, ACC: tl.constexpr, PAPER: tl.constexpr, BIAS: tl.constexpr, RAGGED: tl.constexpr,
-    SHARDED: tl.constexpr, BLOCK_H_ALL: tl.constexpr,
+    SHARDED: tl.constexpr, BLOCK_H_ALL: tl.constexpr, NORMS: tl.constexpr = False,
 ):
     b = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H).to(tl.int64)
@@ -617,6 +643,13 @@ def _merge_move_kernel(
                     HEAD_DIM, BLOCK_D)
     _merge_and_move(V, b * svb, offs_h * svh, svc, svd, e, nearest, evict, merged, take_new, w_e, norm, w_self, last,
                     HEAD_DIM, BLOCK_D)
+    if NORMS:                        # the changed slots' norms; the emptied slot's unknown (the next write's)
+        tl.debug_barrier()
+        inv_n = _inverse_norms(K, b * skb, offs_h * skh, skc, skd, nearest, merged, HEAD_DIM, BLOCK_D, BLOCK_H)
+        inv_e = _inverse_norms(K, b * skb, offs_h * skh, skc, skd, e, evict, HEAD_DIM, BLOCK_D, BLOCK_H)
+        tl.store(INV_NORM + rows * C + nearest, inv_n, mask=merged)
+        tl.store(INV_NORM + rows * C + e, inv_e, mask=evict)
+        tl.store(INV_NORM + rows * C + last, tl.full([BLOCK_H], float("nan"), tl.float32), mask=evict)
     slot_e = rows * C + e
     slot_last = rows * C + last
     is_last = e == last                                   # recent = 0 can evict the newest entry itself
@@ -730,24 +763,27 @@ def d2o_evict_one_steps(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor,
     check_evict_one_inputs(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks, recent,
                            variant, target_from)
     check_nearest_state(k, nearest)
+    if not fuses_at(k.shape[0]):          # the attention searched nothing: name nothing, keep no norms
+        nearest = []
     return evict_one_steps(k, v, col_sum, position, log_weight, length, tau, tau_set, others,
                            (keep, sinks, recent, target_from), None, beta, variant, min_cos, bias, splits, block_c,
                            block_scan, num_warps, heads, nearest)
 
 
 def check_nearest_state(k: Tensor, nearest: list[Tensor]) -> None:
-    """ValueError unless ``nearest`` is [] or the five tensors of ``NEAREST_INPUTS`` for k's [B, Hkv] rows."""
+    """ValueError unless ``nearest`` is [] or the six tensors of ``NEAREST_INPUTS`` for k's [B, Hkv, C] rows."""
     if not nearest:
         return
-    b, h = k.shape[:2]
+    b, h, c = k.shape[:3]
     m = nearest[0].shape[-1]
-    shapes = ((b, h, m), (b, h), (b, h, m), (b, h, m), (b, h, m))
-    dtypes = (torch.int64, torch.int64, torch.int64, torch.float32, torch.int64)
-    if len(nearest) != 5 or m < 1 or m & (m - 1) or any(
+    shapes = ((b, h, m), (b, h), (b, h, c), (b, h, m), (b, h, m), (b, h, m))
+    dtypes = (torch.int64, torch.int64, torch.float32, torch.int64, torch.float32, torch.int64)
+    if len(nearest) != 6 or m < 1 or m & (m - 1) or any(
             tuple(t.shape) != s or t.dtype != d or not t.is_contiguous()
             for t, s, d in zip(nearest, shapes, dtypes, strict=True)):
-        raise ValueError(f"nearest must be [] or (next, from, cand, best, slot): contiguous int64 [B, Hkv, M], int64 "
-                         f"[B, Hkv], int64, fp32, int64 [B, Hkv, M] for [B, Hkv] = {[b, h]}, M a power of 2; got "
+        raise ValueError(f"nearest must be [] or (next, from, inv_norm, cand, best, slot): contiguous int64 [B, Hkv, "
+                         f"M], int64 [B, Hkv], fp32 [B, Hkv, C], int64, fp32, int64 [B, Hkv, M] for [B, Hkv, C] = "
+                         f"{[b, h, c]}, M a power of 2; got "
                          f"{[(t.dtype, tuple(t.shape)) for t in nearest]}")
     for t in nearest:
         check_device("nearest", t, k.device)
@@ -779,9 +815,6 @@ def run_layers(steps: list[Generator[Gathered, Gathered, None]], heads: HeadGrou
         except StopIteration:
             continue
         raise RuntimeError("evict_one_steps yielded twice")
-
-
-NEXT_PER_SPLIT: int | None = None    # probe: the lowest entries each split lists for the next step's candidates
 
 
 def evict_one_steps(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor, length: Tensor,
@@ -817,17 +850,16 @@ def evict_one_steps(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log
     block_d = max(16, next_pow2(d))
     tl_acc = tl.float64 if acc == torch.float64 else tl.float32
     m = nearest[0].shape[-1] if nearest else 0
-    per_split = min(NEXT_PER_SPLIT or m + 1, m + 1) if m else 0
-    block_k = next_pow2(per_split) if m else 1
+    block_k = next_pow2(m + 1) if m else 1
     nx_val = torch.empty(b * h * splits * block_k if m else 1, dtype=torch.float32, device=k.device)
     nx_slot = torch.empty(nx_val.numel(), dtype=torch.int64, device=k.device)
-    nxt, c_from, n_cand, n_best, n_slot = nearest if nearest else (e,) * 5                # not read without
+    nxt, c_from, inv_norm, n_cand, n_best, n_slot = nearest if nearest else (e, e, low, e, low, e)  # unread
     _candidate_kernel[(b * h, splits)](
         col_sum, position, length, low, arg, nx_val, nx_slot, c, chunk, keep, sinks, recent, splits, h, keeps, sinkss,
-        recents, BLOCK_SCAN=min(block_scan, next_pow2(chunk)), RAGGED=ragged, NPICK=per_split, BLOCK_K=block_k,
+        recents, BLOCK_SCAN=min(block_scan, next_pow2(chunk)), RAGGED=ragged, NPICK=m + 1 if m else 0, BLOCK_K=block_k,
         num_warps=4)
     _nearest_key_kernel[(b * h, splits)](
-        k, length, low, arg, e, best, nearest_slot, nx_val, nx_slot, nxt, c_from, n_cand, n_best, n_slot,
+        k, length, low, arg, e, best, nearest_slot, nx_val, nx_slot, nxt, c_from, n_cand, n_best, n_slot, inv_norm,
         *k.stride(), h, c, chunk, keep, splits, target_from, keeps, targets,
         HEAD_DIM=d, BLOCK_C=block_c, BLOCK_D=block_d, BLOCK_SPLITS=next_pow2(splits),
         ACC=tl_acc, F64=acc == torch.float64, RAGGED=ragged, M=m, BLOCK_K=block_k, num_warps=num_warps)
@@ -839,11 +871,12 @@ def evict_one_steps(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log
     u_all, ev_all = every if every is not None else (best, e)        # not read unless sharded
     _merge_move_kernel[(b,)](
         k, v, col_sum, position, log_weight, length, tau, tau_set.view(torch.uint8), e, best, nearest_slot, u_all, ev_all,
-        *k.stride(), *v.stride(), h, c, keep, splits, float(beta), 1.0 - float(beta),
+        inv_norm, *k.stride(), *v.stride(), h, c, keep, splits, float(beta), 1.0 - float(beta),
         math.e if variant == "paper" else 1.0, float(min_cos), keeps, h * heads.world,
         HEAD_DIM=d, BLOCK_H=next_pow2(h), BLOCK_D=min(block_d, 128),
         BLOCK_SPLITS=next_pow2(splits), ACC=tl_acc, PAPER=variant == "paper", BIAS=bool(bias), RAGGED=ragged,
-        SHARDED=heads.world > 1, BLOCK_H_ALL=next_pow2(h * heads.world), num_warps=4, enable_fp_fusion=False)
+        SHARDED=heads.world > 1, BLOCK_H_ALL=next_pow2(h * heads.world), NORMS=m > 0, num_warps=4,
+        enable_fp_fusion=False)
     if others:                                       # a row that evicts nothing has e = last = C - 1: no move
         row0 = torch.arange(b * h, device=k.device) * c
         flat_e, flat_last = e + row0, (row0 + last.view(-1)) if ragged else row0 + c - 1

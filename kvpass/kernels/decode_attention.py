@@ -110,12 +110,15 @@ def _logits2(raw, lw, scale, softcap, HAS_SOFTCAP: tl.constexpr):
 
 # Nearest keys of candidate slots (``decode_attention_nearest``: D2O's next eviction, docs/policies.md §5.5). For
 # each of the NCAND candidate slots c_r of KV row (b, g) (-1: none), over the live slots j of the split (log-weight
-# > -inf), j != c_r, j >= from[b, g]:
-#     cos_rj = (k_c . k_j) / max(|k_c|, eps) / max(|k_j|, eps)          (eps = 1e-12; fp32, IEEE sqrt and division)
-#     best_r, slot_r = running (max, first argmax) over the split's tiles (a later tile wins only if greater)
+# > -inf) with a known norm (inv_j = 1 / max(|k_j|, eps) stored per slot; NaN: not known, the newest entry), j != c_r,
+# j >= from[b, g]:
+#     cos_rj = (k_c . k_j) inv_j / max(|k_c|, eps)                     (eps = 1e-12; fp32)
+#     best_r, slot_r = the max over the split and its lowest slot
 # k_c rides in row G*T + r of the query tile (rows G*T.. are otherwise zero padding), so the tile's one dot gives
-# k_c . k_j beside q . k_j and K is read once for both. The merge launch combines the splits (an earlier split
-# wins ties), so slot_r is the lowest slot of the maximum, as a scan of the whole row finds it.
+# k_c . k_j beside q . k_j and K is read once for both. Each lane of the [BM, BN] tile keeps its own running
+# (max, slot) (a later tile wins only if greater; a NaN never does), reduced once after the loop: no reduction per
+# tile. The merge launch combines the splits (an earlier split wins ties), so slot_r is the lowest slot of the
+# maximum, as a scan of the whole row finds it.
 
 @triton.jit
 def _candidate_rows(CAND, FROM, k_base, pid_bg, offs_m, offs_d, d_mask, skc, skd, GT, NCAND: tl.constexpr):
@@ -132,30 +135,15 @@ def _candidate_rows(CAND, FROM, k_base, pid_bg, offs_m, offs_d, d_mask, skc, skd
 
 
 @triton.jit
-def _nearest_in_tile(raw, k, lw, n0, offs_n, cand, c_norm, c_from, c_best, c_arg, KNORM_ROW, n_mask,
-                     KNORM_GIVEN: tl.constexpr, LAZY_ARG: tl.constexpr):
-    """The running (best, slot) of every candidate row after the tile of slots offs_n = n0 + [0, BN): raw = the
-    tile's dot products [BM, BN], k its keys [BN, BD], lw their log-weights (-inf: empty or past the cache)."""
-    if KNORM_GIVEN:
-        inv_k = tl.load(KNORM_ROW + offs_n, mask=n_mask, other=0.0)
-        cos = (raw * (1.0 / c_norm)[:, None]) * inv_k[None, :]
-    else:
-        k32 = k.to(tl.float32)
-        k_norm = tl.maximum(tl.sqrt_rn(tl.sum(k32 * k32, 1)), 1e-12)
-        cos = tl.div_rn(tl.div_rn(raw, c_norm[:, None]), k_norm[None, :])
-    ok = ((cand >= 0)[:, None] & (lw > float("-inf"))[None, :] & (offs_n[None, :] != cand[:, None])
-          & (offs_n >= c_from)[None, :])
-    cos = tl.where(ok, cos, float("-inf"))
-    blk = tl.max(cos, 1)
-    better = blk > c_best
-    if LAZY_ARG:
-        if tl.sum(better.to(tl.int32)) > 0:
-            blk_j = tl.argmax(cos, 1).to(tl.int64) + n0
-            c_best, c_arg = tl.where(better, blk, c_best), tl.where(better, blk_j, c_arg)
-        return c_best, c_arg
-    else:
-        blk_j = tl.argmax(cos, 1).to(tl.int64) + n0
-        return tl.where(better, blk, c_best), tl.where(better, blk_j, c_arg)
+def _nearest_in_tile(raw, inv_k, lw, offs_n, cand, c_from, lane_best, lane_slot):
+    """Every lane's running (best, slot) after the tile of slots offs_n: raw = the tile's dot products [BM, BN],
+    inv_k [BN] the keys' stored inverse norms (NaN: unknown), lw their log-weights (-inf: empty or past the cache)."""
+    col = tl.where((lw > float("-inf")) & (offs_n >= c_from), 0.0, float("-inf"))
+    cos = raw * inv_k[None, :] + col[None, :]
+    n32 = offs_n.to(tl.int32)
+    cos = tl.where(n32[None, :] == cand.to(tl.int32)[:, None], float("-inf"), cos)
+    better = cos > lane_best
+    return tl.where(better, cos, lane_best), tl.where(better, n32[None, :], lane_slot)
 
 
 @triton.jit
@@ -177,13 +165,12 @@ def _combine_nearest(CAND, PBEST, PARG, NEAR_CAND, NEAR_BEST, NEAR_SLOT, pid_bg,
 
 @triton.jit
 def _decode_attention_split_kernel(
-    Q, K, V, LW, OUT, OPART, LSE, LOGITS, CAND, FROM, PBEST, PARG, NEAR_CAND, NEAR_BEST, NEAR_SLOT, KNORM,
+    Q, K, V, LW, OUT, OPART, LSE, LOGITS, CAND, FROM, PBEST, PARG, NEAR_CAND, NEAR_BEST, NEAR_SLOT, INV_NORM,
     sqb, sqh, sqt, sqd, skb, skh, skc, skd, svb, svh, svc, svd, slb, slh, slc, sob, soh, sot, sod,
     HKV, C, T, G, SPLIT_LEN, NUM_SPLITS, scale, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, DOT: tl.constexpr, DIRECT: tl.constexpr, WANT_SCORES: tl.constexpr,
-    NCAND: tl.constexpr, KNORM_GIVEN: tl.constexpr = False, LAZY_ARG: tl.constexpr = False,
-    ELEMENTWISE: tl.constexpr = False,
+    NCAND: tl.constexpr,
 ):
     pid_bg = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -202,12 +189,9 @@ def _decode_attention_split_kernel(
         cand, kc, c_norm, c_from = _candidate_rows(CAND, FROM, k_base, pid_bg, offs_m, offs_d, d_mask, skc, skd,
                                                    G * T, NCAND)
         q = tl.where((cand >= 0)[:, None], kc.to(q.dtype), q)
-        c_best = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        c_arg = tl.zeros([BLOCK_M], tl.int64)
-        if ELEMENTWISE:       # per-lane running (max, slot); one reduction after the loop
-            e_best = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
-            e_arg = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
-            cand32 = cand.to(tl.int32)
+        lane_best = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
+        lane_slot = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
+        inv_base = INV_NORM + pid_bg.to(tl.int64) * C
 
     start = pid_s * SPLIT_LEN
     end = tl.minimum(start + SPLIT_LEN, C)
@@ -224,18 +208,9 @@ def _decode_attention_split_kernel(
         lw = tl.load(lw_base + offs_n * slc, mask=n_mask, other=float("-inf"))
         raw = _dot(q, tl.trans(k), DOT)
         s = _logits2(raw, lw, scale, softcap, HAS_SOFTCAP)
-        if NCAND > 0 and ELEMENTWISE:
-            inv_k = tl.load(KNORM + pid_bg.to(tl.int64) * C + offs_n, mask=n_mask, other=0.0)
-            col_bias = tl.where((lw > float("-inf")) & (offs_n >= c_from), 0.0, float("-inf"))
-            cos = raw * inv_k[None, :] + col_bias[None, :]
-            n32 = offs_n.to(tl.int32)
-            cos = tl.where(n32[None, :] == cand32[:, None], float("-inf"), cos)
-            better = cos > e_best
-            e_best = tl.where(better, cos, e_best)
-            e_arg = tl.where(better, n32[None, :], e_arg)
-        elif NCAND > 0:
-            c_best, c_arg = _nearest_in_tile(raw, k, lw, n0, offs_n, cand, c_norm, c_from, c_best, c_arg,
-                                             KNORM + pid_bg.to(tl.int64) * C, n_mask, KNORM_GIVEN, LAZY_ARG)
+        if NCAND > 0:
+            inv_k = tl.load(inv_base + offs_n, mask=n_mask, other=0.0)
+            lane_best, lane_slot = _nearest_in_tile(raw, inv_k, lw, offs_n, cand, c_from, lane_best, lane_slot)
         if WANT_SCORES:       # keep the logits (G*T x 4 bytes a slot, vs 4*D bytes of K and V) for the scores pass
             l_ptrs = LOGITS + (pid_bg.to(tl.int64) * G * T + offs_m[:, None]) * C + offs_n[None, :]
             tl.store(l_ptrs, s, mask=m_mask[:, None] & n_mask[None, :])
@@ -260,11 +235,10 @@ def _decode_attention_split_kernel(
         part = OPART + ((pid_bg * NUM_SPLITS + pid_s) * BLOCK_M + offs_m[:, None]) * BLOCK_D + offs_d[None, :]
         tl.store(part, o, mask=m_mask[:, None])
     if NCAND > 0:
-        if ELEMENTWISE:
-            top = tl.max(e_best, 1)
-            first = tl.min(tl.where(e_best == top[:, None], e_arg, 2147483647), 1)
-            c_best = tl.where(cand >= 0, top / c_norm, float("-inf"))
-            c_arg = tl.where(top > float("-inf"), first, 0).to(tl.int64)
+        top = tl.max(lane_best, 1)
+        c_best = tl.where(cand >= 0, top / c_norm, float("-inf"))
+        first = tl.min(tl.where(lane_best == top[:, None], lane_slot, 2147483647), 1)
+        c_arg = tl.where(top > float("-inf"), first, 0).to(tl.int64)
         r = offs_m - G * T                                   # candidate r's row
         is_c = (offs_m >= G * T) & (r < NCAND)
         if DIRECT:
@@ -434,14 +408,12 @@ def check_decode_inputs(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor, sca
 
 def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor, scale: float,
                             softcap: float | None = None, want_scores: bool = False, *,
-                            nearest: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None,
+                            nearest: tuple[Tensor, ...] | None = None,
                             num_splits: int | None = None, block_n: int | None = None,
-                            num_warps: int | None = None, num_stages: int | None = None,
-                            key_inv_norm: Tensor | None = None, lazy_argmax: bool = False,
-                            elementwise: bool = False) -> tuple[Tensor, Tensor]:
+                            num_warps: int | None = None, num_stages: int | None = None) -> tuple[Tensor, Tensor]:
     """The Triton decode attention (same contract as ``decode_attention_reference``). ``nearest``: (candidates
-    [B, Hkv, M] int64, target_from [B, Hkv] int64, near_cand, near_best, near_slot [B, Hkv, M]), the inputs and
-    outputs of ``decode_attention_nearest`` (checked there). The keyword arguments override the launch
+    [B, Hkv, M] int64, target_from [B, Hkv] int64, inv_norm [B, Hkv, C] fp32, near_cand, near_best, near_slot
+    [B, Hkv, M]), the inputs and outputs of ``decode_attention_nearest`` (checked there). The keyword arguments override the launch
     heuristics (tests and the benchmark sweep use them); on CUDA, a tile and stage count that would not fit the
     device's shared memory (fp32, a small GPU) is narrowed (``fit_pipeline``)."""
     require_triton()
@@ -460,7 +432,9 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor,
     if num_warps is None:
         num_warps = 4
     if num_stages is None:
-        num_stages = (3 if wide or b * hkv < MANY_ROWS else 2) if on_gpu else 1
+        # with the candidates' running maxima in registers, 2 stages beat 3 from 128 rows (H200, session 39)
+        many = b * hkv >= MANY_ROWS
+        num_stages = (2 if many and (n_cand or not wide) else 3) if on_gpu else 1
     if on_gpu:        # fp32 (or a small GPU): fewer stages or narrower tiles where the tiles would not fit
         size = q.element_size()
         block_n, num_stages = fit_pipeline(block_n, num_stages, 2 * block_d * size, block_m * block_d * size,
@@ -474,18 +448,17 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor,
     dot = dot_mode(q)
     cap = float(softcap) if softcap is not None else 1.0
     logits = torch.empty(b * hkv * rows * c if want_scores else 1, device=q.device, dtype=torch.float32)
-    cand, c_from, near_cand, near_best, near_slot = nearest if nearest is not None else (lse,) * 5   # unread if none
+    cand, c_from, inv_norm, near_cand, near_best, near_slot = nearest if nearest is not None else (lse,) * 6  # unread
     p_best = torch.empty(b * hkv * splits * n_cand if n_cand and not direct else 1, device=q.device,
                          dtype=torch.float32)
     p_arg = torch.empty(p_best.numel(), device=q.device, dtype=torch.int64)
     _decode_attention_split_kernel[(b * hkv, splits)](
         q, k, v, log_weight, o, part, lse, logits, cand, c_from, p_best, p_arg, near_cand, near_best, near_slot,
-        key_inv_norm if key_inv_norm is not None else lse,
+        inv_norm,
         *q.stride(), *k.stride(), *v.stride(), *log_weight.stride(), *o.stride(),
         hkv, c, t, group, split_len, splits, float(scale), cap,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_SOFTCAP=softcap is not None, DOT=dot, DIRECT=direct, WANT_SCORES=want_scores, NCAND=n_cand,
-        KNORM_GIVEN=key_inv_norm is not None, LAZY_ARG=lazy_argmax, ELEMENTWISE=elementwise,
         num_warps=num_warps, num_stages=num_stages)
     scores = torch.empty((b, hkv, c) if want_scores else (0,), device=q.device, dtype=torch.float32)
     combine_rows = 0 if direct else rows

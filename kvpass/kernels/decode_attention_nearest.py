@@ -18,9 +18,19 @@ For batch b, KV head g and candidate r < M with slot c = candidates[b, g, r] (-1
 and (o, scores) exactly as ``decode_attention`` (o is the same tensor bit for bit on CUDA: the candidates take
 the query tile's spare rows, which no output reads).
 
+The Triton kernel reads |k_j| from ``inv_norm`` [B, Hkv, C] fp32 (1 / max(|k_j|, eps), kept by the eviction op:
+computed where it scans a row, updated where it merges or moves), not from K: a slot whose entry is NaN there
+(the newest entry, written by this step) is left out, and the eviction compares e with the newest entry itself.
+Computing the norms from each K tile instead cost 2.2x the attention at batch 1 (session 32's form, reverted;
+benchmarks/results/h200-session39/). The reference computes every norm from K (and so does not leave the newest
+out: the eviction's comparison gives the same answer). Below a batch of ``FUSE_FROM_BATCH`` the search costs the
+step more than the scan it saves (the attention is on the step's path, the scan beside it): there the op is the
+plain attention and the eviction never names candidates (``fuses_at``).
+
 Shapes: q [B, Hq, T, D]; k, v [B, Hkv, C, D]; log_weight [B, Hkv, C] fp32; candidates, near_cand, near_slot
-[B, Hkv, M] int64; target_from [B, Hkv] int64; near_best [B, Hkv, M] fp32. The three near_* are written in place.
-The layer's five tensors live in its cache state (``NEAREST_INPUTS``; ``add_nearest_state``).
+[B, Hkv, M] int64; target_from [B, Hkv] int64; inv_norm [B, Hkv, C] fp32; near_best [B, Hkv, M] fp32. The three
+near_* are written in place. The layer's six tensors live in its cache state (``NEAREST_INPUTS``;
+``add_nearest_state``).
 """
 
 from __future__ import annotations
@@ -33,23 +43,41 @@ from kvpass.kernels._triton import HAS_TRITON, check_device
 from kvpass.kernels.decode_attention import decode_attention_reference, decode_attention_triton
 
 # A layer's state for the fused search, in the decode op's argument order after log_weight: the next step's
-# candidates and first target slot (written by the eviction), then this op's results.
-NEAREST_INPUTS = ("nearest_next", "nearest_from", "nearest_cand", "nearest_best", "nearest_slot")
+# candidates and first target slot and the keys' inverse norms (written by the eviction), then this op's results.
+NEAREST_INPUTS = ("nearest_next", "nearest_from", "nearest_inv_norm", "nearest_cand", "nearest_best",
+                  "nearest_slot")
 CANDIDATES = 4            # M: on SmolLM2 the next evicted entry was among the 4 lowest in every one of 16,740 steps
+# The smallest batch whose Triton step searches in the attention: on an H200 at 32k, one layer (attention + eviction)
+# 42.4 -> 43.0 us at batch 1, 94 -> 73 at 4, 448 -> 324 at 32 (benchmarks/results/h200-session39/).
+FUSE_FROM_BATCH = 4
 _EPS = 1e-12
 
 
+def fuses_at(batch: int) -> bool:
+    """Whether the Triton attention and eviction search the candidates' nearest keys at this batch size."""
+    return batch >= FUSE_FROM_BATCH
+
+
 def add_nearest_state(cache: LayerCache, m: int = CANDIDATES) -> None:
-    """Give ``cache`` the empty state of the fused search: no candidates (-1), so the first eviction scans."""
-    b, h = cache.k.shape[:2]
+    """Give ``cache`` the empty state of the fused search: no candidates (-1), so the first eviction scans, and
+    no known norms (NaN: the first scan of a row computes them)."""
+    b, h, c = cache.k.shape[:3]
     none = torch.full((b, h, m), -1, dtype=torch.long, device=cache.k.device)
     cache.state.update(nearest_next=none, nearest_from=torch.zeros(b, h, dtype=torch.long, device=cache.k.device),
+                       nearest_inv_norm=torch.full((b, h, c), float("nan"), device=cache.k.device),
                        nearest_cand=none.clone(), nearest_best=torch.full((b, h, m), float("-inf"), device=cache.k.device),
                        nearest_slot=torch.zeros_like(none))
 
 
 def has_nearest_state(cache: LayerCache) -> bool:
     return NEAREST_INPUTS[0] in cache.state
+
+
+def forget_candidates(cache: LayerCache) -> None:
+    """After a compression of another path (one that keeps no norms): the next step names no candidates, so the
+    eviction after it scans and computes the norms again."""
+    if has_nearest_state(cache):
+        cache.state["nearest_next"].fill_(-1)
 
 
 def nearest_of_candidates_reference(k: Tensor, log_weight: Tensor, candidates: Tensor, target_from: Tensor
@@ -69,9 +97,10 @@ def nearest_of_candidates_reference(k: Tensor, log_weight: Tensor, candidates: T
 
 
 def decode_attention_nearest_reference(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor, candidates: Tensor,
-                                       target_from: Tensor, near_cand: Tensor, near_best: Tensor, near_slot: Tensor,
-                                       scale: float, softcap: float | None = None, want_scores: bool = False
-                                       ) -> tuple[Tensor, Tensor]:
+                                       target_from: Tensor, inv_norm: Tensor, near_cand: Tensor, near_best: Tensor,
+                                       near_slot: Tensor, scale: float, softcap: float | None = None,
+                                       want_scores: bool = False) -> tuple[Tensor, Tensor]:
+    """The op's definition: every norm from K (``inv_norm`` is not read)."""
     best, slot = nearest_of_candidates_reference(k, log_weight, candidates, target_from)
     near_cand.copy_(candidates)
     near_best.copy_(best)
@@ -79,14 +108,15 @@ def decode_attention_nearest_reference(q: Tensor, k: Tensor, v: Tensor, log_weig
     return decode_attention_reference(q, k, v, log_weight, scale, softcap, want_scores)
 
 
-def check_nearest_inputs(k: Tensor, candidates: Tensor, target_from: Tensor, near_cand: Tensor, near_best: Tensor,
-                         near_slot: Tensor) -> None:
-    b, h = k.shape[:2]
+def check_nearest_inputs(k: Tensor, candidates: Tensor, target_from: Tensor, inv_norm: Tensor, near_cand: Tensor,
+                         near_best: Tensor, near_slot: Tensor) -> None:
+    b, h, c = k.shape[:3]
     m = candidates.shape[-1] if candidates.dim() == 3 else 0
     want = {"candidates": ((b, h, m), torch.long), "target_from": ((b, h), torch.long),
+            "inv_norm": ((b, h, c), torch.float32),
             "near_cand": ((b, h, m), torch.long), "near_best": ((b, h, m), torch.float32),
             "near_slot": ((b, h, m), torch.long)}
-    given = (("candidates", candidates), ("target_from", target_from), ("near_cand", near_cand),
+    given = (("candidates", candidates), ("target_from", target_from), ("inv_norm", inv_norm), ("near_cand", near_cand),
              ("near_best", near_best), ("near_slot", near_slot))
     for name, t in given:
         shape, dtype = want[name]
@@ -100,26 +130,31 @@ def check_nearest_inputs(k: Tensor, candidates: Tensor, target_from: Tensor, nea
 
 
 def decode_attention_nearest_triton(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor, candidates: Tensor,
-                                    target_from: Tensor, near_cand: Tensor, near_best: Tensor, near_slot: Tensor,
-                                    scale: float, softcap: float | None = None, want_scores: bool = False,
-                                    **launch) -> tuple[Tensor, Tensor]:
-    """``decode_attention_triton`` with the candidates in its query tile (same contract as the reference)."""
-    check_nearest_inputs(k, candidates, target_from, near_cand, near_best, near_slot)
+                                    target_from: Tensor, inv_norm: Tensor, near_cand: Tensor, near_best: Tensor,
+                                    near_slot: Tensor, scale: float, softcap: float | None = None,
+                                    want_scores: bool = False, **launch) -> tuple[Tensor, Tensor]:
+    """``decode_attention_triton`` with the candidates in its query tile (same contract as the reference, the
+    norms from ``inv_norm``); below ``FUSE_FROM_BATCH`` the plain attention (the near_* are left as they are:
+    the eviction named no candidates)."""
+    check_nearest_inputs(k, candidates, target_from, inv_norm, near_cand, near_best, near_slot)
+    if not fuses_at(q.shape[0]):
+        return decode_attention_triton(q, k, v, log_weight, scale, softcap, want_scores, **launch)
     return decode_attention_triton(q, k, v, log_weight, scale, softcap, want_scores,
-                                   nearest=(candidates, target_from, near_cand, near_best, near_slot), **launch)
+                                   nearest=(candidates, target_from, inv_norm, near_cand, near_best, near_slot),
+                                   **launch)
 
 
 @torch.library.custom_op("kvpass::decode_attention_nearest", mutates_args=("near_cand", "near_best", "near_slot"))
 def decode_attention_nearest(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor, candidates: Tensor,
-                             target_from: Tensor, near_cand: Tensor, near_best: Tensor, near_slot: Tensor,
-                             scale: float, softcap: float | None = None, want_scores: bool = False
+                             target_from: Tensor, inv_norm: Tensor, near_cand: Tensor, near_best: Tensor,
+                             near_slot: Tensor, scale: float, softcap: float | None = None, want_scores: bool = False
                              ) -> tuple[Tensor, Tensor]:
-    return decode_attention_nearest_reference(q, k, v, log_weight, candidates, target_from, near_cand, near_best,
-                                              near_slot, scale, softcap, want_scores)
+    return decode_attention_nearest_reference(q, k, v, log_weight, candidates, target_from, inv_norm, near_cand,
+                                              near_best, near_slot, scale, softcap, want_scores)
 
 
 @decode_attention_nearest.register_fake
-def _(q, k, v, log_weight, candidates, target_from, near_cand, near_best, near_slot, scale, softcap=None,
+def _(q, k, v, log_weight, candidates, target_from, inv_norm, near_cand, near_best, near_slot, scale, softcap=None,
       want_scores=False):
     scores = log_weight.new_empty(log_weight.shape if want_scores else (0,), dtype=torch.float32)
     return torch.empty_like(q), scores
@@ -127,7 +162,7 @@ def _(q, k, v, log_weight, candidates, target_from, near_cand, near_best, near_s
 
 if HAS_TRITON:
     @decode_attention_nearest.register_kernel("cuda")
-    def _(q, k, v, log_weight, candidates, target_from, near_cand, near_best, near_slot, scale, softcap=None,
-          want_scores=False):
-        return decode_attention_nearest_triton(q, k, v, log_weight, candidates, target_from, near_cand, near_best,
-                                               near_slot, scale, softcap, want_scores)
+    def _(q, k, v, log_weight, candidates, target_from, inv_norm, near_cand, near_best, near_slot, scale,
+          softcap=None, want_scores=False):
+        return decode_attention_nearest_triton(q, k, v, log_weight, candidates, target_from, inv_norm, near_cand,
+                                               near_best, near_slot, scale, softcap, want_scores)

@@ -32,7 +32,12 @@ from kvpass.kernels.d2o_evict_one import (
 from kvpass.kernels.d2o_evict_one import merged_rows as _merged_rows
 from kvpass.kernels.d2o_evict_one_ragged import d2o_evict_one_ragged_steps
 from kvpass.kernels.d2o_merge_chains import chain_similarities, chain_window, fold_chains, put
-from kvpass.kernels.decode_attention_nearest import CANDIDATES, NEAREST_INPUTS, has_nearest_state
+from kvpass.kernels.decode_attention_nearest import (
+    CANDIDATES,
+    NEAREST_INPUTS,
+    forget_candidates,
+    has_nearest_state,
+)
 from kvpass.policies.allocation import apportion
 from kvpass.policies.base import Policy, Stat, require
 from kvpass.policies.selection import kept_slots, ordered_slots, select_kept
@@ -457,6 +462,7 @@ class D2O(Policy):
         ``compress`` and a copy back."""
         many = self._many_applies() and keep + 1 < cache.capacity <= keep + self.interval
         if not many and cache.capacity != keep + 1:
+            forget_candidates(cache)
             super().compress_into(cache, keep)
             return
         sinks, _, recent = self.split(keep)
@@ -471,6 +477,7 @@ class D2O(Policy):
                                            self.d2o_variant, self._min_cos(),
                                            self._target_from(keep), self.merge_bias)
         else:
+            forget_candidates(cache)
             evict_one_in_place(*layer, keep, sinks, recent, self._target_from(keep), *self._step_options(),
                                heads=self.heads)
 
@@ -513,6 +520,7 @@ class D2O(Policy):
         for cache, keep in jobs:
             step = self._sharded_step(cache, keep)
             if step is None:
+                forget_candidates(cache)
                 super().compress_layers_into([(cache, keep)])
             else:
                 steps.append(step)
@@ -584,6 +592,7 @@ class D2O(Policy):
         sinks, _, recent = self.split_rows(keep)
         target_from = torch.zeros_like(keep) if self.merge_into_sinks else sinks
         layer = self._in_place_layer(cache)
+        forget_candidates(cache)                  # the per-row steps keep no norms
         if self.heads.world > 1 and self.interval == 1 and self._triton_step(cache):   # the threshold spans ranks
             self.compress_layers_into([(cache, keep)])
         elif self.interval > 1:                   # the due rows (budget + interval entries) evict interval entries

@@ -6,6 +6,8 @@ names for the next step are the lowest-score entries the next step may evict."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -22,14 +24,38 @@ from kvpass.kernels.decode_attention_nearest import (
 from tests.kernels.test_d2o_evict_one import assert_same, copied, random_layer
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+# the module, not the op of the same name that kvpass.kernels exports
+nearest_module = importlib.import_module("kvpass.kernels.decode_attention_nearest")
 
 KEEP, SINKS, RECENT = 24, 2, 3
+NEXT, FROM, INV_NORM, CAND, BEST, SLOT = range(6)
 
 
-def nearest_state(b: int, h: int, m: int = 4, device: str = "cpu") -> list[torch.Tensor]:
+@pytest.fixture(autouse=True)
+def fuse_at_every_batch(monkeypatch):
+    """These cases have batch 2; the op fuses from FUSE_FROM_BATCH on (a speed choice, not a semantic one)."""
+    monkeypatch.setattr(nearest_module, "FUSE_FROM_BATCH", 1)
+
+
+def nearest_state(b: int, h: int, m: int = 4, device: str = "cpu", c: int = KEEP + 1) -> list[torch.Tensor]:
     none = torch.full((b, h, m), -1, dtype=torch.long, device=device)
-    return [none, torch.zeros(b, h, dtype=torch.long, device=device), none.clone(),
+    return [none, torch.zeros(b, h, dtype=torch.long, device=device),
+            torch.full((b, h, c), float("nan"), device=device), none.clone(),
             torch.full((b, h, m), float("-inf"), device=device), torch.zeros_like(none)]
+
+
+def assert_norms_kept(layer: dict[str, torch.Tensor], state: list[torch.Tensor]) -> None:
+    """Where the step named candidates, the kept inverse norms are those of the row's live keys now (fp32
+    rounding), and the emptied slot's is unknown (NaN)."""
+    named = (state[NEXT] >= 0).any(-1).cpu()
+    inv = state[INV_NORM].cpu()
+    k = layer["k"].cpu().double()
+    live = torch.arange(k.shape[2]) < layer["length"].cpu()[..., None]
+    want = 1 / k.norm(dim=-1).clamp(min=1e-12)
+    check = named[..., None] & live
+    assert named.any()
+    torch.testing.assert_close(inv[check].double(), want[check], rtol=2e-6, atol=0)
+    assert torch.isnan(inv[..., -1][named]).all()
 
 
 def full_layer(seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -57,9 +83,9 @@ def write_and_score(layer: dict[str, torch.Tensor], gen: torch.Generator, neares
     if nearest is not None:
         best, near = nearest_of_candidates_reference(layer["k"].cpu(), layer["log_weight"].cpu(), nearest[0].cpu(),
                                                      nearest[1].cpu())
-        nearest[2].copy_(nearest[0])
-        nearest[3].copy_(best)
-        nearest[4].copy_(near)
+        nearest[CAND].copy_(nearest[NEXT])
+        nearest[BEST].copy_(best)
+        nearest[SLOT].copy_(near)
     live = layer["log_weight"] > float("-inf")
     layer["col_sum"] += torch.where(live, drift * torch.rand(b, h, c, generator=gen).to(live.device), 0.0)
 
@@ -68,7 +94,7 @@ def in_candidates(layer: dict[str, torch.Tensor], nearest: list[torch.Tensor]) -
     """[B, Hkv] bool: whether this step's evicted entry is one the attention searched for."""
     e = pick_one(layer["k"].cpu(), layer["v"].cpu(), layer["col_sum"].cpu(), layer["position"].cpu(),
                  layer["length"].cpu(), KEEP, SINKS, RECENT).e
-    return (nearest[2].cpu() == e).any(-1)
+    return (nearest[CAND].cpu() == e).any(-1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -88,7 +114,10 @@ def test_steps_with_the_attentions_nearest_keys_equal_the_plain_step(dtype, spli
         d2o_evict_one_reference(*_args(want, []))
         d2o_evict_one_triton(*_args(got, got_state), splits=splits, block_c=4, block_scan=8)
         assert_same(got, want, f"step {step}")
+        assert_norms_kept(got, got_state)
         layer, state = want, [t.cpu() for t in got_state]
+        known = ~torch.isnan(state[INV_NORM])          # the chain goes on from the plain step's K: its bf16 merges
+        state[INV_NORM][known] = (1 / layer["k"].double().norm(dim=-1).clamp(min=1e-12)).float()[known]   # may differ
         write_and_score(layer, gen, state, drift=0.02 if step % 4 else 1.0)    # step 4k: large, the order changes
     assert hits > 0 and misses > 0, (hits, misses)
 
@@ -104,13 +133,13 @@ def test_the_named_candidates_are_the_lowest_the_next_step_may_evict(splits, tri
     got = copied(layer, triton_device)
     d2o_evict_one_triton(*_args(got, state), splits=splits, block_c=4, block_scan=8)
     score = got["col_sum"].cpu()                                   # after the step's move: slot e holds the newest
-    named = state[0].cpu()
+    named = state[NEXT].cpu()
     assert (named >= 0).all() and (named.sort(-1).values.diff(dim=-1) > 0).all()          # four distinct slots
     assert torch.equal(score.gather(2, named).sort(-1).values, score.gather(2, want).sort(-1).values)
-    assert (state[1].cpu() == 0).all()                              # target_from of the step
+    assert (state[FROM].cpu() == 0).all()                           # target_from of the step
     ref = nearest_state(2, 3)
     d2o_evict_one_reference(*_args(copied(layer, "cpu"), ref))
-    assert torch.equal(ref[0], want)
+    assert torch.equal(ref[NEXT], want)
 
 
 def test_the_step_takes_the_attentions_result_where_its_entry_was_searched(triton_device):
@@ -123,9 +152,9 @@ def test_the_step_takes_the_attentions_result_where_its_entry_was_searched(trito
     d2o_evict_one_triton(*_args(want, []), splits=2, block_c=4, block_scan=8)
     for searched, changes in ((e, True), ((e + 1) % KEEP, False)):
         state = nearest_state(2, 3)
-        state[2][..., 0] = searched
-        state[3][..., 0] = 1.0
-        state[4][..., 0] = 0
+        state[CAND][..., 0] = searched
+        state[BEST][..., 0] = 1.0
+        state[SLOT][..., 0] = 0
         got = copied(layer, triton_device)
         d2o_evict_one_triton(*_args(got, [t.to(triton_device) for t in state]), splits=2, block_c=4, block_scan=8)
         assert torch.equal(got["k"], want["k"]) != changes, changes
@@ -141,12 +170,44 @@ def test_the_fused_attention_and_step_over_steps(triton_device):
         d2o_evict_one_reference(*_args(want, []))
         d2o_evict_one_triton(*_args(got, state), splits=2, block_c=4, block_scan=8)
         assert_same(got, want, f"step {step}")
+        assert_norms_kept(got, state)
         write_and_score(want, gen_w, None, drift=0.02)
         write_and_score(got, gen_g, None, drift=0.02)
         q = torch.randn(2, 6, 1, 16, generator=torch.Generator().manual_seed(step)).to(triton_device)
         decode_attention_nearest_triton(q, got["k"], got["v"], got["log_weight"], *state, 0.25, None, False,
                                         num_splits=2, block_n=8)
-    assert (state[2] >= 0).all()
+    assert (state[CAND] >= 0).all()
+
+
+def test_the_newest_entry_the_attention_leaves_out_is_compared_by_the_step(triton_device):
+    """The newest entry's norm is not known to the attention (NaN): where it is the evicted entry's nearest key,
+    the step finds it itself, and merges as the plain step does."""
+    want = full_layer(seed=13)
+    got = copied(want, triton_device)
+    state = nearest_state(2, 3, device=triton_device)
+    d2o_evict_one_reference(*_args(want, []))
+    d2o_evict_one_triton(*_args(got, state), splits=2, block_c=4, block_scan=8)
+    assert_same(got, want, "first step")
+    e_next = state[NEXT][..., 0].cpu()                              # the lowest the next step may evict
+    noise = 1e-3 * torch.randn(2, 3, 1, 16, generator=torch.Generator().manual_seed(3))
+    for layer in (want, got):                                       # its near copy as the newest entry
+        write_and_score(layer, torch.Generator().manual_seed(3), None, drift=0.0)
+        k = layer["k"]
+        src = k.gather(2, e_next.to(k.device)[..., None, None].expand(-1, -1, 1, k.shape[3]))
+        k[:, :, -1:] = (src.float() + noise.to(k.device)).to(k.dtype)
+    q = torch.randn(2, 6, 1, 16, generator=torch.Generator().manual_seed(4)).to(triton_device)
+    decode_attention_nearest_triton(q, got["k"], got["v"], got["log_weight"], *state, 0.25, None, False,
+                                    num_splits=2, block_n=8)
+    e = pick_one(want["k"], want["v"], want["col_sum"], want["position"], want["length"], KEEP, SINKS, RECENT).e
+    assert torch.equal(e[..., 0], e_next) and (state[CAND][..., 0].cpu() == e_next).all()       # every row a hit
+    assert (state[SLOT][..., 0].cpu() != KEEP).all()                # the attention left the newest out
+    nearest = pick_one(want["k"], want["v"], want["col_sum"], want["position"], want["length"], KEEP, SINKS,
+                       RECENT).nearest[..., 0]
+    assert (nearest == KEEP).all()                                  # ... which is e's nearest key
+    d2o_evict_one_reference(*_args(want, []))
+    d2o_evict_one_triton(*_args(got, state), splits=2, block_c=4, block_scan=8)
+    assert_same(got, want, "the step after")
+    assert_norms_kept(got, state)
 
 
 def _args(layer: dict[str, torch.Tensor], nearest: list[torch.Tensor]) -> tuple:

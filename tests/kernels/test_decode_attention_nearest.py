@@ -4,6 +4,7 @@ live key (slot exactly where the top two cosines are apart, the cosine to fp32 r
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -18,6 +19,17 @@ from kvpass.kernels.decode_attention_nearest import (
 from tests.kernels.test_decode_attention import random_case
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+# the module, not the op of the same name that kvpass.kernels exports
+nearest_module = importlib.import_module("kvpass.kernels.decode_attention_nearest")
+
+
+@pytest.fixture(autouse=True)
+def fuse_at_every_batch(monkeypatch):
+    monkeypatch.setattr(nearest_module, "FUSE_FROM_BATCH", 1)
+
+
+def inverse_norms(k: torch.Tensor) -> torch.Tensor:
+    return (1 / k.double().norm(dim=-1).clamp(min=1e-12)).float()
 
 
 def random_candidates(lw: torch.Tensor, m: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,8 +70,8 @@ def test_nearest_matches_reference(hq, hkv, num_splits, dtype, triton_device):
             torch.empty(2, hkv, 4, dtype=torch.long, device=dev)]
     scale = 1 / math.sqrt(16)
     got_o, got_s = decode_attention_nearest_triton(q.to(dev), k.to(dev), v.to(dev), lw.to(dev), cand.to(dev),
-                                                   target_from.to(dev), *outs, scale, None, True,
-                                                   num_splits=num_splits, block_n=16)
+                                                   target_from.to(dev), inverse_norms(k).to(dev), *outs, scale,
+                                                   None, True, num_splits=num_splits, block_n=16)
     plain_o, plain_s = decode_attention_triton(q.to(dev), k.to(dev), v.to(dev), lw.to(dev), scale, None, True,
                                                num_splits=num_splits, block_n=16)
     assert torch.equal(got_o, plain_o) and torch.equal(got_s, plain_s)     # the spare rows change nothing
@@ -67,25 +79,51 @@ def test_nearest_matches_reference(hq, hkv, num_splits, dtype, triton_device):
     assert_nearest(outs[1], outs[2], k, lw, cand, target_from)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_slots_of_unknown_norm_are_left_out(num_splits, triton_device):
+    """A NaN inverse norm (the newest entry's, written by this step) leaves that slot out of the search: the
+    result is the reference's over the other slots, here where the left-out slot is every candidate's nearest."""
+    q, k, v, lw = random_case(2, 8, 2, 1, 70, 16, seed=21)
+    lw[..., :40] = 0.0                                                    # slots 0-39 live in every row
+    cand, target_from = random_candidates(lw[..., :30], 4, seed=22)
+    out = 35
+    k[:, :, out] = k.gather(2, cand[..., :1, None].clamp(min=0).expand(-1, -1, 1, 16))[:, :, 0] + 1e-3
+    inv = inverse_norms(k)
+    inv[:, :, out] = float("nan")
+    dev = torch.device(triton_device)
+    outs = [torch.empty(2, 2, 4, dtype=torch.long, device=dev), torch.empty(2, 2, 4, device=dev),
+            torch.empty(2, 2, 4, dtype=torch.long, device=dev)]
+    decode_attention_nearest_triton(q.to(dev), k.to(dev), v.to(dev), lw.to(dev), cand.to(dev), target_from.to(dev),
+                                    inv.to(dev), *outs, 0.25, None, False, num_splits=num_splits, block_n=16)
+    _, with_it = nearest_of_candidates_reference(k, lw, cand, target_from)
+    assert (with_it[..., 0][cand[..., 0] >= 0] == out).all()             # the left-out slot would have won
+    without = lw.clone()
+    without[:, :, out] = float("-inf")
+    assert_nearest(outs[1], outs[2], k, without, cand, target_from)
+
+
 def test_reference_op_writes_its_outputs():
     q, k, v, lw = random_case(1, 4, 2, 1, 20, 8, seed=3)
     cand, target_from = random_candidates(lw, 2, seed=4)
     outs = [torch.empty(1, 2, 2, dtype=torch.long), torch.empty(1, 2, 2), torch.empty(1, 2, 2, dtype=torch.long)]
-    o, _ = torch.ops.kvpass.decode_attention_nearest(q, k, v, lw, cand, target_from, *outs, 0.3)
+    o, _ = torch.ops.kvpass.decode_attention_nearest(q, k, v, lw, cand, target_from, inverse_norms(k), *outs, 0.3)
     best, slot = nearest_of_candidates_reference(k, lw, cand, target_from)
     assert torch.equal(outs[0], cand) and torch.equal(outs[1], best) and torch.equal(outs[2], slot)
     assert (slot[cand < 0] == 0).all() and (best[cand < 0] == float("-inf")).all()
-    want_o, _ = decode_attention_nearest_reference(q, k, v, lw, cand, target_from, *[t.clone() for t in outs], 0.3)
+    want_o, _ = decode_attention_nearest_reference(q, k, v, lw, cand, target_from, inverse_norms(k),
+                                                   *[t.clone() for t in outs], 0.3)
     assert torch.equal(o, want_o)
 
 
 def test_bad_candidate_shapes_are_refused():
     q, k, v, lw = random_case(1, 4, 2, 1, 20, 8, seed=3)
-    good = [torch.zeros(1, 2, 4, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long),
+    good = [torch.zeros(1, 2, 4, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, 20),
             torch.zeros(1, 2, 4, dtype=torch.long), torch.zeros(1, 2, 4), torch.zeros(1, 2, 4, dtype=torch.long)]
     with pytest.raises(ValueError, match="near_best must be"):
-        decode_attention_nearest_triton(q, k, v, lw, *good[:3], torch.zeros(1, 2, 4, dtype=torch.float64), good[4], 0.3)
-    three = [torch.zeros(1, 2, 3, dtype=torch.long), good[1], torch.zeros(1, 2, 3, dtype=torch.long),
+        decode_attention_nearest_triton(q, k, v, lw, *good[:4], torch.zeros(1, 2, 4, dtype=torch.float64), good[5], 0.3)
+    with pytest.raises(ValueError, match="inv_norm must be"):
+        decode_attention_nearest_triton(q, k, v, lw, *good[:2], torch.zeros(1, 2, 19), *good[3:], 0.3)
+    three = [torch.zeros(1, 2, 3, dtype=torch.long), good[1], good[2], torch.zeros(1, 2, 3, dtype=torch.long),
              torch.zeros(1, 2, 3), torch.zeros(1, 2, 3, dtype=torch.long)]
     with pytest.raises(ValueError, match="power of 2"):
         decode_attention_nearest_triton(q, k, v, lw, *three, 0.3)

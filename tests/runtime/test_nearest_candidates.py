@@ -6,12 +6,15 @@ get the plain attention."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
 import kvpass.policies.d2o as d2o_module
 from kvpass.export.onnx_export import per_step_graphs
 from kvpass.kernels.d2o_evict_one import d2o_evict_one_triton, pick_one
+from kvpass.kernels.decode_attention_nearest import fuses_at
 from tests.conftest import padded_batch
 from tests.policies.policy_helpers import apply_cached
 from tests.runtime.test_rows_independent import _greedy
@@ -44,7 +47,7 @@ def _triton_eviction(monkeypatch) -> list[int]:
     def op(k, v, col_sum, position, log_weight, length, tau, tau_set, others, nearest, keep, sinks, recent, *rest):
         if nearest:
             e = pick_one(k, v, col_sum, position, length, keep, sinks, recent).e
-            hit = (nearest[2] == e).any(-1)[length > keep]
+            hit = (nearest[3] == e).any(-1)[length > keep] if fuses_at(k.shape[0]) else torch.zeros(0, dtype=bool)
             counts[0] += int(hit.sum())
             counts[1] += int((~hit).sum())
         d2o_evict_one_triton(k, v, col_sum, position, log_weight, length, tau, tau_set, others, nearest, keep, sinks,
@@ -58,13 +61,20 @@ def _triton_eviction(monkeypatch) -> list[int]:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton step on CPU tensors needs the interpreter (no GPU); "
                     "on a GPU benchmarks/probes/nearest_candidates_gpu.py checks the same")
 @pytest.mark.parametrize("lengths", [[40], [33]])        # one row: one budget, the in-place step of compress_into
-def test_same_tokens_and_logits_as_the_scanning_step(monkeypatch, lengths):
+@pytest.mark.parametrize("fuse_from", [1, None])          # None: the default, above this batch: the step scans
+def test_same_tokens_and_logits_as_the_scanning_step(monkeypatch, lengths, fuse_from):
+    nearest_module = importlib.import_module("kvpass.kernels.decode_attention_nearest")
+    if fuse_from is not None:
+        monkeypatch.setattr(nearest_module, "FUSE_FROM_BATCH", fuse_from)
     counts = _triton_eviction(monkeypatch)
     fused = apply_cached("llama", "d2o", 0.4)
     plain = apply_cached("llama", "d2o", 0.4, fuse_nearest=False)
     ids, mask = padded_batch(lengths, seed=5)
     tokens, logits = _greedy(fused, ids, mask)
-    assert counts[0] > 0, counts                        # the step took the attention's results
+    if fuse_from is None:                               # batch 1 < FUSE_FROM_BATCH: nothing named, every step scans
+        assert counts == [0, 0] and nearest_module.FUSE_FROM_BATCH > 1
+    else:
+        assert counts[0] > 0, counts                    # the step took the attention's results
     want_tokens, want_logits = _greedy(plain, ids, mask)
     assert torch.equal(tokens, want_tokens)
     torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
