@@ -8,7 +8,7 @@ greedy ``--new`` (128) tokens, for ``d2o`` (the decode attention
 finds the nearest keys of the next eviction's candidates, ``fuse_nearest``) and ``d2o[fuse_nearest=False]``
 (every step scans the keys):
 
-* ``eager``: both with CUDA graphs off (``KVPASS_CUDA_GRAPH=0``), every eviction of the fused run counted: ``hits``
+* ``eager``: both uncompiled with CUDA graphs off (``KVPASS_CUDA_GRAPH=0``), every eviction of the fused run counted: ``hits``
   are evicting (row, head)s whose entry was among the attention's candidates (the step took its result),
   ``misses`` the others (the first step of each layer, which has none, and any entry the candidates missed);
 * ``graphed``: both through plain ``generate`` (compiled decode, CUDA graphs);
@@ -38,27 +38,37 @@ def build(seed: int = 0):
 
 
 def count_hits(counts: list[int]):
-    """Wrap the eviction op the policy calls to count hits and misses (host syncs: eager steps only)."""
+    """Wrap the eviction ops the policy calls (one budget, and rows of their own budgets) to count hits and misses
+    (host syncs: eager steps only); returns (the real ops, the wrappers)."""
     import kvpass.policies.d2o as d2o_module  # noqa: F401
     from kvpass.kernels.d2o_evict_one import pick_one
     from kvpass.kernels.decode_attention_nearest import fuses_at
 
-    real = torch.ops.kvpass.d2o_evict_one
+    real = (torch.ops.kvpass.d2o_evict_one, torch.ops.kvpass.d2o_evict_one_ragged)
 
-    def op(k, v, col_sum, position, log_weight, length, tau, tau_set, others, nearest, keep, sinks, recent, *rest):
+    def count(k, v, col_sum, position, length, nearest, keep, sinks, recent) -> None:
         if nearest and fuses_at(k.shape[0]):
             e = pick_one(k, v, col_sum, position, length, keep, sinks, recent).e
-            hit = (nearest[3] == e).any(-1)[length > keep]
+            hit = (nearest[3] == e).any(-1)[length > (keep[:, None] if isinstance(keep, torch.Tensor) else keep)]
             counts[0] += int(hit.sum())
             counts[1] += int((~hit).sum())
-        real(k, v, col_sum, position, log_weight, length, tau, tau_set, others, nearest, keep, sinks, recent, *rest)
-    return real, op
+
+    def one(k, v, col_sum, position, log_weight, length, tau, tau_set, others, nearest, keep, sinks, recent, *rest):
+        count(k, v, col_sum, position, length, nearest, keep, sinks, recent)
+        real[0](k, v, col_sum, position, log_weight, length, tau, tau_set, others, nearest, keep, sinks, recent, *rest)
+
+    def ragged(k, v, col_sum, position, log_weight, length, tau, tau_set, others, nearest, keep, sinks, recent,
+               *rest):
+        count(k, v, col_sum, position, length, nearest, keep, sinks, recent)
+        real[1](k, v, col_sum, position, log_weight, length, tau, tau_set, others, nearest, keep, sinks, recent,
+                *rest)
+    return real, (one, ragged)
 
 
-def run(model, policy: str, ids: torch.Tensor, new: int) -> tuple[torch.Tensor, torch.Tensor]:
+def run(model, policy: str, ids: torch.Tensor, new: int, compile: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     import kvpass
 
-    kv = kvpass.apply(model, policy, 0.2)
+    kv = kvpass.apply(model, policy, 0.2, compile=compile)
     out = kv.generate(ids, max_new_tokens=new, do_sample=False, eos_token_id=None, return_dict_in_generate=True,
                       output_logits=True)
     return out.sequences[:, ids.shape[1]:].cpu(), torch.stack(out.logits, 1).float().cpu()
@@ -92,11 +102,11 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(), "prompt": a.prompt, "new": a.new, "batch": a.batch}
     os.environ["KVPASS_CUDA_GRAPH"] = "0"
     counts = [0, 0]
-    real, op = count_hits(counts)
-    torch.ops.kvpass.d2o_evict_one = op
-    fused = run(model, "d2o", ids, a.new)
-    torch.ops.kvpass.d2o_evict_one = real
-    plain = run(model, "d2o[fuse_nearest=False]", ids, a.new)
+    real, ops = count_hits(counts)
+    torch.ops.kvpass.d2o_evict_one, torch.ops.kvpass.d2o_evict_one_ragged = ops
+    fused = run(model, "d2o", ids, a.new, compile=False)        # the counting wrapper syncs: eager, both
+    torch.ops.kvpass.d2o_evict_one, torch.ops.kvpass.d2o_evict_one_ragged = real
+    plain = run(model, "d2o[fuse_nearest=False]", ids, a.new, compile=False)
     result["eager"] = {"hits": counts[0], "misses": counts[1], **compare(fused, plain)}
     print("eager", result["eager"], flush=True)
     del os.environ["KVPASS_CUDA_GRAPH"]

@@ -14,7 +14,8 @@ Why tensors and not ints: the budgets are per row and change with every prompt; 
 them per program (no compilation per budget, no ``tl.constexpr``), and the CUDA graph captures their
 addresses. Their values are the caller's contract (0 <= sinks, 0 <= recent, sinks + recent <= keep and
 0 <= target_from < keep in a row that can evict; D2O's split guarantees it), not checked: that would
-synchronise with the device. Same three kernels as ``d2o_evict_one`` (their RAGGED form), same cost.
+synchronise with the device. Same three kernels as ``d2o_evict_one`` (their RAGGED form), same cost; with
+``nearest``, as there, the decode attention's nearest keys of the candidates each row named a step ahead.
 
 D2O's merge_protect and merge_weighting="score" have no kernel: for them D2O runs the shared plain-torch step
 ``evict_one_in_place`` with ``protect`` / ``score_weights`` and these same [B] tensors (on CUDA too: batched,
@@ -35,10 +36,12 @@ from kvpass.kernels.d2o_evict_one import (
     Gathered,
     check_layer_metadata,
     check_layer_tensors,
+    check_nearest_state,
     evict_one_in_place,
     evict_one_steps,
     run_layers,
 )
+from kvpass.kernels.decode_attention_nearest import fuses_at
 
 
 def d2o_evict_one_ragged_reference(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor,
@@ -70,52 +73,58 @@ def check_evict_one_ragged_inputs(k: Tensor, v: Tensor, col_sum: Tensor, positio
 def d2o_evict_one_ragged_triton(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor,
                                 length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: Tensor,
                                 sinks: Tensor, recent: Tensor, target_from: Tensor, beta: float, variant: str,
-                                min_cos: float = NO_FLOOR, bias: bool = False, *, splits: int | None = None,
-                                block_c: int = 32, block_scan: int = 1024, num_warps: int = 8,
-                                heads: HeadGroup = SINGLE_PROCESS) -> None:
+                                min_cos: float = NO_FLOOR, bias: bool = False, nearest: list[Tensor] | None = None,
+                                *, splits: int | None = None, block_c: int = 32, block_scan: int = 1024,
+                                num_warps: int = 8, heads: HeadGroup = SINGLE_PROCESS) -> None:
     """``d2o_evict_one``'s three Triton kernels in their RAGGED form: they load row b's keep, sinks, recent
     and target_from from the [B] tensors and take the newest entry from slot length - 1. A row within its
     own budget scans nothing."""
     run_layers([d2o_evict_one_ragged_steps(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep,
-                                           sinks, recent, target_from, beta, variant, min_cos, bias, splits=splits,
-                                           block_c=block_c, block_scan=block_scan, num_warps=num_warps,
-                                           heads=heads)], heads)
+                                           sinks, recent, target_from, beta, variant, min_cos, bias, nearest,
+                                           splits=splits, block_c=block_c, block_scan=block_scan,
+                                           num_warps=num_warps, heads=heads)], heads)
 
 
 def d2o_evict_one_ragged_steps(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor,
                                length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: Tensor,
                                sinks: Tensor, recent: Tensor, target_from: Tensor, beta: float, variant: str,
-                               min_cos: float = NO_FLOOR, bias: bool = False, *, splits: int | None = None,
-                               block_c: int = 32, block_scan: int = 1024, num_warps: int = 8,
-                               heads: HeadGroup = SINGLE_PROCESS) -> Generator[Gathered, Gathered, None]:
+                               min_cos: float = NO_FLOOR, bias: bool = False, nearest: list[Tensor] | None = None,
+                               *, splits: int | None = None, block_c: int = 32, block_scan: int = 1024,
+                               num_warps: int = 8, heads: HeadGroup = SINGLE_PROCESS
+                               ) -> Generator[Gathered, Gathered, None]:
     """``d2o_evict_one_ragged_triton``'s checked inputs as ``evict_one_steps`` (one layer of ``run_layers``)."""
     require_triton()
     check_evict_one_ragged_inputs(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks,
                                   recent, target_from, variant)
+    nearest = nearest or []
+    check_nearest_state(k, nearest)
     return evict_one_steps(k, v, col_sum, position, log_weight, length, tau, tau_set, others, (0, 0, 0, 0),
                            (keep, sinks, recent, target_from), beta, variant, min_cos, bias, splits, block_c,
-                           block_scan, num_warps, heads)
+                           block_scan, num_warps, heads, nearest if fuses_at(k.shape[0]) else [])
 
 
 @torch.library.custom_op("kvpass::d2o_evict_one_ragged", mutates_args=(
-    "k", "v", "col_sum", "position", "log_weight", "length", "tau", "tau_set", "others"))
+    "k", "v", "col_sum", "position", "log_weight", "length", "tau", "tau_set", "others", "nearest"))
 def d2o_evict_one_ragged(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor,
-                         length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], keep: Tensor,
-                         sinks: Tensor, recent: Tensor, target_from: Tensor, beta: float, variant: str,
+                         length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], nearest: list[Tensor],
+                         keep: Tensor, sinks: Tensor, recent: Tensor, target_from: Tensor, beta: float, variant: str,
                          min_cos: float = NO_FLOOR, bias: bool = False) -> None:
+    """``nearest``: [] or the layer's six tensors of ``NEAREST_INPUTS``; the plain-torch step scans and names no
+    candidates (here, unlike ``d2o_evict_one``'s reference: the rows' candidates would need their own splits),
+    so on CPU the fused search finds nothing to search for."""
     d2o_evict_one_ragged_reference(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks,
                                    recent, target_from, beta, variant, min_cos, bias)
 
 
 @d2o_evict_one_ragged.register_fake
-def _(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks, recent, target_from, beta,
-      variant, min_cos=NO_FLOOR, bias=False):
+def _(k, v, col_sum, position, log_weight, length, tau, tau_set, others, nearest, keep, sinks, recent, target_from,
+      beta, variant, min_cos=NO_FLOOR, bias=False):
     return None
 
 
 if HAS_TRITON:
     @d2o_evict_one_ragged.register_kernel("cuda")
-    def _(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks, recent, target_from, beta,
-          variant, min_cos=NO_FLOOR, bias=False):
+    def _(k, v, col_sum, position, log_weight, length, tau, tau_set, others, nearest, keep, sinks, recent,
+          target_from, beta, variant, min_cos=NO_FLOOR, bias=False):
         d2o_evict_one_ragged_triton(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks,
-                                    recent, target_from, beta, variant, min_cos, bias)
+                                    recent, target_from, beta, variant, min_cos, bias, nearest)

@@ -123,10 +123,10 @@ def check_nearest_inputs(k: Tensor, candidates: Tensor, target_from: Tensor, inv
         if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
             raise ValueError(f"decode_attention_nearest: {name} must be contiguous {dtype} {list(shape)} "
                              f"(k [B, Hkv, C, D] = {list(k.shape)}, M = {m}), got {t.dtype} {list(t.shape)}")
-    for name, t in given:                                      # devices after shapes: the same errors anywhere
-        check_device(name, t, k.device)
     if m < 1 or m & (m - 1):
         raise ValueError(f"decode_attention_nearest: M (candidates per row) must be a power of 2, got {m}")
+    for name, t in given:                                      # devices after shapes: the same errors anywhere
+        check_device(name, t, k.device)
 
 
 def decode_attention_nearest_triton(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor, candidates: Tensor,

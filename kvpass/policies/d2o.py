@@ -540,7 +540,7 @@ class D2O(Policy):
             sinks, _, recent = self.split_rows(keep)
             target_from = torch.zeros_like(keep) if self.merge_into_sinks else sinks
             return d2o_evict_one_ragged_steps(*layer, keep, sinks, recent, target_from, self.beta, self.d2o_variant,
-                                              self._min_cos(), self.merge_bias, heads=self.heads)
+                                              self._min_cos(), self.merge_bias, self._nearest(cache), heads=self.heads)
         if cache.capacity != keep + 1:
             return None
         sinks, _, recent = self.split(keep)
@@ -592,15 +592,15 @@ class D2O(Policy):
         sinks, _, recent = self.split_rows(keep)
         target_from = torch.zeros_like(keep) if self.merge_into_sinks else sinks
         layer = self._in_place_layer(cache)
-        forget_candidates(cache)                  # the per-row steps keep no norms
         if self.heads.world > 1 and self.interval == 1 and self._triton_step(cache):   # the threshold spans ranks
             self.compress_layers_into([(cache, keep)])
         elif self.interval > 1:                   # the due rows (budget + interval entries) evict interval entries
             self._evict_many(cache, layer, keep, keep + self.interval, self.interval, sinks, recent, target_from)
         elif self._triton_step(cache) and self.heads.world == 1:
-            torch.ops.kvpass.d2o_evict_one_ragged(*layer, keep, sinks, recent, target_from, self.beta,
-                                                  self.d2o_variant, self._min_cos(), self.merge_bias)
+            torch.ops.kvpass.d2o_evict_one_ragged(*layer, self._nearest(cache), keep, sinks, recent, target_from,
+                                                  self.beta, self.d2o_variant, self._min_cos(), self.merge_bias)
         else:
+            forget_candidates(cache)              # the plain-torch step keeps no norms
             evict_one_in_place(*layer, keep, sinks, recent, target_from, *self._step_options(), heads=self.heads)
 
     def _pick_one(self, cache: LayerCache, keep: int) -> OneEviction:

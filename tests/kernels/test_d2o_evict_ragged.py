@@ -66,8 +66,10 @@ def row_split(keeps: list[int], sinks: int, ratio: tuple[int, int] = (3, 1), int
 
 
 def run_ragged(impl, layer: dict[str, torch.Tensor], split: tuple[torch.Tensor, ...], variant: str, **kwargs) -> None:
+    """One step of ``impl``: a function of the module, or the op (whose ``nearest`` follows ``others``: none)."""
+    nearest = ([],) if impl is torch.ops.kvpass.d2o_evict_one_ragged else ()
     impl(layer["k"], layer["v"], layer["col_sum"], layer["position"], layer["log_weight"], layer["length"],
-         layer["tau"], layer["tau_set"], [layer["window"]], *split, 0.7, variant, **kwargs)
+         layer["tau"], layer["tau_set"], [layer["window"]], *nearest, *split, 0.7, variant, **kwargs)
 
 
 @pytest.mark.parametrize("variant", ["paper", "code"])

@@ -17,11 +17,13 @@ from kvpass.kernels.d2o_evict_one import (
     next_candidates,
     pick_one,
 )
+from kvpass.kernels.d2o_evict_one_ragged import d2o_evict_one_ragged_reference, d2o_evict_one_ragged_triton
 from kvpass.kernels.decode_attention_nearest import (
     decode_attention_nearest_triton,
     nearest_of_candidates_reference,
 )
-from tests.kernels.test_d2o_evict_one import assert_same, copied, random_layer
+from tests.kernels.test_d2o_evict_one import assert_same, copied, decode_write, random_layer
+from tests.kernels.test_d2o_evict_ragged import NEVER, ragged_layer, row_split
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 # the module, not the op of the same name that kvpass.kernels exports
@@ -208,6 +210,36 @@ def test_the_newest_entry_the_attention_leaves_out_is_compared_by_the_step(trito
     d2o_evict_one_triton(*_args(got, state), splits=2, block_c=4, block_scan=8)
     assert_same(got, want, "the step after")
     assert_norms_kept(got, state)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ragged_rows_with_the_attentions_nearest_keys_equal_the_plain_step(dtype, triton_device):
+    """Rows of their own budgets (``d2o_evict_one_ragged``, one row never evicting): the Triton op given the
+    Triton attention's results ends every step as the plain-torch ragged step does, and takes those results."""
+    keeps = [KEEP, 17, 21, NEVER]
+    want = ragged_layer(keeps, 3, 16, seed=2, dtype=dtype, capacity=KEEP + 1)
+    split = row_split(keeps, SINKS)
+    state = nearest_state(4, 3, device=triton_device)
+    gen = torch.Generator().manual_seed(5)
+    hits = 0
+    for step in range(8):
+        got = copied(want, triton_device)
+        e = pick_one(want["k"], want["v"], want["col_sum"], want["position"], want["length"], split[0], split[1],
+                     split[2]).e[..., 0]
+        hits += int(((state[CAND].cpu() == e[..., None]).any(-1) & (want["length"] > split[0][:, None])).sum())
+        d2o_evict_one_ragged_reference(*_args(want, [])[:9], *split, 0.7, "paper")
+        d2o_evict_one_ragged_triton(*_args(got, [])[:9], *(t.to(triton_device) for t in split), 0.7, "paper",
+                                    nearest=state, splits=2, block_c=4, block_scan=8)
+        assert_same(got, want, f"step {step}")
+        known = ~torch.isnan(state[INV_NORM])             # on from the plain step's K (bf16 merges: last bits)
+        state[INV_NORM][known] = (1 / want["k"].double().norm(dim=-1).clamp(min=1e-12)).float().to(
+            triton_device)[known]
+        decode_write(want, step, gen)
+        for_attention = copied(want, triton_device)
+        q = torch.randn(4, 6, 1, 16, generator=torch.Generator().manual_seed(step)).to(triton_device, dtype)
+        decode_attention_nearest_triton(q, for_attention["k"], for_attention["v"], for_attention["log_weight"], *state,
+                                        0.25, None, False, num_splits=2, block_n=8)
+    assert hits > 0
 
 
 def _args(layer: dict[str, torch.Tensor], nearest: list[torch.Tensor]) -> tuple:

@@ -14,6 +14,7 @@ import torch
 import kvpass.policies.d2o as d2o_module
 from kvpass.export.onnx_export import per_step_graphs
 from kvpass.kernels.d2o_evict_one import d2o_evict_one_triton, pick_one
+from kvpass.kernels.d2o_evict_one_ragged import d2o_evict_one_ragged_triton
 from kvpass.kernels.decode_attention_nearest import fuses_at
 from tests.conftest import padded_batch
 from tests.policies.policy_helpers import apply_cached
@@ -44,24 +45,37 @@ def _triton_eviction(monkeypatch) -> list[int]:
     rows whose entry was among the attention's candidates, and the others."""
     counts = [0, 0]
 
-    def op(k, v, col_sum, position, log_weight, length, tau, tau_set, others, nearest, keep, sinks, recent, *rest):
-        if nearest:
+    def count(k, v, col_sum, position, length, nearest, keep, sinks, recent) -> None:
+        if nearest and fuses_at(k.shape[0]):
             e = pick_one(k, v, col_sum, position, length, keep, sinks, recent).e
-            hit = (nearest[3] == e).any(-1)[length > keep] if fuses_at(k.shape[0]) else torch.zeros(0, dtype=bool)
+            evicts = length > (keep[:, None] if isinstance(keep, torch.Tensor) else keep)
+            hit = (nearest[3] == e).any(-1)[evicts]
             counts[0] += int(hit.sum())
             counts[1] += int((~hit).sum())
+
+    def op(k, v, col_sum, position, log_weight, length, tau, tau_set, others, nearest, keep, sinks, recent, *rest):
+        count(k, v, col_sum, position, length, nearest, keep, sinks, recent)
         d2o_evict_one_triton(k, v, col_sum, position, log_weight, length, tau, tau_set, others, nearest, keep, sinks,
                              recent, *rest, splits=2, block_c=8, block_scan=16)
 
+    def ragged(k, v, col_sum, position, log_weight, length, tau, tau_set, others, nearest, keep, sinks, recent,
+               target_from, *rest):                 # rows of their own budgets: a batch of several prompts
+        count(k, v, col_sum, position, length, nearest, keep, sinks, recent)
+        d2o_evict_one_ragged_triton(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks,
+                                    recent, target_from, *rest, nearest=nearest, splits=2, block_c=8, block_scan=16)
+
     monkeypatch.setattr(d2o_module.D2O, "_triton_step", lambda self, cache: self._in_place_op_applies())
     monkeypatch.setattr(torch.ops.kvpass, "d2o_evict_one", op)
+    monkeypatch.setattr(torch.ops.kvpass, "d2o_evict_one_ragged", ragged)
     return counts
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton step on CPU tensors needs the interpreter (no GPU); "
                     "on a GPU benchmarks/probes/nearest_candidates_gpu.py checks the same")
-@pytest.mark.parametrize("lengths", [[40], [33]])        # one row: one budget, the in-place step of compress_into
-@pytest.mark.parametrize("fuse_from", [1, None])          # None: the default, above this batch: the step scans
+@pytest.mark.parametrize("lengths, fuse_from", [
+    ([40], 1), ([33], 1),                  # one row: one budget, the in-place step of compress_into
+    ([40], None),                          # the default FUSE_FROM_BATCH: batch 1 scans, names nothing
+    ([40, 33, 37, 29], None)])             # batch 4 fuses; rows of their own budgets: the ragged op
 def test_same_tokens_and_logits_as_the_scanning_step(monkeypatch, lengths, fuse_from):
     nearest_module = importlib.import_module("kvpass.kernels.decode_attention_nearest")
     if fuse_from is not None:
@@ -71,8 +85,8 @@ def test_same_tokens_and_logits_as_the_scanning_step(monkeypatch, lengths, fuse_
     plain = apply_cached("llama", "d2o", 0.4, fuse_nearest=False)
     ids, mask = padded_batch(lengths, seed=5)
     tokens, logits = _greedy(fused, ids, mask)
-    if fuse_from is None:                               # batch 1 < FUSE_FROM_BATCH: nothing named, every step scans
-        assert counts == [0, 0] and nearest_module.FUSE_FROM_BATCH > 1
+    if not nearest_module.fuses_at(len(lengths)):      # batch 1 < FUSE_FROM_BATCH: nothing named, every step scans
+        assert counts == [0, 0]
     else:
         assert counts[0] > 0, counts                    # the step took the attention's results
     want_tokens, want_logits = _greedy(plain, ids, mask)
