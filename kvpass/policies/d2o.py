@@ -94,9 +94,11 @@ class D2O(Policy):
         their kept queries instead of at every step (``deferred_scores``: the same scores up to rounding, a
         step without the per-slot scores pass). False: every step's attention returns its row (the
         before/after of tests and benchmarks).
-    fuse_nearest: with ``interval`` 1 on CUDA, the decode attention also finds the nearest key of the four
-        entries the next step may evict (``nearest_candidates``), so that step need not read the keys again:
-        the same slots and values. False: every step scans the keys (the before/after of benchmarks).
+    fuse_nearest: with ``interval`` 1 on CUDA at batch 4 or more, the decode attention also finds the nearest key
+        of the four entries the next step may evict (``nearest_candidates``), so that step need not read the keys
+        again: the same slots and values up to fp32 rounding (at batch 32, 32k, on an H200: 15.94 against 18.44 ms
+        a step; docs/speed-notes.md, "Session 39"). Below batch 4 the step scans (the search would cost the
+        step's path more than the scan beside it). False: every step scans (the before/after of benchmarks).
 
     Options, off by default (docs/d2o-official.md says which are the paper's, which the code's, and why):
     scores: "accumulated" (the paper: prompt column sums + every decode row) or "window": the first
@@ -238,7 +240,10 @@ class D2O(Policy):
         """``fuse_nearest`` with the one-in-one-out step of the Triton op (``interval`` 1, no merge_protect or score
         weights): the step names the M = 4 entries of lowest score the next step may evict, and the decode
         attention finds their nearest keys from its own read of K, so the next step reads the keys again only
-        where its entry was not among them (kvpass/kernels/decode_attention_nearest.py). Same slots and values."""
+        where its entry was not among them (kvpass/kernels/decode_attention_nearest.py): rows of one budget
+        (``d2o_evict_one``) and of their own (``d2o_evict_one_ragged``). Same slots and values up to fp32 rounding.
+        The eviction keeps each key's inverse norm for the attention ([B, Hkv, C] fp32 a layer, +0.8% of the
+        cache at head size 128), computed where it scans a row and updated where it merges or moves."""
         return CANDIDATES if self.fuse_nearest and self.interval == 1 and self._in_place_op_applies() else 0
 
     def uncompressed_layers(self, n_layers: int) -> frozenset[int]:
