@@ -15,7 +15,7 @@ timed from a CUDA graph by ``time_fn`` (triton's do_bench, median), in microseco
 
 Also checks that the attention's search finds the same slots as the plain-torch reference. Writes
 nearest-in-attention-timing.json under --out. Session 39 measured three more forms of the search, since removed
-(in the history at commit f689496): the norms computed from each K tile (session 32's, 2.2x the attention at
+(in the history at commit f689496; their timings are benchmarks/results/h200-session39/): the norms computed from each K tile (session 32's, 2.2x the attention at
 batch 1), a max and argmax over each tile, and a lazy argmax.
 """
 
