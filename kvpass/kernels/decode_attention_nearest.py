@@ -100,7 +100,13 @@ def decode_attention_nearest_reference(q: Tensor, k: Tensor, v: Tensor, log_weig
                                        target_from: Tensor, inv_norm: Tensor, near_cand: Tensor, near_best: Tensor,
                                        near_slot: Tensor, scale: float, softcap: float | None = None,
                                        want_scores: bool = False) -> tuple[Tensor, Tensor]:
-    """The op's definition: every norm from K (``inv_norm`` is not read)."""
+    """The op's definition: every norm from K (``inv_norm`` is not read). Without candidates (the CPU's steps,
+    which name none) the search is skipped: its results are then -inf and 0 anyway."""
+    if not bool((candidates >= 0).any()):
+        near_cand.copy_(candidates)
+        near_best.fill_(float("-inf"))
+        near_slot.zero_()
+        return decode_attention_reference(q, k, v, log_weight, scale, softcap, want_scores)
     best, slot = nearest_of_candidates_reference(k, log_weight, candidates, target_from)
     near_cand.copy_(candidates)
     near_best.copy_(best)

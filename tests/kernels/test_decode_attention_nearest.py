@@ -113,6 +113,10 @@ def test_reference_op_writes_its_outputs():
     want_o, _ = decode_attention_nearest_reference(q, k, v, lw, cand, target_from, inverse_norms(k),
                                                    *[t.clone() for t in outs], 0.3)
     assert torch.equal(o, want_o)
+    none = torch.full_like(cand, -1)                                       # no candidates: the search is skipped
+    o, _ = torch.ops.kvpass.decode_attention_nearest(q, k, v, lw, none, target_from, inverse_norms(k), *outs, 0.3)
+    assert (outs[0] == -1).all() and (outs[1] == float("-inf")).all() and (outs[2] == 0).all()
+    assert torch.equal(o, want_o)
 
 
 def test_bad_candidate_shapes_are_refused():
