@@ -413,9 +413,9 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor,
                             num_warps: int | None = None, num_stages: int | None = None) -> tuple[Tensor, Tensor]:
     """The Triton decode attention (same contract as ``decode_attention_reference``). ``nearest``: (candidates
     [B, Hkv, M] int64, target_from [B, Hkv] int64, inv_norm [B, Hkv, C] fp32, near_cand, near_best, near_slot
-    [B, Hkv, M]), the inputs and outputs of ``decode_attention_nearest`` (checked there). The keyword arguments override the launch
-    heuristics (tests and the benchmark sweep use them); on CUDA, a tile and stage count that would not fit the
-    device's shared memory (fp32, a small GPU) is narrowed (``fit_pipeline``)."""
+    [B, Hkv, M]), the inputs and outputs of ``decode_attention_nearest`` (checked there). The keyword arguments
+    override the launch heuristics (tests and the benchmark sweep use them); on CUDA, a tile and stage count that
+    would not fit the device's shared memory (fp32, a small GPU) is narrowed (``fit_pipeline``)."""
     require_triton()
     check_decode_inputs(q, k, v, log_weight, scale, softcap)
     b, hq, t, d = q.shape

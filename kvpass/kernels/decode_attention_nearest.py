@@ -73,6 +73,13 @@ def has_nearest_state(cache: LayerCache) -> bool:
     return NEAREST_INPUTS[0] in cache.state
 
 
+def renew_nearest_state(cache: LayerCache) -> None:
+    """After a layer's buffers were made anew (another capacity: D2O's deferred prompt compression), its state of
+    the fused search made anew for them: no candidates, no known norms."""
+    if has_nearest_state(cache):
+        add_nearest_state(cache, cache.state["nearest_next"].shape[-1])
+
+
 def forget_candidates(cache: LayerCache) -> None:
     """After a compression of another path (one that keeps no norms): the next step names no candidates, so the
     eviction after it scans and computes the norms again."""

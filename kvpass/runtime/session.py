@@ -22,7 +22,7 @@ from kvpass.cache import (
     with_capacity,
 )
 from kvpass.decode_step import fork_side_by_side, join_pending
-from kvpass.kernels.decode_attention_nearest import NEAREST_INPUTS, has_nearest_state
+from kvpass.kernels.decode_attention_nearest import NEAREST_INPUTS, has_nearest_state, renew_nearest_state
 from kvpass.rewrites.attention_sites import AttentionSite
 from kvpass.rewrites.insert_compressed_cache import DECODE_STATS
 from kvpass.runtime.layers import (
@@ -287,6 +287,7 @@ class DecodeSession:
                 out = out if out is not None else empty_rows(part, self.batch)
                 put_rows_at(out, part, rows)
             lay.cache = out
+            renew_nearest_state(lay.cache)        # its norms span the prompt's buffers
             lay.set_row_len(self.owner.heads.max(lay.cache.length.amax(-1)).tolist())
             check_within_budget(self.owner, lay)
             self.compressions += 1

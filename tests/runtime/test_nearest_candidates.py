@@ -72,17 +72,19 @@ def _triton_eviction(monkeypatch) -> list[int]:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton step on CPU tensors needs the interpreter (no GPU); "
                     "on a GPU benchmarks/probes/nearest_candidates_gpu.py checks the same")
-@pytest.mark.parametrize("lengths, fuse_from", [
-    ([40], 1), ([33], 1),                  # one row: one budget, the in-place step of compress_into
-    ([40], None),                          # the default FUSE_FROM_BATCH: batch 1 scans, names nothing
-    ([40, 33, 37, 29], None)])             # batch 4 fuses; rows of their own budgets: the ragged op
-def test_same_tokens_and_logits_as_the_scanning_step(monkeypatch, lengths, fuse_from):
+@pytest.mark.parametrize("lengths, fuse_from, options", [
+    ([40], 1, {}), ([33], 1, {}),          # one row: one budget, the in-place step of compress_into
+    ([40], None, {}),                      # the default FUSE_FROM_BATCH: batch 1 scans, names nothing
+    ([40, 33, 37, 29], None, {}),          # batch 4 fuses; rows of their own budgets: the ragged op
+    ([40, 33], 1, {"first_compression": "decode"}),      # new buffers after the first step: new norms
+    ([40, 33], 1, {"prefill_chunk": 16})])                # compressed between the prompt's chunks
+def test_same_tokens_and_logits_as_the_scanning_step(monkeypatch, lengths, fuse_from, options):
     nearest_module = importlib.import_module("kvpass.kernels.decode_attention_nearest")
     if fuse_from is not None:
         monkeypatch.setattr(nearest_module, "FUSE_FROM_BATCH", fuse_from)
     counts = _triton_eviction(monkeypatch)
-    fused = apply_cached("llama", "d2o", 0.4)
-    plain = apply_cached("llama", "d2o", 0.4, fuse_nearest=False)
+    fused = apply_cached("llama", "d2o", 0.4, **options)
+    plain = apply_cached("llama", "d2o", 0.4, fuse_nearest=False, **options)
     ids, mask = padded_batch(lengths, seed=5)
     tokens, logits = _greedy(fused, ids, mask)
     if not nearest_module.fuses_at(len(lengths)):      # batch 1 < FUSE_FROM_BATCH: nothing named, every step scans
