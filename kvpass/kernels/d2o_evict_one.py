@@ -347,6 +347,9 @@ def evict_one_in_place(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, 
 #     xn     = k_e / max(|k_e|, eps)
 #     over j < n of the chunk, j != e, j >= target_from:  s_j = xn . k_j / max(|k_j|, eps)
 #     best[row, s], nearest[row, s] = running (max, first argmax); a later block wins only if greater
+# With ``nearest`` (M candidates): where e is one the attention searched for, split 0 takes its (best, slot)
+# and the newest entry's s_{n-1} if greater (the attention left it out), and no split scans; a scanning split
+# writes inv_norm[j] = 1 / max(|k_j|, eps) of its keys; split 0 names the next step's candidates.
 # Split s = 0 writes e. In ACC (fp32; fp64 for fp64 keys) with IEEE sqrt and division, as the reference's
 # F.normalize; k_j's norm divides the dot product, not each of its D elements first (the reference's
 # order), and the dot's summation order is not torch's: last-bit differences.
@@ -547,6 +550,9 @@ def _next_candidates(NXV, NXS, NEXT, FROM, row, e, last, target_from, SPLITS, M:
 # SHARDED (tensor parallelism, this rank holds Hkv of the layer's H_ALL heads): current and n come from every
 # rank's u_g and ev_g (U_ALL, EV_ALL [B, H_ALL], gathered between kernels B and C), summed over a vector of
 # BLOCK_H_ALL = next_pow2(H_ALL) lanes as one process sums its BLOCK_H: the same tau, bit for bit.
+# NORMS (``nearest`` given: the decode attention's search reads them): inv_norm[nearest_g] <- 1 / max(|k|, eps) of
+# the merged row where merged_g, inv_norm[e_g] <- that of the row now in e_g, inv_norm[last_g] <- NaN (emptied: the
+# next step writes there, and its attention leaves the slot out), each where ev_g, in that order.
 
 @triton.jit
 def _update_threshold(TAU, TAU_SET, b, current, n_evict, beta, one_minus_beta):
