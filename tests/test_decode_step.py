@@ -100,8 +100,8 @@ def test_replayed_steps_equal_eager_steps(monkeypatch, policy, options):
     kv.decode_step = CpuReplay()
     got = run()
     assert kv.decode_step.captures == 2                              # the plain and the compressing step
-    for a, b in zip(got, want, strict=True):
-        assert torch.equal(a, b)
+    for a, b in zip(got, want, strict=True):      # NaN: D2O's unknown key norms (kvpass/kernels/decode_attention_nearest.py)
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
 # Chelsea compressing every 4 steps by one CSM step (its in-graph form: r_min * middle > interval)

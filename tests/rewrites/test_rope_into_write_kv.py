@@ -38,7 +38,8 @@ def test_rotations_fold_into_the_write_and_logits_stay(name, policy, dtype):
     assert (_count(decode, WRITE_KV), _count(decode, ROPE_WRITE_KV)) == (0, writes)
     assert _count(decode, torch.ops.aten.cat.default) == cats - 2 * writes     # rotate_half's cat of q and k
     fused = [n for n in decode.graph.nodes if n.target is ROPE_WRITE_KV]
-    readers = {torch.ops.kvpass.decode_attention.default, torch.ops.kvpass.write_query.default}
+    readers = {torch.ops.kvpass.decode_attention.default, torch.ops.kvpass.decode_attention_nearest.default,
+               torch.ops.kvpass.write_query.default}
     assert all(u.target in readers for n in fused for u in n.users)
     assert _count(decode, torch.ops.kvpass.write_query.default) == (writes if kv.policy.deferred_scores() else 0)
     kv.decode_step.reset()
