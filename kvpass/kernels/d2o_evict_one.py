@@ -67,7 +67,7 @@ from torch import Tensor
 from kvpass.head_group import SINGLE_PROCESS, HeadGroup
 from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
 from kvpass.kernels.cosine_match import cosine_match_reference
-from kvpass.kernels.decode_attention_nearest import fuses_at
+from kvpass.kernels.decode_attention_nearest import NEAREST_INPUTS, check_nearest_inputs, fuses_at
 
 _EPS = 1e-12
 SCORE_EPS = 1e-6       # score_weights: added to every weight (entries of zero score average)
@@ -769,30 +769,20 @@ def d2o_evict_one_steps(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor,
     check_evict_one_inputs(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks, recent,
                            variant, target_from)
     check_nearest_state(k, nearest)
-    if not fuses_at(k.shape[0]):          # the attention searched nothing: name nothing, keep no norms
-        nearest = []
     return evict_one_steps(k, v, col_sum, position, log_weight, length, tau, tau_set, others,
                            (keep, sinks, recent, target_from), None, beta, variant, min_cos, bias, splits, block_c,
                            block_scan, num_warps, heads, nearest)
 
 
 def check_nearest_state(k: Tensor, nearest: list[Tensor]) -> None:
-    """ValueError unless ``nearest`` is [] or the six tensors of ``NEAREST_INPUTS`` for k's [B, Hkv, C] rows."""
+    """ValueError unless ``nearest`` is [] or the six tensors of ``NEAREST_INPUTS`` for k's [B, Hkv, C] rows (the
+    decode attention's own check of them, ``check_nearest_inputs``)."""
     if not nearest:
         return
-    b, h, c = k.shape[:3]
-    m = nearest[0].shape[-1]
-    shapes = ((b, h, m), (b, h), (b, h, c), (b, h, m), (b, h, m), (b, h, m))
-    dtypes = (torch.int64, torch.int64, torch.float32, torch.int64, torch.float32, torch.int64)
-    if len(nearest) != 6 or m < 1 or m & (m - 1) or any(
-            tuple(t.shape) != s or t.dtype != d or not t.is_contiguous()
-            for t, s, d in zip(nearest, shapes, dtypes, strict=True)):
-        raise ValueError(f"nearest must be [] or (next, from, inv_norm, cand, best, slot): contiguous int64 [B, Hkv, "
-                         f"M], int64 [B, Hkv], fp32 [B, Hkv, C], int64, fp32, int64 [B, Hkv, M] for [B, Hkv, C] = "
-                         f"{[b, h, c]}, M a power of 2; got "
-                         f"{[(t.dtype, tuple(t.shape)) for t in nearest]}")
-    for t in nearest:
-        check_device("nearest", t, k.device)
+    if len(nearest) != len(NEAREST_INPUTS):
+        raise ValueError(f"nearest must be [] or the {len(NEAREST_INPUTS)} tensors {NEAREST_INPUTS}, got "
+                         f"{len(nearest)}")
+    check_nearest_inputs(k, *nearest, op="d2o_evict_one")
 
 
 Gathered = tuple[Tensor, Tensor] | None          # every rank's (u, ev) [B, H_ALL] of one layer; None in one process
@@ -837,7 +827,8 @@ def evict_one_steps(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log
     int64 tensors, one value per batch row (``d2o_evict_one_ragged``; then ``split`` is ignored), or None.
     ``nearest``: the layer's (next, from, cand, best, slot) of kvpass/kernels/decode_attention_nearest.py, or None:
     kernel A also lists each split's lowest entries for the next step, kernel B takes e's nearest key from the
-    decode attention where e was one of its candidates (else it scans) and names the next step's candidates."""
+    decode attention where e was one of its candidates (else it scans) and names the next step's candidates; below
+    ``FUSE_FROM_BATCH`` rows (``fuses_at``) as None, since the attention searched nothing there."""
     b, h, c, d = k.shape
     keep, sinks, recent, target_from = split
     ragged = row_split is not None
@@ -855,6 +846,8 @@ def evict_one_steps(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log
         last = newest_slot(length, evict, c) if ragged else c - 1
     block_d = max(16, next_pow2(d))
     tl_acc = tl.float64 if acc == torch.float64 else tl.float32
+    if not fuses_at(b):                      # the attention searched nothing: name nothing, keep no norms
+        nearest = None
     m = nearest[0].shape[-1] if nearest else 0
     block_k = next_pow2(m + 1) if m else 1
     nx_val = torch.empty(b * h * splits * block_k if m else 1, dtype=torch.float32, device=k.device)

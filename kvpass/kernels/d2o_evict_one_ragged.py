@@ -41,7 +41,6 @@ from kvpass.kernels.d2o_evict_one import (
     evict_one_steps,
     run_layers,
 )
-from kvpass.kernels.decode_attention_nearest import fuses_at
 
 
 def d2o_evict_one_ragged_reference(k: Tensor, v: Tensor, col_sum: Tensor, position: Tensor, log_weight: Tensor,
@@ -96,11 +95,10 @@ def d2o_evict_one_ragged_steps(k: Tensor, v: Tensor, col_sum: Tensor, position: 
     require_triton()
     check_evict_one_ragged_inputs(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks,
                                   recent, target_from, variant)
-    nearest = nearest or []
-    check_nearest_state(k, nearest)
+    check_nearest_state(k, nearest or [])
     return evict_one_steps(k, v, col_sum, position, log_weight, length, tau, tau_set, others, (0, 0, 0, 0),
                            (keep, sinks, recent, target_from), beta, variant, min_cos, bias, splits, block_c,
-                           block_scan, num_warps, heads, nearest if fuses_at(k.shape[0]) else [])
+                           block_scan, num_warps, heads, nearest)
 
 
 @torch.library.custom_op("kvpass::d2o_evict_one_ragged", mutates_args=(

@@ -47,8 +47,9 @@ from kvpass.kernels.decode_attention import decode_attention_reference, decode_a
 NEAREST_INPUTS = ("nearest_next", "nearest_from", "nearest_inv_norm", "nearest_cand", "nearest_best",
                   "nearest_slot")
 CANDIDATES = 4            # M: on SmolLM2 the next evicted entry was among the 4 lowest in every one of 16,740 steps
-# The smallest batch whose Triton step searches in the attention: on an H200 at 32k, one layer (attention + eviction)
-# 42.4 -> 43.0 us at batch 1, 94 -> 73 at 4, 448 -> 324 at 32 (benchmarks/results/h200-session39/).
+# The smallest batch whose Triton step searches in the attention: on an H200 at 32k, one layer (attention + eviction,
+# scanning -> fused) 42.8 -> 46.3 us at batch 1, 93.7 -> 77.8 at 4, 448.8 -> 328.6 at 32
+# (benchmarks/results/h200-session39/nearest-in-attention-timing-nvidia-h200.json).
 FUSE_FROM_BATCH = 4
 _EPS = 1e-12
 
@@ -109,20 +110,21 @@ def decode_attention_nearest_reference(q: Tensor, k: Tensor, v: Tensor, log_weig
                                        want_scores: bool = False) -> tuple[Tensor, Tensor]:
     """The op's definition: every norm from K (``inv_norm`` is not read). Without candidates (the CPU's steps,
     which name none) the search is skipped: its results are then -inf and 0 anyway."""
-    if not bool((candidates >= 0).any()):
-        near_cand.copy_(candidates)
+    near_cand.copy_(candidates)
+    if bool((candidates >= 0).any()):
+        best, slot = nearest_of_candidates_reference(k, log_weight, candidates, target_from)
+        near_best.copy_(best)
+        near_slot.copy_(slot)
+    else:
         near_best.fill_(float("-inf"))
         near_slot.zero_()
-        return decode_attention_reference(q, k, v, log_weight, scale, softcap, want_scores)
-    best, slot = nearest_of_candidates_reference(k, log_weight, candidates, target_from)
-    near_cand.copy_(candidates)
-    near_best.copy_(best)
-    near_slot.copy_(slot)
     return decode_attention_reference(q, k, v, log_weight, scale, softcap, want_scores)
 
 
 def check_nearest_inputs(k: Tensor, candidates: Tensor, target_from: Tensor, inv_norm: Tensor, near_cand: Tensor,
-                         near_best: Tensor, near_slot: Tensor) -> None:
+                         near_best: Tensor, near_slot: Tensor, op: str = "decode_attention_nearest") -> None:
+    """ValueError naming the tensor, unless the six (``NEAREST_INPUTS``' order) fit k [B, Hkv, C, D] on its device
+    with M a power of 2; ``op`` names the caller in the message."""
     b, h, c = k.shape[:3]
     m = candidates.shape[-1] if candidates.dim() == 3 else 0
     want = {"candidates": ((b, h, m), torch.long), "target_from": ((b, h), torch.long),
@@ -134,10 +136,10 @@ def check_nearest_inputs(k: Tensor, candidates: Tensor, target_from: Tensor, inv
     for name, t in given:
         shape, dtype = want[name]
         if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
-            raise ValueError(f"decode_attention_nearest: {name} must be contiguous {dtype} {list(shape)} "
+            raise ValueError(f"{op}: {name} must be contiguous {dtype} {list(shape)} "
                              f"(k [B, Hkv, C, D] = {list(k.shape)}, M = {m}), got {t.dtype} {list(t.shape)}")
     if m < 1 or m & (m - 1):
-        raise ValueError(f"decode_attention_nearest: M (candidates per row) must be a power of 2, got {m}")
+        raise ValueError(f"{op}: M (candidates per row) must be a power of 2, got {m}")
     for name, t in given:                                      # devices after shapes: the same errors anywhere
         check_device(name, t, k.device)
 
