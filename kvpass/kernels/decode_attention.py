@@ -359,7 +359,12 @@ MANY_ROWS = 128
 # Fewest slots per split (rounded to BLOCK_N); 128-slot splits were 8-10% slower on an H100 at B = 1 (C = 6.5k,
 # 13k) and at 1k x 8 (decode-attention-batch-sweep-nvidia-h100-80gb-hbm3.json).
 MIN_SPLIT = 256
-SCORE_BLOCK = 128        # slots per scores program of the merge launch
+# Slots per scores program of the merge launch. 512 against 128 (H200, C 6555, the 8B shape, session 40:
+# benchmarks/probes/decode_scores_cost.py, h200-session40/decode-scores-cost.json): the merge launch with the
+# scores 26.8 -> 16.3 us at batch 32 (the whole op 258.4 -> 248.1), 14.8 -> 9.2 at batch 16, 3.7 -> 2.6 at batch 1;
+# a quarter of the programs, each rebuilding its rows' log-sum-exp once for 4x the slots. 1024 was slower at
+# every batch (19.8 us at batch 32).
+SCORE_BLOCK = 512
 
 
 def decode_splits(b: int, hkv: int, c: int, block_n: int, device: torch.device, min_split: int = MIN_SPLIT) -> int:

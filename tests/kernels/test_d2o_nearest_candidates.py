@@ -180,7 +180,7 @@ def test_the_fused_attention_and_step_over_steps(triton_device):
         write_and_score(got, gen_g, None, drift=0.02)
         q = torch.randn(2, 6, 1, 16, generator=torch.Generator().manual_seed(step)).to(triton_device)
         decode_attention_nearest_triton(q, got["k"], got["v"], got["log_weight"], *state, 0.25, None, False,
-                                        num_splits=2, block_n=8)
+                                        num_splits=2, block_n=16)
     assert (state[CAND] >= 0).all()
 
 
@@ -202,7 +202,7 @@ def test_the_newest_entry_the_attention_leaves_out_is_compared_by_the_step(trito
         k[:, :, -1:] = (src.float() + noise.to(k.device)).to(k.dtype)
     q = torch.randn(2, 6, 1, 16, generator=torch.Generator().manual_seed(4)).to(triton_device)
     decode_attention_nearest_triton(q, got["k"], got["v"], got["log_weight"], *state, 0.25, None, False,
-                                    num_splits=2, block_n=8)
+                                    num_splits=2, block_n=16)
     e = pick_one(want["k"], want["v"], want["col_sum"], want["position"], want["length"], KEEP, SINKS, RECENT).e
     assert torch.equal(e[..., 0], e_next) and (state[CAND][..., 0].cpu() == e_next).all()       # every row a hit
     assert (state[SLOT][..., 0].cpu() != KEEP).all()                # the attention left the newest out
@@ -241,7 +241,7 @@ def test_ragged_rows_with_the_attentions_nearest_keys_equal_the_plain_step(dtype
         for_attention = copied(want, triton_device)
         q = torch.randn(4, 6, 1, 16, generator=torch.Generator().manual_seed(step)).to(triton_device, dtype)
         decode_attention_nearest_triton(q, for_attention["k"], for_attention["v"], for_attention["log_weight"], *state,
-                                        0.25, None, False, num_splits=2, block_n=8)
+                                        0.25, None, False, num_splits=2, block_n=16)
     assert hits > 0
 
 
