@@ -7,6 +7,7 @@ from torch import nn
 from kvpass.budget import check_budget
 from kvpass.policies import DEFAULT_POLICY, Policy, get_policy
 from kvpass.rewrites import CapturedModel, capture_model, compile_model
+from kvpass.rewrites.shard_tensor_parallel import sharded_for
 from kvpass.runtime import KVPassModel
 from kvpass.runtime.chunked_prefill import check_prefill_chunk, check_prefill_chunk_value
 from kvpass.tensor_parallel import resolve_shard
@@ -66,6 +67,11 @@ def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float
         check_budget_for_model(budget, context)
     shard, heads = resolve_shard(tp, device_mesh, next(model.parameters()).device)
     check_prefill_chunk_value(prefill_chunk)
+    sharded = sharded_for(model)
+    if sharded is not None and getattr(captured, "shard", None) is None:
+        what = (f"for tp={shard.world} (it would be sharded again)" if shard is not None and shard.world > 1
+                else f"in one process (it holds 1/{sharded[1]} of its weights)")
+        raise refuse("model.sharded", rank=sharded[0], world=sharded[1], what=what)
     if captured is None:
         captured = capture_model(model, shard)
     elif not isinstance(captured, CapturedModel) or not captured.sites:

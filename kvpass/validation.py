@@ -115,6 +115,12 @@ RULES: tuple[Rule, ...] = (
     Rule("captured.type", "kvpass.apply", "captured", "not a matched capture (kvpass.rewrites.capture_model)",
          "captured must be kvpass.rewrites.capture_model(model), a capture with its attention sites, got {got}",
          InvalidType),
+    Rule("model.sharded", "kvpass.apply", "model",
+         "its parameters are already a rank's tensor-parallel shards (an earlier kvpass.apply(..., tp=N) sharded "
+         "them in place), and no capture sharded for that rank is given",
+         "model's parameters are already rank {rank}'s shards for tp={world} (an earlier kvpass.apply(..., tp=...) "
+         "sharded them in place), so it cannot be rewritten {what}; build the model anew for this call, or pass "
+         "captured=<that KVPassModel>.captured with tp={world} to apply another policy to it", UnsupportedModel),
     Rule("captured.model", "kvpass.apply", "captured",
          "a capture of another model type, or sharded for another tensor-parallel world",
          "captured ({got}) is not a capture of this model ({model}) for tp={tp}; capture it with "

@@ -194,6 +194,21 @@ def _forward(start: Node, stop: Node) -> set[Node]:
     return seen
 
 
+# The attribute a parameter sharded in place carries: (rank, world). The model's own parameters become the rank's
+# shards, so a later kvpass.apply of that model without the sharded capture would shard it again, or run a
+# one-process rewrite on a fraction of its weights: both refused (rule "model.sharded", kvpass/validation.py).
+SHARD_MARK = "kvpass_shard"
+
+
+def sharded_for(model: torch.nn.Module) -> tuple[int, int] | None:
+    """(rank, world) of a model whose parameters ``shard_tensor_parallel`` sharded in place, else None."""
+    for p in model.parameters():
+        mark = getattr(p, SHARD_MARK, None)
+        if mark is not None:
+            return mark
+    return None
+
+
 def _narrowed(t: Tensor, dim: int, rank: int, world: int) -> Tensor:
     """This rank's part of ``t`` along ``dim``, in storage of its own: a view (``.contiguous()`` of rows is
     one) would keep the whole tensor's storage alive, and the rank would hold all of the weight."""
@@ -221,6 +236,7 @@ def _shard_param(gm: GraphModule, getattr_node: Node, dim: int, shard: Shard, re
     part = _narrowed(t.detach(), dim, shard.rank, shard.world)
     if readers.get(id(t), 0) <= 1 and isinstance(t, torch.nn.Parameter):
         t.data = part
+        setattr(t, SHARD_MARK, (shard.rank, shard.world))     # kvpass.apply refuses the model without its capture
         return
     name = "tp_" + getattr_node.target.replace(".", "_")
     while hasattr(gm, name):

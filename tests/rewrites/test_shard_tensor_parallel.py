@@ -14,7 +14,8 @@ import pytest
 import kvpass
 from kvpass.errors import UnsupportedModel
 from kvpass.policies import POLICIES
-from kvpass.rewrites import Shard, shard_tensor_parallel
+from kvpass.rewrites import Shard, capture_model, shard_tensor_parallel
+from kvpass.rewrites.shard_tensor_parallel import sharded_for
 from tests.conftest import tiny_model
 from tests.policies.policy_helpers import captured_model
 from tests.rewrites.tensor_parallel_cases import case_for, run_spawned, tiny
@@ -80,6 +81,21 @@ def test_tp_without_processes_is_refused() -> None:
         kvpass.apply(tiny_model("llama"), policy="full", tp=2)
     with pytest.raises(ValueError, match="tp must be an int"):
         kvpass.apply(tiny_model("llama"), policy="full", tp=0)
+
+
+def test_a_model_sharded_in_place_is_refused_without_its_sharded_capture() -> None:
+    """shard_tensor_parallel re-points the model's own parameters at rank 0's halves: a later apply of that model
+    in one process (half its weights) or with tp again (a second halving) would decode garbage. Both refused."""
+    model = tiny("llama", (4, 2))
+    kvpass.apply(model, policy="streamingllm")                                  # fine before sharding
+    captured = capture_model(model)
+    shard_tensor_parallel(captured.gm, list(captured.sites), Shard(0, 2, "unused"))
+    assert sharded_for(model) == (0, 2)
+    with pytest.raises(UnsupportedModel, match=r"already rank 0's shards for tp=2 .* in one process \(it holds 1/2"):
+        kvpass.apply(model, policy="streamingllm")
+    with pytest.raises(UnsupportedModel, match="captured=<that KVPassModel>.captured"):
+        kvpass.apply(model, policy="d2o", captured=captured)     # its graph sharded, but not by shard_captured
+    assert sharded_for(tiny("llama", (4, 2))) is None
 
 
 @pytest.mark.parametrize("arch,world,match", [
