@@ -6,8 +6,7 @@ from torch import nn
 
 from kvpass.budget import check_budget
 from kvpass.policies import DEFAULT_POLICY, Policy, get_policy
-from kvpass.rewrites import CapturedModel, capture_model, compile_model
-from kvpass.rewrites.shard_tensor_parallel import sharded_for
+from kvpass.rewrites import CapturedModel, capture_model, compile_model, sharded_for
 from kvpass.runtime import KVPassModel
 from kvpass.runtime.chunked_prefill import check_prefill_chunk, check_prefill_chunk_value
 from kvpass.tensor_parallel import resolve_shard
@@ -30,7 +29,9 @@ def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float
     tp: tensor-parallel processes (run under ``torchrun --nproc-per-node tp``, each process with the whole
         model on its own device): the graphs are sharded Megatron-style and each rank keeps 1/tp of the
         projection weights and of the KV heads with their caches; the model's parameters become this rank's
-        shards (``kvpass/rewrites/shard_tensor_parallel.py``). None or 1: one process, graphs untouched.
+        shards (``kvpass/rewrites/shard_tensor_parallel.py``), so another apply of that model needs
+        ``captured=<this KVPassModel>.captured`` and the same tp, or a model built anew (rule ``model.sharded``).
+        None or 1: one process, graphs untouched.
     device_mesh: a 1-D ``torch.distributed.DeviceMesh`` to shard over instead of ``tp``.
     prefill_chunk: prefill prompts this many tokens at a time, compressing every layer back to its budget
         between chunks, so prefill holds about budget + prefill_chunk entries per layer instead of the whole

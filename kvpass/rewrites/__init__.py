@@ -23,8 +23,8 @@ from kvpass.rewrites.attention_sites import (
 from kvpass.rewrites.capture import CapturedModel, capture_causal_lm
 from kvpass.rewrites.insert_compressed_cache import RewrittenGraphs, insert_compressed_cache
 from kvpass.rewrites.pipeline import capture_model, compile_model, match_attention
-from kvpass.rewrites.shard_tensor_parallel import Shard, shard_tensor_parallel
+from kvpass.rewrites.shard_tensor_parallel import Shard, shard_tensor_parallel, sharded_for
 
 __all__ = ["AttentionSite", "CapturedModel", "RewrittenGraphs", "Shard", "capture_causal_lm", "capture_model",
            "compile_model", "expand_kv_heads", "find_attention_sites", "insert_compressed_cache",
-           "match_attention", "resolve_windows", "shard_tensor_parallel"]
+           "match_attention", "resolve_windows", "shard_tensor_parallel", "sharded_for"]

@@ -14,8 +14,7 @@ import pytest
 import kvpass
 from kvpass.errors import UnsupportedModel
 from kvpass.policies import POLICIES
-from kvpass.rewrites import Shard, capture_model, shard_tensor_parallel
-from kvpass.rewrites.shard_tensor_parallel import sharded_for
+from kvpass.rewrites import Shard, capture_model, shard_tensor_parallel, sharded_for
 from tests.conftest import tiny_model
 from tests.policies.policy_helpers import captured_model
 from tests.rewrites.tensor_parallel_cases import case_for, run_spawned, tiny
