@@ -22,28 +22,25 @@ import argparse
 import functools
 import importlib
 import json
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 from benchmarks.bench.kernels import decode_case
 from benchmarks.bench.timing import copy_bandwidth, time_fn
+from benchmarks.profile_decode import kernel_table
 
 
 def kernel_times(fn, calls: int = 20) -> dict[str, float]:
-    """Mean microseconds per call of each CUDA kernel ``fn`` launches (profiler, after a warm-up call)."""
+    """Mean microseconds per call of each CUDA kernel ``fn`` launches (profiler, after a warm-up call; the table of
+    benchmarks/profile_decode.py, slowest first)."""
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    total: dict[str, float] = defaultdict(float)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            total[ev.name[:60]] += ev.device_time
-    return {name: us / calls for name, us in sorted(total.items(), key=lambda kv: -kv[1])}
+    return {row["kernel"]: row["us_per_step"] for row in kernel_table(prof, calls)["kernels"]}
 
 
 def main() -> None:
