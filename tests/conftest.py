@@ -24,6 +24,8 @@ from transformers import AutoModelForCausalLM
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 gc.set_threshold(gc.get_threshold()[0], gc.get_threshold()[1], 1000)
+if os.environ.get("PYTEST_XDIST_WORKER"):   # pytest -n N: the cores shared among the workers, not each taking all
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 _COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
