@@ -9,8 +9,8 @@ and replays it every step.
 
 * step inputs (the token ids [B] and positions [B, 1]) are new tensors every step: they are copied
   into static buffers owned by the step before each replay;
-* the layers compressed in a step run side by side, on ``branches`` side streams forked from the
-  step's stream (``fork_side_by_side``): independent, short work, replayed in parallel, and overlapped
+* the layers compressed in a step run side by side, on side streams forked from the step's stream
+  (``fork_side_by_side``; how many: ``forked_branches``): independent, short work, replayed in parallel, and overlapped
   with the step itself: the decode graph waits for layer l's compression only where layer l writes its
   K, V (the ``kvpass::await_compression`` op before each write_kv);
 * persistent tensors (every layer's cache tensors: K, V, log-weights, lengths, positions, policy
@@ -83,19 +83,26 @@ class StaticDecodeStep:
 
     def __init__(self, enabled: bool = True, warmup: int = 1, branches: int = 8) -> None:
         self.enabled, self.warmup, self.branches = enabled, warmup, branches
-        self._side: dict[torch.device, list[torch.cuda.Stream]] = {}
+        self.fork_branches: int | None = None     # streams for forked compressions; None: ``forked_branches``
+        self._side: dict[tuple[torch.device, int], list[torch.cuda.Stream]] = {}
         self.captures = 0
         self.capture_seconds = 0.0
         self._state_key: Key | None = None
         self._graphs: dict[Key, tuple[object, list[Tensor], tuple[Tensor, ...]]] = {}
         self._eager: set[Key] = set()
 
-    def side_streams(self, device: torch.device) -> list[torch.cuda.Stream]:
-        """``branches`` streams on ``device`` for ``run_side_by_side`` (made once per count, reused by every
-        capture)."""
-        if len(self._side.get(device, ())) != self.branches:
-            self._side[device] = [torch.cuda.Stream(device) for _ in range(self.branches)]
-        return self._side[device]
+    def side_streams(self, device: torch.device, count: int | None = None) -> list[torch.cuda.Stream]:
+        """``count`` (default ``branches``) streams on ``device`` for ``run_side_by_side`` and
+        ``fork_side_by_side`` (made once per device and count, reused by every capture)."""
+        key = (device, count or self.branches)
+        if key not in self._side:
+            self._side[key] = [torch.cuda.Stream(device) for _ in range(key[1])]
+        return self._side[key]
+
+    def fork_streams(self, device: torch.device, batch: int, interval: int) -> list[torch.cuda.Stream]:
+        """The side streams a step's forked compressions run on: ``fork_branches`` where set (probes), else
+        ``forked_branches(batch, interval, branches)``."""
+        return self.side_streams(device, self.fork_branches or forked_branches(batch, interval, self.branches))
 
     def run_all(self, calls: Sequence[Callable[[], object]], device: torch.device) -> None:
         """Run independent ``calls``: side by side on this step's side streams (``run_side_by_side``) on CUDA
@@ -314,6 +321,22 @@ def run_side_by_side(calls: Sequence[Callable[[], object]], streams: Sequence[to
 # Compressions forked by ``fork_side_by_side`` and not yet awaited (K buffer address -> event): the dict
 # the ``kvpass::await_compression`` op reads, which lives with the other ops (kvpass.kernels).
 _PENDING = PENDING
+
+
+# Streams for the compressions forked at a step's start. Each layer's attention waits for its own layer's
+# compression, and the forked kernels run beside the step's first GEMVs. A one-in-one-out eviction (interval 1:
+# every layer, every step, one entry a row) is short: on fewer streams the first layers' evictions meet less of
+# the others' and finish sooner, and the rest still end long before their layers. Compiled D2O steps, 32k, H200
+# (benchmarks/results/h200-session41/side-streams-in-step-*), ms a step on 1 / 2 / 8 streams: batch 1 4.744 /
+# 4.780 / 4.815, batch 4 6.454 / 6.461 / 6.559, batch 8 7.620 / 7.614 / 7.734, batch 16 (2 / 4 / 8) 9.906 /
+# 9.977 / 10.03; at batch 32 8 streams were the fastest of 1, 2, 4 and 8. A compression of many entries a layer
+# (interval > 1: every layer at one step in ``interval``) keeps ``most`` (side_stream_branches.py: 1 stream took
+# twice as long as 4-32 for all layers).
+def forked_branches(batch: int, interval: int, most: int) -> int:
+    """Side streams for a step's forked compressions of ``batch`` rows under a policy of ``interval``."""
+    if interval > 1:
+        return most
+    return min(most, 1 if batch <= 4 else 2 if batch <= 16 else most)
 
 
 def fork_side_by_side(calls: Sequence[tuple[Tensor, Callable[[], object]]],

@@ -158,6 +158,25 @@ def test_cuda_graph_decode_with_compression_matches_eager(policy, budget):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 6, 20])
+def test_d2o_tokens_do_not_depend_on_how_many_streams_its_evictions_fork_over(rows):
+    """D2O's per-step evictions, forked over ``forked_branches(rows, 1, 8)`` streams (1, 2 and 8 here) and over 8
+    forced: the same tokens, every step replayed from a CUDA graph."""
+    torch.manual_seed(0)
+    model = build_model(TINY_LLAMA, torch.device("cuda"), torch.float32)
+    ids = torch.randint(1, TINY_LLAMA["vocab_size"], (rows, 40), device="cuda")
+    kv = kvpass.apply(model, policy="d2o", budget=24, compile=False)
+    tokens = []
+    for forced in (None, 8):
+        kv.decode_step = StaticDecodeStep()
+        kv.decode_step.fork_branches = forced
+        tokens.append(kv.generate(ids, max_new_tokens=24, do_sample=False))
+        assert kv.decode_step.captures >= 1 and kv.last_report.compressions > 1
+    assert torch.equal(tokens[0], tokens[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_side_by_side_calls_replay_in_a_graph_and_join():
     """More calls than streams (round robin), each a chain of kernels on its own tensor, captured in a
     CUDA graph: every replay runs every call once, and the step's stream sees their results (joined)."""
@@ -178,16 +197,25 @@ def test_side_by_side_calls_replay_in_a_graph_and_join():
     assert out.tolist() == [6.0 * i for i in range(11)]
 
 
+def test_one_in_one_out_evictions_fork_over_fewer_streams_at_small_batches():
+    """forked_branches: a policy compressing every step (interval 1) forks over 1 stream up to batch 4, 2 up to
+    16, then ``most``; one compressing many entries at once (interval > 1) always over ``most``; never above it."""
+    assert [ds.forked_branches(b, 1, 8) for b in (1, 4, 5, 16, 17, 64)] == [1, 1, 2, 2, 8, 8]
+    assert [ds.forked_branches(b, 16, 8) for b in (1, 8, 64)] == [8, 8, 8]
+    assert ds.forked_branches(8, 1, 1) == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("branches", [1, 4])
 @pytest.mark.parametrize("graphed", [False, True])
-def test_forked_work_is_awaited_per_buffer_before_it_is_read(graphed):
+def test_forked_work_is_awaited_per_buffer_before_it_is_read(graphed, branches):
     """fork_side_by_side + await_compression: each buffer's side-stream work (a long chain of kernels) is
     complete where the step's stream awaits that buffer, though the stream did not wait at the fork;
     replayed from a CUDA graph too, where every branch must rejoin."""
     xs = [torch.zeros(1 << 20, device="cuda") for _ in range(6)]
     slot = torch.zeros(1, 1, dtype=torch.long, device="cuda")
-    step = StaticDecodeStep(branches=4)
+    step = StaticDecodeStep(branches=branches)
 
     def body():
         ds.fork_side_by_side([(x, lambda x=x: [x.add_(1.0) for _ in range(40)]) for x in xs],

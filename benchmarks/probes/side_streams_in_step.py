@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         tok = session.step(tok).argmax(-1)
     rows = []
     for n in counts:
-        kv.decode_step.branches = n          # side_streams() makes n new streams for the next capture
+        kv.decode_step.fork_branches = n     # the next capture forks over n streams
         kv.decode_step.reset()
         for _ in range(args.warmup):
             tok = session.step(tok).argmax(-1)

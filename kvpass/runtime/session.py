@@ -381,7 +381,8 @@ class DecodeSession:
             return
         calls = [functools.partial(self._compress_layer, self.layers[i]) for i in indices]
         if calls and self.logits.is_cuda and not join:
-            streams = self.owner.decode_step.side_streams(self.logits.device)
+            streams = self.owner.decode_step.fork_streams(self.logits.device, self.logits.shape[0],
+                                                          getattr(self.policy, "interval", 1))
             fork_side_by_side([(self.layers[i].cache.k, c) for i, c in zip(indices, calls, strict=True)], streams)
         else:
             self.owner.decode_step.run_all(calls, self.logits.device)
