@@ -524,9 +524,8 @@ class D2O(Policy):
         steps = []
         for cache, keep in jobs:
             step = self._sharded_step(cache, keep)
-            if step is None:
-                forget_candidates(cache)
-                super().compress_layers_into([(cache, keep)])
+            if step is None:                    # compress_into / compress_rows_into forget the candidates where
+                super().compress_layers_into([(cache, keep)])     # they take a path that keeps no norms
             else:
                 steps.append(step)
         run_layers(steps, self.heads)
