@@ -252,7 +252,11 @@ def _suite_common(p: argparse.ArgumentParser) -> None:
                    help=f"task families (default: the model's calibrated cells, else all: {', '.join(FAMILIES)})")
     p.add_argument("--lengths", nargs="+", type=int,
                    help="context tokens per case (default: the model's calibrated cells, else suite.DEFAULT_LENGTHS)")
-    p.add_argument("--cases", type=int, default=10, help="cases per (family, length): seeds 0..N-1 (default 10)")
+    p.add_argument("--cases", type=int, default=10,
+                   help="cases per (family, length): seeds FIRST..FIRST+N-1, FIRST from --first-seed (default 10)")
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="the first case seed (default 0; the leaderboard's cases are seeds 0..99: from 100, cases it "
+                        "never saw)")
     p.add_argument("--calibration", default=None, help="the calibration file (default kvpass/eval/tasks/calibration.json)")
 
 
@@ -320,7 +324,7 @@ def _suite_cases(args: argparse.Namespace, tokenizer) -> list:
 
     from kvpass.eval import suite
 
-    items = suite.cases(tokenizer, [], [], args.cases, grid=_suite_grid(args))
+    items = suite.cases(tokenizer, [], [], args.cases, grid=_suite_grid(args), first=args.first_seed)
     overrides = family_tokens(getattr(args, "max_new_tokens", []) or [])
     return [replace(c, max_new_tokens=overrides[c.family]) if c.family in overrides else c for c in items]
 
@@ -350,7 +354,8 @@ def _suite_records(args: argparse.Namespace, stores, policies: list[str] | None,
         for c in store.cases.values():
             if "family" not in c or Path(str(c.get("model", ""))).stem != Path(args.model).stem:
                 continue
-            if (c["family"], c["length"]) not in grid or c["seed"] >= args.cases or c["mode"] not in (
+            seeds = range(args.first_seed, args.first_seed + args.cases)
+            if (c["family"], c["length"]) not in grid or c["seed"] not in seeds or c["mode"] not in (
                     *args.modes, "reference"):
                 continue
             peer = str(c["policy"]).startswith("kvpress:")
@@ -387,6 +392,7 @@ def cmd_suite(args: argparse.Namespace) -> int:
     from kvpass.validation import check_option
 
     check_option("--cases", args.cases >= 1, args.cases, "an int >= 1")
+    check_option("--first-seed", args.first_seed >= 0, args.first_seed, "an int >= 0")
     check_option("--batch", getattr(args, "batch", 1) >= 1, getattr(args, "batch", 1), "an int >= 1")
     _suite_grid(args)                                                  # reads --calibration: refused here if bad
     if command == "export":
@@ -434,7 +440,8 @@ def cmd_suite(args: argparse.Namespace) -> int:
         elif args.write:
             print("calibration incomplete: not written")
         return 0
-    grid_text = {"cells": [list(g) for g in grid], "cases": args.cases, "policies": policies, "budgets": budgets,
+    grid_text = {"cells": [list(g) for g in grid], "cases": args.cases, "first_seed": args.first_seed,
+                 "policies": policies, "budgets": budgets,
                  "modes": args.modes,
                  "cells_text": ", ".join(f"{f}@{n}" for f, n in grid)}
     expected = len(grid) * args.cases

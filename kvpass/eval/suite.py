@@ -47,11 +47,12 @@ DEFAULT_LENGTHS = {"smollm2": [1024, 2048, 4096], "gemma3-270m": [4096, 8192, 16
 
 
 def cases(tokenizer, families: Sequence[str], lengths: Sequence[int], n: int,
-          grid: Sequence[tuple[str, int]] | None = None) -> list[SuiteCase]:
-    """Seeds 0..n-1 of every (family, length) (or of every cell of ``grid``), in a fixed shuffled
-    order so an interrupted run has covered every cell thinly."""
+          grid: Sequence[tuple[str, int]] | None = None, first: int = 0) -> list[SuiteCase]:
+    """Seeds first..first+n-1 of every (family, length) (or of every cell of ``grid``), in a fixed shuffled
+    order so an interrupted run has covered every cell thinly. Each seed is its own case (its own needle, value,
+    depth and haystack), so seeds past the leaderboard's are cases it never saw."""
     pairs = list(grid) if grid is not None else [(f, length) for f in families for length in lengths]
-    out = [generate(tokenizer, f, length, seed) for f, length in pairs for seed in range(n)]
+    out = [generate(tokenizer, f, length, seed) for f, length in pairs for seed in range(first, first + n)]
     random.Random(0).shuffle(out)
     return out
 

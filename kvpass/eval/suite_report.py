@@ -141,7 +141,8 @@ def write(records: Sequence[dict], out_dir: str | Path, model: str, command: str
              f"Produced by: `{command}`  ", f"Date: {meta['date']}; stores: {', '.join(f'`{s}`' for s in stores)}.  ",
              f"Cases ran on: {', '.join(f'{n} on {d}' for d, n in sorted(devices.items(), key=lambda kv: -kv[1])) or 'none'}.  ",
              f"Status: {status}.", "",
-             f"Grid: {grid.get('cells_text', '')}; {grid.get('cases')} seeds per (family, length) = {expected} cases per "
+             f"Grid: {grid.get('cells_text', '')}; {grid.get('cases')} seeds per (family, length)"
+             f"{_seed_range(grid)} = {expected} cases per "
              "row. Accuracy with its 95% Wilson interval; per-length and per-family accuracy beside it. "
              "Query-aware: context + question compressed together; query-agnostic: context compressed alone, the "
              "question fed through decode steps. `transformers`: plain `generate` on the same tokens. "
@@ -179,3 +180,10 @@ def write(records: Sequence[dict], out_dir: str | Path, model: str, command: str
     md = out_dir / f"quality-suite-{model}.md"
     md.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return md
+
+
+def _seed_range(grid: dict) -> str:
+    """' (seeds a-b)' where the run's seeds do not start at 0 (held-out cases), else ''."""
+    first = int(grid.get("first_seed") or 0)
+    return f" (seeds {first}-{first + int(grid.get('cases') or 0) - 1})" if first else ""
+

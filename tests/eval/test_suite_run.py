@@ -133,6 +133,23 @@ def test_cli_run_report_and_calibrate(loaded, monkeypatch, tmp_path):
     assert len((tmp_path / "c.jsonl").read_text().splitlines()) == 4
 
 
+def test_held_out_seeds_run_and_report_apart_from_the_first(loaded, monkeypatch, tmp_path):
+    """--first-seed S: seeds S..S+N-1 are run, and a report over a store that also holds seeds 0..N-1 counts only
+    the held-out ones (and names their range)."""
+    monkeypatch.setattr("kvpass.eval.common.load", lambda name, device="cpu": loaded)
+    out = tmp_path / "res"
+    args = ["eval", "suite", "run", "--model", "tiny", "--families", *FAMILIES, "--lengths", str(LENGTH),
+            "--cases", "1", "--policies", "streamingllm", "--budgets", "0.5", "--modes", "query_aware",
+            "--no-reference", "--max-new-tokens", "variable_tracking=3", "essay_qa=3", "--out-dir", str(out)]
+    assert main(args) == 0                                                  # seed 0
+    assert main([*args, "--first-seed", "7"]) == 0                          # seed 7, into the same store
+    assert sorted({r["seed"] for r in data_records(out)}) == [0, 7]
+    data = json.loads((out / "quality-suite-tiny.json").read_text())
+    assert [(r["policy"], r["cases"]) for r in data["rows"]] == [("streamingllm", 2)]
+    assert "1 seeds per (family, length) (seeds 7-7)" in (out / "quality-suite-tiny.md").read_text()
+    assert main([*args, "--first-seed", "-1"]) == 2
+
+
 def data_records(out):
     return read_json(out / "quality-suite-tiny-cases.json.gz")["cases"]
 
