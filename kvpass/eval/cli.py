@@ -349,12 +349,12 @@ def _suite_records(args: argparse.Namespace, stores, policies: list[str] | None,
     from kvpass.eval.common import uses_budget
 
     grid = set(_suite_grid(args))
+    seeds = range(args.first_seed, args.first_seed + args.cases)
     seen: dict[str, dict] = {}
     for store in stores:
         for c in store.cases.values():
             if "family" not in c or Path(str(c.get("model", ""))).stem != Path(args.model).stem:
                 continue
-            seeds = range(args.first_seed, args.first_seed + args.cases)
             if (c["family"], c["length"]) not in grid or c["seed"] not in seeds or c["mode"] not in (
                     *args.modes, "reference"):
                 continue
