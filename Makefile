@@ -24,7 +24,7 @@ $(VENV)/.kvpass-ready: pyproject.toml Makefile
 run: setup
 	$(VENV)/bin/kvpass generate
 
-# Two worker processes (pytest-xdist): on CI's 2 cores the suite takes ~17 minutes instead of ~21.
+# Two worker processes (pytest-xdist): on CI's 2 cores the suite takes 14-17 minutes instead of 19-23.
 test: setup
 	$(PY) -m pytest -q -n 2 -m "not slow and not gpu"
 
