@@ -10,8 +10,8 @@ and replays it every step.
 * step inputs (the token ids [B] and positions [B, 1]) are new tensors every step: they are copied
   into static buffers owned by the step before each replay;
 * the layers compressed in a step run side by side, on side streams forked from the step's stream
-  (``fork_side_by_side``; how many: ``forked_branches``): independent, short work, replayed in parallel, and overlapped
-  with the step itself: the decode graph waits for layer l's compression only where layer l writes its
+  (``fork_side_by_side``; how many: ``forked_branches``): independent, short work, replayed in parallel, and
+  overlapped with the step itself: the decode graph waits for layer l's compression only where layer l writes its
   K, V (the ``kvpass::await_compression`` op before each write_kv);
 * persistent tensors (every layer's cache tensors: K, V, log-weights, lengths, positions, policy
   slot metadata and state) are read and written in place at the addresses the graph was captured

@@ -71,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"branches": n, "ms_per_step": ms})
         print(f"[side-streams-in-step] branches {n}: {ms:.4f} ms a step", flush=True)
     by_count = {n: sorted(r["ms_per_step"] for r in rows if r["branches"] == n) for n in dict.fromkeys(counts)}
-    result = {"gpu": gpu_name(device) if device.type == "cuda" else "cpu", "policy": args.policy, "budget": args.budget, "prompt": prompt,
-              "batch": args.batch, "warmup": args.warmup, "steps": args.steps, "rows": rows,
+    result = {"gpu": gpu_name(device) if device.type == "cuda" else "cpu", "policy": args.policy,
+              "budget": args.budget, "prompt": prompt, "batch": args.batch, "warmup": args.warmup, "steps": args.steps, "rows": rows,
               "ms_per_step_by_branches": by_count, "argv": sys.argv[1:] if argv is None else argv}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
