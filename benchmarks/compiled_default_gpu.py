@@ -36,12 +36,14 @@ largest batch against streamingllm's, ``tokens_per_s_over_streamingllm``; rows p
 
 No new part (nor sweep prompt) starts after ``--time-limit`` seconds (default 300: about six minutes of device time with the model
 build); what is left is recorded as skipped. ``--layers 24`` cuts every part's time by a quarter (the JSON says
-how many layers ran: ``config.layers``).
+how many layers ran: ``config.layers``). A row still running after ``--row-watchdog`` seconds (240) prints every
+thread's stack to stderr, and again every as many seconds, until it ends.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import random
@@ -147,6 +149,14 @@ def sweep(kv, vocab: int, count: int, lo: int, hi: int, new: int, seed: int, dev
             **({"skipped": "time"} if len(rows) < count else {})}
 
 
+def watch_row(seconds: float) -> None:
+    """From now on, every ``seconds`` until ``faulthandler.cancel_dump_traceback_later()``, print every thread's
+    stack to the process's stderr (0: off). A row that stalls then shows where: one that did, on an H200 in session
+    42, left only an idle GPU behind (benchmarks/results/h200-session42/README.md)."""
+    if seconds > 0 and sys.__stderr__ is not None:
+        faulthandler.dump_traceback_later(seconds, repeat=True, file=sys.__stderr__)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, a 2-layer model, short prompts (compile=True)")
@@ -171,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="rows of the speed rows (prefilled one row at a time; tokens_per_s = batch / time a step)")
     ap.add_argument("--no-generate", action="store_true", help="skip the generate timing (TTFT x3 at large batch)")
     ap.add_argument("--time-limit", type=float, default=300.0, help="no new part starts after this many seconds")
+    ap.add_argument("--row-watchdog", type=float, default=240.0,
+                    help="while one policy's row runs longer than this many seconds, print every thread's stack to "
+                         "stderr, again every as many seconds (0: off); a row that stalls then says where")
     args = ap.parse_args(argv)
     started = time.monotonic()
     deadline = started + args.time_limit
@@ -211,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         row: dict = {}
         t_row = time.monotonic()
+        watch_row(args.row_watchdog)
         try:
             kv = kvpass.apply(model, spec, args.budget, captured=captured, compile=compile_arg)
             row["compiled"] = kv.compiled_decode is not None
@@ -234,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                 sweep_model = kv                  # the sweep goes on with this model: its graph is compiled
         except Exception as exc:  # noqa: BLE001  (record and go on with the next policy)
             row["error"] = "".join(traceback.format_exception(exc))[-3000:]
+        finally:
+            faulthandler.cancel_dump_traceback_later()
         row["wall_s"] = time.monotonic() - t_row
         rows[spec] = row
         print(f"[compiled-default] {spec}: {row}", flush=True)

@@ -4,6 +4,7 @@ the GPU script cannot bit-rot between GPU runs."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -15,10 +16,14 @@ def test_split_specs_keeps_commas_inside_brackets():
 
 
 @pytest.mark.inductor
-def test_smoke_writes_speed_floor_and_sweep(tmp_path):
+def test_smoke_writes_speed_floor_and_sweep(tmp_path, capfd):
     out = tmp_path / "smoke.json"
     assert main(["--smoke", "--out", str(out), "--policies", "streamingllm", "--sweep-policy", "streamingllm",
-                 "--sweep", "3", "--steps", "8", "--generate-new", "12"]) == 0
+                 "--sweep", "3", "--steps", "8", "--generate-new", "12", "--row-watchdog", "0.25"]) == 0
+    # the row ran longer than its watchdog: its stacks were printed, naming this script; none after it ended
+    assert "compiled_default_gpu.py" in capfd.readouterr().err
+    time.sleep(0.6)
+    assert "most recent call first" not in capfd.readouterr().err
     results = json.loads(out.read_text())
     row = results["speed"]["streamingllm"]
     assert row["compiled"] and row["ms_per_token"] > 0 and row["generate_ms_per_token"] > 0
