@@ -27,6 +27,18 @@ gc.set_threshold(gc.get_threshold()[0], gc.get_threshold()[1], 1000)
 if os.environ.get("PYTEST_XDIST_WORKER"):   # pytest -n N: the cores shared among the workers, not each taking all
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
+
+@pytest.fixture(autouse=True)
+def _torch_threads_kept():
+    """Every test starts with the worker's torch thread count: code under test may set it (``kvpass.eval.common.
+    set_threads``, the CLI's cores split), and a later test of the same worker then ran with 2 threads, where a
+    float32 matmul's sums follow the memory layout (tests/test_bench_tp.py's views against their copies)."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 _COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
 

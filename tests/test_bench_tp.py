@@ -65,7 +65,9 @@ def test_model_of_views_holds_no_weight_until_copied() -> None:
     plain = build_model(TINY_LLAMA, torch.device("cpu"), torch.float32)
     plain.load_state_dict(views.state_dict())
     with torch.no_grad():
-        assert torch.equal(views(ids).logits, before)
+        # fp32 tolerances, not bitwise: with more than one thread the matmul's sums follow the weight's layout
+        # (a view's contiguous temporary against the copy), ~1e-7 apart at 2 threads
+        torch.testing.assert_close(views(ids).logits, before)
         torch.testing.assert_close(plain(ids).logits, before)
 
 
