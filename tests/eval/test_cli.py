@@ -16,7 +16,7 @@ ARGS = ["eval", "leaderboard", "--model", "tiny", "--policies", "full", "streami
 
 @pytest.fixture
 def tiny_cli(loaded, monkeypatch):
-    monkeypatch.setattr("kvpass.eval.common.load", lambda name, device="cpu": loaded)
+    monkeypatch.setattr("kvpass.eval.common.load", lambda name, device="cpu", dtype=None: loaded)
 
 
 def test_leaderboard_writes_table_json_and_plots(tiny_cli, tmp_path, capsys):
@@ -67,7 +67,7 @@ def test_recorded_command_drops_part_and_report_only():
 
 
 def test_report_only_runs_nothing(tmp_path, monkeypatch):
-    monkeypatch.setattr("kvpass.eval.common.load", lambda name, device="cpu": pytest.fail("a model was loaded"))
+    monkeypatch.setattr("kvpass.eval.common.load", lambda name, device="cpu", dtype=None: pytest.fail("a model was loaded"))
     out = tmp_path / "r"
     assert main([*ARGS, "--out-dir", str(out), "--report-only"]) == 0
     data = json.loads((out / "quality-tiny.json").read_text())

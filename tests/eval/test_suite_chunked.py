@@ -35,7 +35,7 @@ def test_chunked_cells_run_apart_and_full_still_equals_transformers(loaded, toke
 
 
 def test_cli_prefill_chunk_writes_its_own_store_and_report(loaded, monkeypatch, tmp_path):
-    monkeypatch.setattr("kvpass.eval.common.load", lambda name, device="cpu": loaded)
+    monkeypatch.setattr("kvpass.eval.common.load", lambda name, device="cpu", dtype=None: loaded)
     out = tmp_path / "res"
     args = ["eval", "suite", "run", "--model", "tiny", "--families", *FAMILIES, "--lengths", str(LENGTH),
             "--cases", "1", "--policies", "streamingllm", "--budgets", "0.5", "--modes", "query_aware",

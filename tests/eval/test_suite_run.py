@@ -91,7 +91,7 @@ def test_out_of_memory_retries_the_batch_in_halves(loaded, items, finished, tmp_
 
 
 def test_cli_run_report_and_calibrate(loaded, monkeypatch, tmp_path):
-    monkeypatch.setattr("kvpass.eval.common.load", lambda name, device="cpu": loaded)
+    monkeypatch.setattr("kvpass.eval.common.load", lambda name, device="cpu", dtype=None: loaded)
     out, cal = tmp_path / "res", tmp_path / "cal.json"
     args = ["eval", "suite", "run", "--model", "tiny", "--families", *FAMILIES, "--lengths", str(LENGTH),
             "--cases", "2", "--policies", "full", "streamingllm", "--budgets", "0.5", "--max-new-tokens",
@@ -136,7 +136,7 @@ def test_cli_run_report_and_calibrate(loaded, monkeypatch, tmp_path):
 def test_held_out_seeds_run_and_report_apart_from_the_first(loaded, monkeypatch, tmp_path):
     """--first-seed S: seeds S..S+N-1 are run, and a report over a store that also holds seeds 0..N-1 counts only
     the held-out ones (and names their range)."""
-    monkeypatch.setattr("kvpass.eval.common.load", lambda name, device="cpu": loaded)
+    monkeypatch.setattr("kvpass.eval.common.load", lambda name, device="cpu", dtype=None: loaded)
     out = tmp_path / "res"
     args = ["eval", "suite", "run", "--model", "tiny", "--families", *FAMILIES, "--lengths", str(LENGTH),
             "--cases", "1", "--policies", "streamingllm", "--budgets", "0.5", "--modes", "query_aware",
