@@ -5,17 +5,19 @@ from __future__ import annotations
 from torch import nn
 
 from kvpass.budget import check_budget
-from kvpass.policies import DEFAULT_POLICY, Policy, get_policy
+from kvpass.policies import DEFAULT_POLICY, Policy, Stat, get_policy
 from kvpass.rewrites import CapturedModel, capture_model, compile_model, sharded_for
 from kvpass.runtime import KVPassModel
 from kvpass.runtime.chunked_prefill import check_prefill_chunk, check_prefill_chunk_value
+from kvpass.runtime.reconstruction import ReconstructionPrompt
 from kvpass.tensor_parallel import resolve_shard
 from kvpass.validation import check_budget_for_model, check_model, check_optional_bool, refuse
 
 
 def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float | int = 0.2, *,
           fuse_linears: bool | None = None, tp: int | None = None, device_mesh=None, prefill_chunk: int | None = None,
-          captured: CapturedModel | None = None, compile: bool | None = None, **policy_kwargs) -> KVPassModel:
+          captured: CapturedModel | None = None, compile: bool | None = None, tokenizer=None,
+          **policy_kwargs) -> KVPassModel:
     """Rewrite a transformers causal LM to decode over a compressed KV cache.
 
     model: any ``*ForCausalLM`` whose attention kvpass can find (SDPA or eager). It is traced, not
@@ -49,6 +51,9 @@ def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float
         last call's share in ``last_report.compilations`` / ``compile_seconds``). Where Dynamo or Inductor
         fails, a warning is logged and the step decodes eagerly. ``compile=False``: the eager graph; True:
         compile on any device (Inductor's CPU backend needs a C++ compiler). docs/compiled-decode.md.
+    tokenizer: the model's tokenizer, for policies that ask the model to repeat the context (``kvzip`` and every
+        ``scores=reconstruct``, kvpass/runtime/reconstruction.py: the repeat request is text in the model's chat
+        template); refused without it for those, unused by the others.
     policy_kwargs: the policy's hyperparameters (e.g. ``sinks=4`` for streamingllm).
 
     Bad arguments are refused before any work (``kvpass.validation.RULES``, docs/errors.md): a KVPassError
@@ -59,6 +64,8 @@ def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float
     check_model(model)                                 # every refusal before any tracing (kvpass.validation)
     chosen = get_policy(policy, **policy_kwargs)
     check_budget(budget)
+    if chosen.compresses and Stat.RECONSTRUCTION in chosen.stats and tokenizer is None:
+        raise refuse("policy.tokenizer", policy=chosen.name)
     check_optional_bool("fuse_linears.type", fuse_linears)
     check_optional_bool("compile.type", compile)
     if chosen.compresses and isinstance(budget, int) and budget < chosen.min_budget():
@@ -85,6 +92,8 @@ def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float
     out = KVPassModel(model, chosen, budget, captured, graphs, heads=heads)
     check_prefill_chunk(prefill_chunk, out)            # what the policy and layout allow
     out.prefill_chunk = prefill_chunk
+    if tokenizer is not None:
+        out.reconstruction_prompt = ReconstructionPrompt.from_tokenizer(tokenizer)
     enabled = compile if compile is not None else out.device.type == "cuda"
     if enabled:
         from kvpass.compiled_decode import CompiledDecode

@@ -89,6 +89,10 @@ RULES: tuple[Rule, ...] = (
          "policy {policy!r} has no parameter(s) {got}; its parameters: {names}{hint}"),
     Rule("policy.value", APPLY, "policy_kwargs", "a parameter of the wrong type or out of range (each policy's "
          "__post_init__)", "(the policy's message, e.g. 'd2o: beta must lie in [0, 1], got 2')"),
+    Rule("policy.tokenizer", APPLY, "tokenizer", "a policy that reconstructs the context (KVzip's scores, "
+         "§6.12) without the tokenizer its repeat request is written with",
+         "policy {policy!r} scores entries by asking the model to repeat the context, which needs the model's "
+         "tokenizer: kvpass.apply(model, policy=..., tokenizer=tokenizer)"),
     Rule("budget.type", APPLY, "budget", "not a float or an int (bool, str, None)",
          "budget must be a float fraction in (0, 1] or an int token count, got {got!r}", InvalidType),
     Rule("budget.fraction", APPLY, "budget", "a float outside (0, 1]",

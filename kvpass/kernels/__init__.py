@@ -20,6 +20,7 @@ from kvpass.kernels.attention_head_variance import attention_head_variance, atte
 from kvpass.kernels.attention_window_scores import attention_window_scores, attention_window_scores_reference
 from kvpass.kernels.await_compression import await_compression, await_compression_reference
 from kvpass.kernels.chunk_attention import chunk_attention, chunk_attention_reference
+from kvpass.kernels.chunk_attention_max import chunk_attention_max, chunk_attention_max_reference
 from kvpass.kernels.chunk_column_sums import chunk_column_sums, chunk_column_sums_reference
 from kvpass.kernels.chunk_window_scores import chunk_window_scores, chunk_window_scores_reference
 from kvpass.kernels.cluster_gather import cluster_gather, cluster_gather_reference
@@ -62,6 +63,7 @@ REFERENCES: dict[str, Callable] = {
     "attention_window_scores": attention_window_scores_reference,
     "await_compression": await_compression_reference,
     "chunk_attention": chunk_attention_reference,
+    "chunk_attention_max": chunk_attention_max_reference,
     "chunk_column_sums": chunk_column_sums_reference,
     "chunk_window_scores": chunk_window_scores_reference,
     "cluster_gather": cluster_gather_reference,
@@ -105,6 +107,7 @@ __all__ = [
     "REFERENCES", "reference_of",
     "await_compression", "await_compression_reference",
     "chunk_attention", "chunk_attention_reference",
+    "chunk_attention_max", "chunk_attention_max_reference",
     "chunk_column_sums", "chunk_column_sums_reference",
     "chunk_window_scores", "chunk_window_scores_reference",
     "attention_column_sums", "attention_column_sums_reference",

@@ -31,12 +31,22 @@ class Stat(Enum):
     WINDOW_SCORES = "window_scores"   # attention of the last prompt queries (observation window), prefill only
     HEAD_VARIANCE = "attn_var"        # per query head variance of the prefill column sums [B, Hq] (D2O §5.4)
     LAST_ATTENTION = "last_attn"      # attention of the newest query only: prompt last row, then each step (TOVA §6.10)
+    # the most attention an entry receives while the model repeats the context (KVzip §6.12): computed after the
+    # prefill by a pass of its own over the prompt's whole cache (kvpass/runtime/reconstruction.py), not by the
+    # prefill graph; not updated by decode steps (their entries score 0)
+    RECONSTRUCTION = "reconstruct"
 
     @property
     def per_slot(self) -> bool:
         """True: one value per cache slot [B, Hkv, T] (lands in ``slot_meta``); False: one value per
         head [B, H] (lands in ``LayerCache.state``, carried unchanged through compressions)."""
         return self not in _PER_HEAD_STATS
+
+    @property
+    def after_prefill(self) -> bool:
+        """True: computed by a pass of its own after the prefill graph (``Stat.RECONSTRUCTION``), so the prefill
+        graph leaves it out and ``KVPassModel.prefill`` adds it to the prefill's statistics."""
+        return self is Stat.RECONSTRUCTION
 
     @property
     def accumulates(self) -> bool:

@@ -45,23 +45,29 @@ ops = torch.ops.kvpass
 CHUNK_STAT_OPS = {Stat.COLUMN_SUM: ops.chunk_column_sums.default,
                   Stat.WINDOW_SCORES: ops.chunk_window_scores.default,
                   Stat.LAST_ATTENTION: ops.chunk_window_scores.default}   # obs_window 1: the policy's options
+# The reconstruction pass (kvpass/runtime/reconstruction.py): the chunk is the model repeating the context, and its
+# one statistic, [B, Hkv, C_l] fp32 (the cache's slots only), the most attention each entry receives from it.
+RECONSTRUCTION_STAT_OPS = {Stat.RECONSTRUCTION: ops.chunk_attention_max.default}
 CACHE_INPUTS = ("k_cache", "v_cache", "log_weight", "position")
+# statistics normalised as the attention itself: they take its rows' log-sum-exps when they have no options
+_LSE_CHUNK_STATS = frozenset({Stat.COLUMN_SUM, Stat.RECONSTRUCTION})
 
 
-def chunk_stats(policy: Policy) -> list[Stat]:
+def chunk_stats(policy: Policy, stat_ops: dict = CHUNK_STAT_OPS) -> list[Stat]:
     """The statistics a chunk step emits for ``policy``, in ``Stat`` value order."""
-    return sorted((s for s in policy.stats if s in CHUNK_STAT_OPS), key=lambda s: s.value) if policy.compresses else []
+    return sorted((s for s in policy.stats if s in stat_ops), key=lambda s: s.value) if policy.compresses else []
 
 
-def build_chunk_step(gm: GraphModule, sites: list[AttentionSite],
-                     policy: Policy) -> tuple[GraphModule, tuple[tuple[int, Stat], ...]]:
+def build_chunk_step(gm: GraphModule, sites: list[AttentionSite], policy: Policy,
+                     stat_ops: dict = CHUNK_STAT_OPS) -> tuple[GraphModule, tuple[tuple[int, Stat], ...]]:
     """The chunk-step graph of ``policy`` over the captured graph ``gm`` (module docstring) and the (layer,
-    statistic) of each statistics output, in order."""
+    statistic) of each statistics output, in order. ``stat_ops``: statistic -> its op (``RECONSTRUCTION_STAT_OPS``
+    for the reconstruction pass)."""
     graph, env, out = copy_graph(gm)
     (pad,) = _add_inputs(graph, ["pad"])
     pos = [n for n in graph.nodes if n.op == "placeholder"][1]               # position_ids [B, T]
     inputs = iter(_add_inputs(graph, [f"{name}_{s.layer}" for s in sites for name in CACHE_INPUTS]))
-    stats = chunk_stats(policy)
+    stats = chunk_stats(policy, stat_ops)
     kv_outputs, stat_outputs, stat_keys = [], [], []
     for site in sites:
         k_cache, v_cache, log_weight, position = (next(inputs) for _ in CACHE_INPUTS)
@@ -75,9 +81,9 @@ def build_chunk_step(gm: GraphModule, sites: list[AttentionSite],
             for stat in stats if site.window is None else ():
                 extra = policy.stat_options(stat)
                 kwargs = {**opts, **extra}
-                if stat is Stat.COLUMN_SUM and not extra:         # normalised as the attention: its log-sum-exps
+                if stat in _LSE_CHUNK_STATS and not extra:        # normalised as the attention: its log-sum-exps
                     kwargs["lse"] = lse
-                stat_outputs.append(graph.call_function(CHUNK_STAT_OPS[stat],
+                stat_outputs.append(graph.call_function(stat_ops[stat],
                                                         (q, k, pad, k_cache, log_weight, position, pos), kwargs))
                 stat_keys.append((site.layer, stat))
         target.replace_all_uses_with(attn)

@@ -190,7 +190,7 @@ def _prefill_stat_nodes(graph: Graph, policy: Policy, args: tuple, opts: dict, l
     """One layer's statistic nodes, in ``Stat`` value order. Column sums and head variance with the same
     options come from one ``attention_column_sums_and_head_variance`` call (one pass, not two); they take
     ``lse`` (the attention's row log-sum-exps) where they use the attention's own options."""
-    stats = sorted(policy.stats, key=lambda s: s.value)
+    stats = sorted((s for s in policy.stats if not s.after_prefill), key=lambda s: s.value)
     for stat in stats:
         if stat not in PREFILL_STAT_OPS:
             raise NotImplementedError(f"no prefill op computes {stat} yet")

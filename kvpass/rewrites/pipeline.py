@@ -135,10 +135,13 @@ def compile_model(captured: CapturedModel, policy: Policy, *, fuse_linears: bool
 
 
 def compile_chunk_step(captured: CapturedModel, policy: Policy, sites: Sequence[AttentionSite],
-                       fuse_linears: bool) -> tuple[GraphModule, tuple]:
+                       fuse_linears: bool, stat_ops: dict | None = None) -> tuple[GraphModule, tuple]:
     """The chunk-step graph of chunked prefill (``build_chunk_step``: a prefill chunk attending over the layers'
     caches, kvpass/runtime/chunked_prefill.py) over the sites of the model's graphs, with the fusion pass its prefill
-    graph had (``fuse_linears``: ``RewrittenGraphs.fused_linears``). Returns (graph, its statistics' keys)."""
-    gm, keys = build_chunk_step(captured.gm, list(sites), policy)
+    graph had (``fuse_linears``: ``RewrittenGraphs.fused_linears``). Returns (graph, its statistics' keys).
+    ``stat_ops``: the statistics' ops (default the chunked prefill's; ``RECONSTRUCTION_STAT_OPS`` for the
+    reconstruction pass, kvpass/runtime/reconstruction.py)."""
+    gm, keys = (build_chunk_step(captured.gm, list(sites), policy) if stat_ops is None
+                else build_chunk_step(captured.gm, list(sites), policy, stat_ops))
     _fuse([gm], None, fuse_linears, _device(captured.gm).type == "cuda")
     return gm, keys

@@ -21,6 +21,7 @@ from kvpass.rewrites import CapturedModel, RewrittenGraphs, compile_model
 from kvpass.runtime.chunked_prefill import check_prefill_chunk, start_chunked
 from kvpass.runtime.decode_buffers import DecodeBuffers
 from kvpass.runtime.layers import build_layers, check_min_budget
+from kvpass.runtime.reconstruction import add_after_prefill_stats
 from kvpass.runtime.session import DecodeSession, GenerationReport, stack_sessions
 from kvpass.validation import (
     MEMORY_ADVICE,
@@ -118,6 +119,10 @@ class KVPassModel(nn.Module):
         # between chunks, so prefill holds about budget + chunk entries per layer (kvpass/runtime/chunked_prefill.py).
         self.prefill_chunk: int | None = None
         self._chunk_step = None                    # the chunk-step graph, built on first use (chunked_prefill)
+        self._reconstruction_step = None           # the context reconstruction's step, on first use (reconstruction)
+        # the repeat request's token ids for policies that score by reconstructing the context (``kvpass.apply``'s
+        # tokenizer; kvpass/runtime/reconstruction.py)
+        self.reconstruction_prompt = None
         self._lock = threading.Lock()              # held by generate(): a second thread gets ModelInUse
         # bytes free on the device for the pre-prefill memory check (None: validation.free_device_bytes, which
         # asks CUDA and skips other devices); tests set a function to exercise the check on the CPU
@@ -193,11 +198,13 @@ class KVPassModel(nn.Module):
 
     @torch.no_grad()
     def prefill(self, input_ids: Tensor, attention_mask: Tensor | None = None, max_new_tokens: int = 0,
-                graphs: RewrittenGraphs | None = None) -> Prefill:
+                graphs: RewrittenGraphs | None = None, stats_for=None) -> Prefill:
         """Run the prefill graph over ``input_ids`` [B, T] (left-padded with ``attention_mask``) and keep
         what it returns (last logits, per-layer K, V, statistics), uncompressed. ``graphs``: another
         rewrite of the same captured model whose prefill emits a superset of this policy's statistics
-        (a shared prefill serving several policies, ``kvpass.eval.shared``); default this model's."""
+        (a shared prefill serving several policies, ``kvpass.eval.shared``); default this model's. ``stats_for``:
+        what asks for the statistics computed after the prefill graph (``Stat.after_prefill``: the context
+        reconstruction, kvpass/runtime/reconstruction.py), with its ``stat_options``; default this model's policy."""
         ids, pad, pos = self._prepare(input_ids, attention_mask, max_new_tokens)
         graphs = graphs or self.graphs
         if [s.n_kv_heads for s in graphs.sites] != [s.n_kv_heads for s in self.graphs.sites]:
@@ -206,6 +213,7 @@ class KVPassModel(nn.Module):
                              "(expand_kv_heads differs); prefill with graphs of the same layout")
         start = time.perf_counter()
         logits, kv, stats = graphs.split_prefill(graphs.prefill(ids, pos, pad))
+        add_after_prefill_stats(self, stats_for or self.policy, ids, pad, kv, stats)
         return Prefill(logits=logits[:, -1].float(), kv=kv, stats=stats, pad=pad, pos=pos,
                        max_new_tokens=max_new_tokens, seconds=time.perf_counter() - start)
 

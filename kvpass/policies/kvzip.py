@@ -1,0 +1,123 @@
+"""KVzip (Kim et al. 2025, "Query-Agnostic KV Cache Compression with Context Reconstruction"; docs/policies.md
+§6.12)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from kvpass.cache import LayerCache, keep_slots
+from kvpass.policies.allocation import apportion
+from kvpass.policies.base import Policy, Stat, require
+from kvpass.policies.selection import (
+    compress_into_top,
+    compress_rows_into_top,
+    keep_priority,
+    kept_slots,
+    rows_in_one_call_in_place,
+    select_kept,
+)
+
+
+@dataclass(frozen=True)
+class KVzip(Policy):
+    """Keep the entries the model attends to most while it repeats the context (``Stat.RECONSTRUCTION``: after the
+    prefill the model is asked to repeat the prompt, ``chunk`` tokens at a time, and each entry is scored by the
+    largest attention any query of the repetition, of any query head of its group, gives it;
+    kvpass/runtime/reconstruction.py). The score does not depend on a question: a cache compressed with it serves
+    questions that come later (the query-agnostic case, ``KVPassModel.compress_context``).
+
+    Every layer keeps its ``sinks`` first and ``recent`` newest entries and the top of the rest by score. With
+    ``layers="global"`` (KVzip's default) the layers' budgets follow one threshold over every layer's scores: a layer
+    keeps as many entries per KV head as it has (head, token) pairs above the threshold that keeps budget x layers
+    entries per head in all (each at least its protected entries; the total is exact, ``apportion``), so memory
+    follows where the model looks; ``"uniform"``: every layer the same budget. Within a layer every KV head keeps the
+    same number (memory really freed: a layer's buffers are one size for its heads) [OURS: KVzip ranks heads of a
+    layer jointly too]. Decode-time compressions (every ``interval`` steps) keep the newest ``recent`` entries and
+    rank the rest by their reconstruction score; generated tokens score 0, so those older than the window leave
+    first [OURS].
+
+    Parameters
+    ----------
+    sinks: first entries always kept (KVzip: 4).
+    recent: newest entries always kept (0 in KVzip, which compresses the context alone) [OURS: 32].
+    chunk: tokens repeated per reconstruction step (KVzip: 2048).
+    layers: "global" or "uniform" layer budgets.
+    interval: decode steps between compressions.
+    """
+
+    name: ClassVar[str] = "kvzip"
+    section: ClassVar[str] = "§6.12"
+    summary: ClassVar[str] = "query-agnostic: the entries the model attends to while repeating the context"
+    stats: ClassVar[frozenset[Stat]] = frozenset({Stat.RECONSTRUCTION})
+    prefill_chunks: ClassVar[bool] = False     # the reconstruction attends over the whole prompt's cache
+    sinks: int = 4
+    recent: int = 32
+    chunk: int = 2048
+    layers: str = "global"
+    interval: int = 16
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for field_name in ("sinks", "recent"):
+            value = getattr(self, field_name)
+            require(isinstance(value, int) and value >= 0, f"kvzip: {field_name} must be an int >= 0, got {value!r}")
+        require(isinstance(self.chunk, int) and self.chunk >= 1, f"kvzip: chunk must be an int >= 1, got {self.chunk!r}")
+        require(self.layers in ("global", "uniform"), f"kvzip: layers must be 'global' or 'uniform', got {self.layers!r}")
+
+    def stat_options(self, stat: Stat) -> dict[str, object]:
+        return {"chunk": self.chunk}
+
+    def min_budget(self) -> int:
+        return self.sinks + self.recent + 1
+
+    def protected(self, keep: int | Tensor) -> tuple[int, int | Tensor]:
+        """(sinks, recent) within ``keep`` (an int, or [B] int64 per row, each >= ``min_budget``)."""
+        if isinstance(keep, Tensor):
+            return self.sinks, (keep - self.sinks).clamp(min=0, max=self.recent).view(-1, 1, 1)
+        sinks = min(self.sinks, keep)
+        return sinks, min(self.recent, keep - sinks)
+
+    def priority(self, cache: LayerCache, keep: int | Tensor) -> Tensor:
+        """[B, Hkv, C] fp64: +inf for the protected entries, the reconstruction score, -inf empty."""
+        return keep_priority(cache.slot_meta[Stat.RECONSTRUCTION.value], cache.length, *self.protected(keep),
+                             cache.position)
+
+    def compress(self, cache: LayerCache, keep: int) -> LayerCache:
+        """cache: k, v [B, Hkv, C, D]; slot_meta['reconstruct'] [B, Hkv, C] fp32 -> capacity min(keep, C)."""
+        sinks, recent = self.protected(keep)
+        kept = select_kept(cache.slot_meta[Stat.RECONSTRUCTION.value], cache.length, keep, sinks, recent,
+                           cache.position)
+        return keep_slots(cache, kept_slots(kept, keep))
+
+    def compress_into(self, cache: LayerCache, keep: int) -> None:
+        compress_into_top(self, KVzip, cache, keep)
+
+    def rows_in_one_call(self, budgets: Sequence[int], capacities: Sequence[int]) -> bool:
+        return rows_in_one_call_in_place(self, KVzip, budgets, capacities)
+
+    def compress_rows_into(self, cache: LayerCache, keep: Tensor) -> None:
+        compress_rows_into_top(self, cache, keep)
+
+    def layer_budgets(self, budget: int, caches: list[LayerCache]) -> list[int]:
+        """One row's budgets per compressed layer (the runtime calls this per row): ``layers="global"`` splits
+        ``len(caches) * budget`` over the layers by their entries above one threshold over all of them."""
+        n_layers = len(caches)
+        longest = max(int(c.length.max()) for c in caches)
+        if self.layers == "uniform" or n_layers < 2 or longest <= budget:
+            return [budget] * n_layers
+        floor = min(self.min_budget(), budget)
+        scores = []
+        for cache in caches:
+            s = cache.slot_meta[Stat.RECONSTRUCTION.value].float()
+            scores.append(torch.where(cache.live, s, float("-inf")).flatten())
+        every = torch.cat(scores)
+        heads = caches[0].length.shape[1] * caches[0].length.shape[0]
+        k = min(n_layers * budget * heads, int(torch.isfinite(every).sum()))
+        threshold = every.topk(k).values[-1]
+        shares = [float((s >= threshold).sum()) / heads for s in scores]
+        return apportion(shares, n_layers * budget, floor, longest)

@@ -1,0 +1,143 @@
+"""KVzip's context reconstruction (docs/policies.md §6.12): after the prefill, the model is asked to repeat the
+prompt, chunk by chunk, over the prompt's whole cache, and every cached entry is scored by the most attention it
+receives while it does (``Stat.RECONSTRUCTION``). The score asks which entries the model needs to reproduce the
+context, so it does not depend on a question: the query-agnostic score.
+
+    prompt (T tokens) ─prefill─▶ K, V of every layer (uncompressed)
+    for each chunk [a, a + chunk) of every row's real tokens:
+        repeat input = instruction (+ the previous chunk's last ``tail`` tokens) + chat suffix + the chunk's tokens
+        ─the reconstruction step (kvpass/rewrites/chunk_step.py, ``RECONSTRUCTION_STAT_OPS``)─▶ per layer
+        [B, Hkv, T] the most attention each entry got from the repeat's queries (``kvpass::chunk_attention_max``);
+        the repeat's own K, V are dropped
+    score = the max over the chunks, laid out as the prefill's statistics ([B, Hkv, T], padded columns)
+
+The repeat's positions follow the row's prompt (positions n, n + 1, ... for a row of n real tokens), as they would
+if the model wrote the repetition after it. Each chunk's queries attend over the prompt's cache and, causally, the
+repeat itself; normalised over all of that (the chunk's true attention). Cost: about one more prefill of the prompt
+(the linear layers of T repeat tokens, and T x T attention in all) plus a second q . k pass for the maxima.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from kvpass.cache import LayerCache, entries_from_prompt
+from kvpass.policies.base import Stat
+
+if TYPE_CHECKING:
+    from kvpass.runtime.model import KVPassModel
+
+FIRST = "\n\nRepeat the previous context exactly."
+LATER = "\n\nRepeat the part of the previous context exactly, starting with"
+_MARK = "\u2063KVPASS-CONTEXT\u2063"
+
+
+@dataclass(frozen=True)
+class ReconstructionPrompt:
+    """Token ids of the repeat request: ``first`` (before the first chunk), ``later`` (before a later chunk, followed
+    by the previous chunk's last tokens), ``suffix`` (what the chat template puts between a user's message and the
+    assistant's answer; empty without a template)."""
+
+    first: tuple[int, ...]
+    later: tuple[int, ...]
+    suffix: tuple[int, ...]
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer) -> ReconstructionPrompt:
+        encode = lambda text: tuple(tokenizer(text, add_special_tokens=False)["input_ids"])   # noqa: E731
+        suffix: tuple[int, ...] = ()
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}], add_generation_prompt=True,
+                                                 tokenize=False)
+            suffix = encode(text.split(_MARK, 1)[1])
+        else:
+            suffix = encode("\n")
+        return cls(encode(FIRST), encode(LATER), suffix)
+
+
+def _repeat_inputs(rows: list[list[int]], a: int, chunk: int, tail: int, prompt: ReconstructionPrompt,
+                   device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """The repeat of every row's tokens [a, a + chunk), left-padded to one length: (ids [B, L], positions [B, L],
+    pads [B]). Row b's positions start after its own prompt."""
+    seqs, starts = [], []
+    for ids in rows:
+        part = ids[a:a + chunk]
+        head = list(prompt.first) if a == 0 else list(prompt.later) + ids[max(0, a - tail):a]
+        seqs.append(head + list(prompt.suffix) + part if part else [])
+        starts.append(len(ids))
+    width = max(1, max(len(s) for s in seqs))
+    pad = torch.tensor([width - len(s) for s in seqs], dtype=torch.long, device=device)
+    ids = torch.tensor([[0] * (width - len(s)) + s for s in seqs], dtype=torch.long, device=device)
+    ar = torch.arange(width, device=device)
+    start = torch.tensor(starts, dtype=torch.long, device=device)
+    pos = start[:, None] + (ar[None, :] - pad[:, None]).clamp(min=0)
+    return ids, pos, pad
+
+
+def reconstruction_step(model: KVPassModel):
+    """(the reconstruction step GraphModule, its statistics' (layer, Stat) keys), built on first use."""
+    if getattr(model, "_reconstruction_step", None) is None:
+        from kvpass.rewrites.chunk_step import RECONSTRUCTION_STAT_OPS
+        from kvpass.rewrites.pipeline import compile_chunk_step
+
+        model._reconstruction_step = compile_chunk_step(model.captured, _ReconstructionStats(), model.graphs.sites,
+                                                        model.fused_linears, RECONSTRUCTION_STAT_OPS)
+    return model._reconstruction_step
+
+
+@dataclass(frozen=True)
+class _ReconstructionStats:
+    """What the chunk-step builder reads of a policy: the one statistic, no options."""
+
+    name = "reconstruction"
+    compresses = True
+    stats = frozenset({Stat.RECONSTRUCTION})
+
+    def stat_options(self, stat: Stat) -> dict[str, object]:
+        return {}
+
+
+@torch.no_grad()
+def reconstruction_scores(model: KVPassModel, ids: Tensor, pad: Tensor, kv: list[Tensor],
+                          prompt: ReconstructionPrompt, chunk: int = 2048, tail: int = 8) -> dict[int, Tensor]:
+    """{layer: [B, Hkv, T] fp32} for every full-attention layer: each prompt entry's most attention over the repeat
+    of its row (module docstring), in the prefill's layout (padded columns; pad columns 0). ids: [B, T] with ``pad``
+    [B] left pads; kv: the prefill's [k_0, v_0, ...], each [B, Hkv, T, D]."""
+    gm, keys = reconstruction_step(model)
+    sites = list(model.graphs.sites)
+    t = ids.shape[1]
+    caches: list[LayerCache] = [entries_from_prompt(kv[2 * s.layer], kv[2 * s.layer + 1], pad, {}) for s in sites]
+    flat = [x for c in caches for x in (c.k, c.v, c.log_weight, c.position)]
+    rows = [ids[b, int(p):].tolist() for b, p in enumerate(pad.tolist())]
+    top: dict[int, Tensor] = {}
+    for a in range(0, max(len(r) for r in rows), chunk):
+        rep, pos, rep_pad = _repeat_inputs(rows, a, chunk, tail, prompt, ids.device)
+        outs = gm(rep, pos, rep_pad, *flat)
+        for (layer, _), score in zip(keys, outs[1 + 2 * len(sites):], strict=True):
+            top[layer] = score if layer not in top else torch.maximum(top[layer], score)
+    # compacted slots -> the prefill's padded columns: row b's slot s is column pad[b] + s
+    col = (torch.arange(t, device=ids.device)[None, :] - pad[:, None])                    # [B, T]
+    src = col.clamp(min=0)[:, None, :]
+    return {layer: torch.where(col[:, None, :] >= 0, score.gather(-1, src.expand_as(score)), 0.0)
+            for layer, score in top.items()}
+
+
+def add_after_prefill_stats(model: KVPassModel, asker, ids: Tensor, pad: Tensor, kv: list[Tensor],
+                            stats: dict[int, dict[str, Tensor]]) -> None:
+    """Add to ``stats`` (the prefill's {layer: {name: [B, Hkv, T]}}) the statistics ``asker`` (a policy, or the
+    statistics union of a shared prefill) wants that the prefill graph does not compute (``Stat.after_prefill``)."""
+    if not getattr(asker, "compresses", True) or Stat.RECONSTRUCTION not in asker.stats:
+        return
+    prompt = model.reconstruction_prompt
+    if prompt is None:
+        from kvpass.validation import refuse
+
+        raise refuse("policy.tokenizer", policy=getattr(asker, "name", "this policy"))
+    opts = asker.stat_options(Stat.RECONSTRUCTION)
+    scores = reconstruction_scores(model, ids, pad, kv, prompt, chunk=int(opts.get("chunk", 2048)))
+    for layer, score in scores.items():
+        stats.setdefault(layer, {})[Stat.RECONSTRUCTION.value] = score
