@@ -68,9 +68,9 @@ OPTION_CONFIGS = (
     "d2o[scores=window,window_kernel=31,merge_weighting=score]",
     "d2o[scores=window,window_kernel=31,merge=false]",
     "ems[scores=window,pool_kernel=31]",
-    "kvmerger[value_scale=none]",                   # overflow="tiered", the default since session 19
+    "kvmerger[value_scale=none]",                   # overflow="tiered", the default since 2026-11-25
     "kvmerger[overflow=slot_order]",                # the old default: docs/merge-diagnosis.md, "Degeneration check"
-    "knorm[recent=0]",                              # kvpress's rule (knorm's default keeps 32 recent since session 20)
+    "knorm[recent=0]",                              # kvpress's rule (knorm's default keeps 32 recent since 2026-11-25)
 )
 THRESHOLDS = {
     "ppl_ratio": 10.0,          # cell: ppl / full's ppl at or above this

@@ -17,7 +17,7 @@ periodic with a period <= 8, or None). One prompt at a time (batch 1). CPU, ~1 m
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/kvmerger_collapse.py --budget 0.1 \\
         --policies 'kvmerger[value_scale=none]' 'kvmerger[value_scale=none,overflow=tiered]' \\
-        --json benchmarks/results/kvmerger-collapse-smollm2-cpu.json
+        --json benchmarks/results/degeneration-kvmerger-collapse-smollm2-cpu.json
 """
 
 from __future__ import annotations
