@@ -1,4 +1,4 @@
-"""Why does KVMerger's free generation collapse at small budgets? (issue 26, docs/merge-diagnosis.md)
+"""Why does KVMerger's free generation collapse at small budgets? (issue 26, docs/quality.md, "Degeneration at small budgets")
 
 On the degeneration check's essay prompts (``benchmarks/degeneration_check.py``: prefix tokens of essay
 segment i), prefill + compress with one KVMerger configuration, then decode ``--gen-tokens`` greedy

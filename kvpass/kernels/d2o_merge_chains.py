@@ -1,5 +1,5 @@
 """D2O's merge chains: m evictions in one call merged as the one-in-one-out step would merge them (docs/policies.md
-§5.6; docs/speed-notes.md, "Session 38").
+§5.6; docs/quality.md, "D2O with `interval` > 1").
 
 With ``interval`` m > 1 a decode compression evicts up to m entries at once (``d2o_evict_many``). The paper's step
 evicts one entry a step, and each merges into its most similar *live* key, which is often the entry next to it
