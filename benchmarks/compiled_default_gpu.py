@@ -15,7 +15,7 @@ compiles the decode step: docs/compiled-decode.md):
   one-token calls; per token, a repeated call of ``--generate-new`` (513) tokens, which replays the graphs the
   first call at that length captured, less the TTFT; the first call's own figure and its captures beside it.
   Before 2026-11-26 it was the difference of a 2-token and a 130-token call, which held the longer call's
-  captures; until session 29 the call had ``--steps`` + 1 tokens, 129 in the commands of the results, where 30 ms
+  captures; until 10b4ecb (2026-11-27) the call had ``--steps`` + 1 tokens, 129 in the commands of the results, where 30 ms
   between two prefills moved a token's figure by 4%: two H100 runs read 1.150x and 1.095x for one policy whose
   event-timed steps agreed to 0.1%);
 * the floor: (weight bytes a step reads + the cache bytes it holds) / the measured copy bandwidth, the
@@ -151,8 +151,8 @@ def sweep(kv, vocab: int, count: int, lo: int, hi: int, new: int, seed: int, dev
 
 def watch_row(seconds: float) -> None:
     """From now on, every ``seconds`` until ``faulthandler.cancel_dump_traceback_later()``, print every thread's
-    stack to the process's stderr (0: off). A row that stalls then shows where: one that did, on an H200 in session
-    42, left only an idle GPU behind (benchmarks/results/h200-session42/README.md)."""
+    stack to the process's stderr (0: off). A row that stalls then shows where: one that did, on an H200 at 0ec1401
+    (2026-12-01), left only an idle GPU behind (CHANGELOG.md)."""
     if seconds > 0 and sys.__stderr__ is not None:
         faulthandler.dump_traceback_later(seconds, repeat=True, file=sys.__stderr__)
 

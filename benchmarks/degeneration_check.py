@@ -61,16 +61,16 @@ import torch
 import torch.nn.functional as F
 
 BUDGETS = (0.06, 0.1, 0.2, 0.5, 1.0)
-# option configurations documented in docs/merge-diagnosis.md, docs/d2o-official.md, kvmerger-value-scale.md
+# option configurations documented in docs/quality.md and docs/d2o.md
 OPTION_CONFIGS = (
     "d2o[scores=window,window_kernel=31]",
     "d2o[scores=window,window_kernel=31,merge_protect=0.5]",
     "d2o[scores=window,window_kernel=31,merge_weighting=score]",
     "d2o[scores=window,window_kernel=31,merge=false]",
     "ems[scores=window,pool_kernel=31]",
-    "kvmerger[value_scale=none]",                   # overflow="tiered", the default since session 19
-    "kvmerger[overflow=slot_order]",                # the old default: docs/merge-diagnosis.md, "Degeneration check"
-    "knorm[recent=0]",                              # kvpress's rule (knorm's default keeps 32 recent since session 20)
+    "kvmerger[value_scale=none]",                   # overflow="tiered", the default since 2026-11-25
+    "kvmerger[overflow=slot_order]",                # the old default: docs/quality.md, "Degeneration at small budgets"
+    "knorm[recent=0]",                              # kvpress's rule (knorm's default keeps 32 recent since 2026-11-25)
 )
 THRESHOLDS = {
     "ppl_ratio": 10.0,          # cell: ppl / full's ppl at or above this

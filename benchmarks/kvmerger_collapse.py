@@ -1,4 +1,4 @@
-"""Why does KVMerger's free generation collapse at small budgets? (issue 26, docs/merge-diagnosis.md)
+"""Why does KVMerger's free generation collapse at small budgets? (issue 26, docs/quality.md, "Degeneration at small budgets")
 
 On the degeneration check's essay prompts (``benchmarks/degeneration_check.py``: prefix tokens of essay
 segment i), prefill + compress with one KVMerger configuration, then decode ``--gen-tokens`` greedy
@@ -17,7 +17,7 @@ periodic with a period <= 8, or None). One prompt at a time (batch 1). CPU, ~1 m
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/kvmerger_collapse.py --budget 0.1 \\
         --policies 'kvmerger[value_scale=none]' 'kvmerger[value_scale=none,overflow=tiered]' \\
-        --json benchmarks/results/kvmerger-collapse-smollm2-cpu.json
+        --json benchmarks/results/degeneration-kvmerger-collapse-smollm2-cpu.json
 """
 
 from __future__ import annotations

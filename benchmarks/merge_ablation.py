@@ -1,5 +1,5 @@
 """What costs D2O (and EMS) with window scores against SnapKV[kernel=31] on the quality suite's single needle:
-one factor at a time (issue 26; docs/merge-diagnosis.md, "Ablation").
+one factor at a time (issue 26; docs/quality.md, "Merging against the eviction it builds on").
 
 A fixed probe of the suite's own cases (``kvpass.eval.tasks.single_needle``, the generator the leaderboard
 uses): the first ``--numbers`` seeds whose needle is a 7-digit number and the first ``--words`` seeds whose

@@ -329,7 +329,7 @@ def diagnose(policy: str, model, tok, case: dict, qk, full_answer_ids: list[int]
 
 
 def markdown(result: dict, top: int = 3) -> str:
-    """The tables of docs/merge-diagnosis.md from a result JSON."""
+    """The per-layer tables of one result JSON (docs/quality.md summarises them)."""
     first = next(iter(result["policies"].values()))["layers"]
     full_mass = [row["needle_mass_full"] for row in first]
     best = sorted(range(len(full_mass)), key=lambda i: -full_mass[i])[:top]

@@ -3,7 +3,7 @@
 
     python benchmarks/model_sanity_probe.py gemma3-270m
 
-Used for Gemma-3-270M (docs/quality-suite.md): the PyPI GGUF is the base model ("Gemma 3 270m", no
+Used for Gemma-3-270M (docs/quality.md): the PyPI GGUF is the base model ("Gemma 3 270m", no
 chat template); coherent completions here say the loader is sound and the needle ceiling is the model's.
 """
 

@@ -19,8 +19,8 @@ eval "$(benchmarks/gpu_assets.sh env)"
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 set -f                                    # from here on: policy specs like d2o[scores=window] are not globs
 mkdir -p "$out"
-# option rows of issue 26 beside the registered policies (docs/merge-diagnosis.md, benchmarks/results/
-# merge-options-needle-cpu.md): window scores, the merge guard + bias, the merge off
+# option rows of issue 26 beside the registered policies (docs/quality.md, "Merging"): window scores, the
+# merge guard + bias, the merge off
 VARIANTS=("d2o[scores=window]" "d2o[scores=window,merge_floor=0.5,merge_into_sinks=false,merge_bias=true]"
           "d2o[merge=false]" "ems[scores=window]")
 case $step in

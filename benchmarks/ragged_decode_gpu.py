@@ -12,12 +12,12 @@ Setting: a small Llama-shaped model with random bf16 weights (16 layers, 16 quer
 batch 16 and 32 of left-padded prompts of unequal lengths around 4k (random in [prompt - 512, prompt]),
 budget 0.2, greedy. Per configuration: ``start`` (prefill + compression), ``--warm`` untimed steps (CUDA
 graph captures, first compressions: 24, more than StreamingLLM's interval, so that the first capture of its
-compressing step is not timed; session 32's run, with 8, timed it in the one-call path's mean at batch 16), then
+compressing step is not timed; e26ed3c's H100 run, with 8, timed it in the one-call path's mean at batch 16), then
 ``--steps`` steps each timed by CUDA events around the step
 (wall time per step where the host sets the pace, since the GPU then idles between the events); reported:
 the median and mean ms per step (= per token of every row), tokens/s = batch / mean. StreamingLLM
 (interval 16) compresses every 16 steps, also per row (its rows' budgets follow their own lengths): the
-timed steps hold whole periods. Since session 31 StreamingLLM and the default ``snapkv[kernel=31]`` compress
+timed steps hold whole periods. Since 2026-11-27 StreamingLLM and the default ``snapkv[kernel=31]`` compress
 such rows in one call too (``fill_evicted_rows``); ``streamingllm-per-row`` is StreamingLLM's old path. The
 tokens of the two paths are compared at every step, the warm ones included (equal on CPU; in bf16 on a GPU a tie
 of the top two logits may turn the other way, since the two paths sum the attention in another order:

@@ -3,7 +3,7 @@
     python benchmarks/suite_phrasings.py LENGTH CASES FAMILY [FAMILY ...] [--model smollm2]
 
 Prints each case's answers, the output and its score, then the accuracy per family (what
-docs/quality-suite.md's phrasing trials list). Calibration proper is ``kvpass eval suite calibrate``.
+the CPU phrasing trials recorded; docs/quality.md has the GPU probe's table). Calibration proper is ``kvpass eval suite calibrate``.
 """
 
 from __future__ import annotations

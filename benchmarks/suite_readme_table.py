@@ -1,4 +1,4 @@
-"""Print the README's quality-suite table from the stored cases (no number typed by hand):
+"""Print docs/quality.md's leaderboard table from the stored cases (no number typed by hand):
 
     python3 benchmarks/suite_readme_table.py [MODEL]
 

@@ -327,7 +327,7 @@ _PENDING = PENDING
 # compression, and the forked kernels run beside the step's first GEMVs. A one-in-one-out eviction (interval 1:
 # every layer, every step, one entry a row) is short: on fewer streams the first layers' evictions meet less of
 # the others' and finish sooner, and the rest still end long before their layers. Compiled D2O steps, 32k, H200
-# (benchmarks/results/h200-session41/side-streams-in-step-*), ms a step on 1 / 2 / 8 streams: batch 1 4.744 /
+# (benchmarks/results/side-streams-in-step-*-nvidia-h200.json), ms a step on 1 / 2 / 8 streams: batch 1 4.744 /
 # 4.780 / 4.815, batch 4 6.454 / 6.461 / 6.559, batch 8 7.620 / 7.614 / 7.734, batch 16 (2 / 4 / 8) 9.906 /
 # 9.977 / 10.03; at batch 32 (runs that drifted with time) 8 streams were the fastest of each round. A
 # compression of many entries a layer (interval > 1: every layer at one step in ``interval``) keeps ``most``

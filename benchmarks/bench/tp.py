@@ -171,7 +171,7 @@ def rows_that_fit(one: dict, two: dict, total_bytes: int, fill: float) -> tuple[
     Batch 2's peak already holds what a batch of several rows adds once (one row's prefill beside the batch's
     buffers, which batch 1 does not have), so batch 2's peak less batch 1's is no row's cost: 0.97 GiB against
     0.41 GiB of cache at tp=2 for Llama-3.1-8B at 32k, where batch 120 then peaked at 2's + 118 x 0.415 GiB
-    (benchmarks/results/tp-h200-session30/)."""
+    (b74865a's runs, benchmarks/results/tp-nvidia-h200-x2-8b-*-largest-b74865a.md)."""
     per_row = max(two["cache_bytes_per_rank"] - one["cache_bytes_per_rank"], 1.0)
     room = fill * total_bytes - two["peak_memory_gib"] * 2**30
     return max(2 + int(room // per_row), 1), per_row

@@ -15,9 +15,9 @@ and the allocator's history (``torch.cuda.memory._record_memory_history``, Pytho
 
 * ``prefill``: ``KVPassModel.start`` (every chunk, every compression between chunks, the caches handed to decode);
 * ``decode``: ``--steps`` steps, their CUDA-graph captures included (a step that compresses is captured: d2o
-  compresses every step, streamingllm every 16). Before session 22 a capture's warm-up saved a copy of every
-  cache tensor for a compressing step (the decode peak was weights + 2x the compressed cache); now its run is the
-  step and nothing is saved (kvpass/decode_step.py).
+  compresses every step, streamingllm every 16). Until 5f72353 (2026-11-25) a capture's warm-up saved a copy of
+  every cache tensor for a compressing step (the decode peak was weights + 2x the compressed cache); now its run is
+  the step and nothing is saved (kvpass/decode_step.py).
 
 Per phase: ``peak_allocated`` (``torch.cuda.max_memory_allocated``), the seconds of each step (synchronised), and
 ``analysis``: ``analyse_snapshot`` of the phase's snapshot, which replays the device trace (alloc and free events,

@@ -12,7 +12,7 @@ batch row 0's live positions and K|V rows (every KV head). At each newest positi
     PYTHONPATH=$PWD python benchmarks/probes/d2o_interval_fidelity.py --out d2o-interval-fidelity.json \\
         --policies "d2o[interval=16]" "d2o[interval=16,merge_chains=False]"
 
-Session 38 (essay cloze, 512 tokens, query-agnostic, seed 0): without merging the kept sets agree at the
+On essay cloze (512 tokens, query-agnostic, seed 0; benchmarks/results/d2o-merge-chains-smollm2-cpu/): without merging the kept sets agree at the
 compression points, so what separates the two forms there is the merged values.
 """
 

@@ -2,7 +2,7 @@
 
 The Triton kernels are tested at small shapes under the interpreter on CPU, which has no shared-memory limit,
 and on the GPU mostly in bf16. A launch whose tiles fit in bf16 can ask for twice the shared memory in fp32
-(session 33: D2O on an fp32 model stopped with "out of resource: shared memory, Required: 279552, Hardware limit:
+(2026-11-28, before 2a52477: D2O on an fp32 model stopped with "out of resource: shared memory, Required: 279552, Hardware limit:
 232448" on an H100). This probe runs every registered policy on a 2-layer Llama of head size 128 (8 query / 2
 KV heads) in fp32, fp16 and bf16: a batch of 2 unequal prompts (left-padded), prefill, compression and
 ``--steps`` decode steps, and records per (policy, dtype) ``ok`` or the error and the kvpass kernel file its
@@ -109,7 +109,7 @@ def main() -> int:
         del model, captured
         if device.type == "cuda":
             gc.collect()
-            try:                     # session 33's first run: torch asserted here after the failed policies
+            try:                     # torch 2.11 asserted here after a failed capture (fixed in kvpass)
                 torch.cuda.empty_cache()
             except RuntimeError as exc:
                 rows.append({"dtype": dtype_name, "empty_cache_error": str(exc)[:400]})

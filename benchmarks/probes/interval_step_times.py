@@ -6,7 +6,7 @@ m - 1 plain steps cost against ``streamingllm``'s, and what one compressing step
         --out $OUT/interval-step-times.json --policies "streamingllm,d2o,d2o[interval=64]" [--profile]
 
 Llama-3.1-8B-shaped random bf16 model, batch 1, 32k prompt, budget 0.2, plain ``kvpass.apply`` (compiled decode
-on CUDA). A step is "compressing" where the session's compression count grew during it (read after the timed
+on CUDA). A step is "compressing" where the decode session's compression count grew during it (read after the timed
 steps from a per-step record of ``DecodeSession.report().compressions``, which synchronises: so the count is
 taken in a second, untimed pass of the same length).
 """

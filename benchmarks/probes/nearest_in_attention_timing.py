@@ -14,9 +14,10 @@ timed from a CUDA graph by ``time_fn`` (triton's do_bench, median), in microseco
   the restore is timed apart and subtracted.
 
 Also checks that the attention's search finds the same slots as the plain-torch reference. Writes
-nearest-in-attention-timing.json under --out. Session 39 measured three more forms of the search, since removed
-(in the history at commit f689496; their timings are benchmarks/results/h200-session39/): the norms computed from each K tile (session 32's, 2.2x the attention at
-batch 1), a max and argmax over each tile, and a lazy argmax.
+nearest-in-attention-timing.json under --out. Three more forms of the search were measured and removed (in the
+history at commit f689496; their timings are in benchmarks/results/d2o-nearest-in-attention-nvidia-h200/): the norms
+computed from each K tile (the form of e26ed3c, 2.2x the attention at batch 1), a max and argmax over each tile, and
+a lazy argmax.
 """
 
 from __future__ import annotations

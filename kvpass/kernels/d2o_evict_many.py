@@ -186,7 +186,7 @@ def evict_many_in_place(k: Tensor, v: Tensor, score: Tensor, position: Tensor, l
 # (``heads`` of one rank), without ``protect`` and ``score_weights`` and for 16/32-bit caches (the plain-torch
 # step above takes the rest). The plain-torch step launches some 150 kernels a layer (sorts, top-k, masks,
 # gathers), 0.58 ms a layer at B = 1, m = 64 in a CUDA graph on an H100: at 32k the step compressing all 32
-# layers took 7 ms more than a plain one (benchmarks/results/h100-session34/).
+# layers took 7 ms more than a plain one (benchmarks/results/d2o-evict-many-nvidia-h100-80gb-hbm3/).
 #
 # Kernel S (select), one program per (b, g) row, n = length, n_ev = min(length - keep, m) where b is due:
 #     t_s = the sinks-th, t_r = the max(n - recent, 0)-th, t_t = the target_from-th smallest live position

@@ -15,7 +15,7 @@ Merge decision and weights (§5.6 steps 3-4), per evicting head:
     "paper": merged = u >= tau,       w_e = exp(u), w_self = e, norm = e + w_e
     "code":  merged = current >= tau, w_e = u,      w_self = 1, norm = 1 + 1
     k_nearest <- (w_self k_nearest + w_e k_e) / norm   (fp32, stored in the cache dtype; v likewise)
-Options (D2O's merge guard and merge bias, docs/d2o-official.md; defaults: off):
+Options (D2O's merge guard and merge bias, docs/d2o.md; defaults: off):
     target_from:  nearest is sought among live j >= target_from only (sinks never absorb a token)
     min_cos:      merged = merged and u >= min_cos (a cosine floor; NO_FLOOR = -2: none, NO_MERGE = 2: nothing merges)
     bias:         log_weight[nearest] <- logaddexp(log_weight[nearest], log_weight[e]) where merged, so

@@ -1,5 +1,5 @@
 """D2O's merge chains: m evictions in one call merged as the one-in-one-out step would merge them (docs/policies.md
-§5.6; docs/speed-notes.md, "Session 38").
+§5.6; docs/quality.md, "D2O with `interval` > 1").
 
 With ``interval`` m > 1 a decode compression evicts up to m entries at once (``d2o_evict_many``). The paper's step
 evicts one entry a step, and each merges into its most similar *live* key, which is often the entry next to it
@@ -7,7 +7,7 @@ that a later step evicts in turn: the evicted mass travels along such chains to 
 the m together, only the kept entries are targets, so each evicted entry lands in a kept one, more often one far
 from it in the text: on the quality suite (essay cloze, 512 tokens, query-agnostic) interval 16 merged 43% of its
 entries within 8 positions against 76% for the paper's step and lost 5 of the step's 11 answers (of 32); with chains
-it lost 3 (benchmarks/results/d2o-merge-chains-session38/).
+it lost 3 (benchmarks/results/d2o-merge-chains-smollm2-cpu/).
 
 Per (b, g) row, with the evicted entries e_0 .. e_{m-1} in ascending position (the order both evict-many paths
 use, that in which entries leave the recent window; D2O's general path takes the last m of a row's evicted entries,

@@ -360,7 +360,7 @@ MANY_ROWS = 128
 # 13k) and at 1k x 8 (decode-attention-batch-sweep-nvidia-h100-80gb-hbm3.json).
 MIN_SPLIT = 256
 # Slots per scores program of the merge launch. 512 against 128 (H200, C 6555, the 8B shape, session 40:
-# benchmarks/probes/decode_scores_cost.py, h200-session40/decode-scores-cost.json): the merge launch with the
+# benchmarks/probes/decode_scores_cost.py, decode-scores-cost-nvidia-h200.json): the merge launch with the
 # scores 26.8 -> 16.3 us at batch 32 (the whole op 258.4 -> 248.1), 14.8 -> 9.2 at batch 16, 3.7 -> 2.6 at batch 1;
 # a quarter of the programs, each rebuilding its rows' log-sum-exp once for 4x the slots. 1024 was slower at
 # every batch (19.8 us at batch 32).

@@ -27,7 +27,7 @@ POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Full, StreamingLLM, D2O
 # among policies that really save memory): SnapKV with a pooling kernel of 31 answers 97.0% [94.4, 98.4] of
 # 300 cases against the full cache's 96.7%; with SnapKV's kernel of 7 it keeps only the first digits of a
 # 7-digit answer (48.3%). The best merging configuration, d2o[scores=window,window_kernel=31], answers 64.5%
-# (183 cases); paper D2O 3.4%. README, Quality.
+# (183 cases); paper D2O 3.4%. docs/quality.md.
 DEFAULT_POLICY = "snapkv[kernel=31]"
 
 

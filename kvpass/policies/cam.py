@@ -54,7 +54,7 @@ class CaM(Policy):
         holds prompt + 1 entries until then; ``Policy.prompt_compression_deferred``). "decode" is the timing
         of kvpress's ``CAMPress``, a decoding press whose hook compresses after each step's attention, so
         its first generated token after the prompt's is computed on the full cache [OURS as an option;
-        docs/merge-diagnosis.md, "CaM against kvpress"].
+        docs/quality.md, "kvpass against kvpress on the very same cases"].
     """
 
     name: ClassVar[str] = "cam"

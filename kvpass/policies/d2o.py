@@ -85,8 +85,8 @@ class D2O(Policy):
         at prefill (budget = prompt length); the code skips 0, 1, L-1 at extra memory, here they are
         paid for by the other layers, so the default is none [OURS].
     interval: decode steps between compressions; 1 (default) = the paper's one-in-one-out step. 16 is faster at
-        long prompts but lost 2 of 16 essay-cloze answers at 512-1k tokens, query-agnostic (docs/speed-notes.md,
-        "Session 37"; with ``merge_chains`` it lost 3 of 11 on 32 cases, "Session 38"). Above 1 a layer holds up to
+        long prompts but lost 2 of 16 essay-cloze answers at 512-1k tokens, query-agnostic (docs/quality.md,
+        "D2O with `interval` > 1"; with ``merge_chains`` it lost 3 of 11 on 32 cases). Above 1 a layer holds up to
         budget + interval entries and a due row evicts interval of them in place (``compress_into``,
         ``kvpass.kernels.d2o_evict_many``: on CUDA the Triton op ``kvpass::d2o_evict_many``, else plain torch;
         under tensor parallelism too, the threshold gathered from every rank).
@@ -97,10 +97,10 @@ class D2O(Policy):
     fuse_nearest: with ``interval`` 1 on CUDA at batch 4 or more, the decode attention also finds the nearest key
         of the four entries the next step may evict (``nearest_candidates``), so that step need not read the keys
         again: the same slots and values up to fp32 rounding (at batch 32, 32k, on an H200: 15.94 against 18.44 ms
-        a step; docs/speed-notes.md, "Session 39"). Below batch 4 the step scans (the search would cost the
+        a step; docs/speed.md, "D2O's decode step"). Below batch 4 the step scans (the search would cost the
         step's path more than the scan beside it). False: every step scans (the before/after of benchmarks).
 
-    Options, off by default (docs/d2o-official.md says which are the paper's, which the code's, and why):
+    Options, off by default (docs/d2o.md says which are the paper's, which the code's, and why):
     scores: "accumulated" (the paper: prompt column sums + every decode row) or "window": the first
         compression ranks by SnapKV-style observation-window scores (``Stat.WINDOW_SCORES``: the attention
         of the last ``window`` prompt queries, avg-pooled with ``window_kernel``), and from then on the
@@ -122,15 +122,15 @@ class D2O(Policy):
         unprotected kept entry, or is evicted without trace when none is left (and then does not enter the
         threshold). 0 (default): every kept entry may absorb, the paper [OURS, the merge guard: on the quality
         suite the evicted haystack merged into the needle's own entries, which the scores rank highest, and
-        garbled 7-digit answers; docs/merge-diagnosis.md, "Ablation"]. Decode steps run the in-place step in
+        garbled 7-digit answers; docs/quality.md, "Merging against the eviction it builds on"]. Decode steps run the in-place step in
         plain torch (``evict_one_in_place``; the Triton op has no protection), batched rows of their own
         budgets in one call too (``compress_rows_into``), on CUDA inside the graphed step.
     merge_weighting: "similarity" (default: the variant's weights, exp(u) against e for "paper", u against 1
         for "code") or "score": a kept entry j and the evicted entries E_j merged into it are averaged with their
         eviction scores as weights, x_j <- (s_j x_j + sum_e s_e x_e) / (s_j + sum_e s_e) (each s + 1e-6), for
         keys and values; which entries merge is decided as before. An evicted token, ranked low, then moves
-        a high-ranked entry little [OURS: the attention-mass-weighted mean; docs/merge-diagnosis.md,
-        "Ablation"]. Decode steps take the plain-torch in-place step, as with merge_protect.
+        a high-ranked entry little [OURS: the attention-mass-weighted mean; docs/quality.md,
+        "Merging against the eviction it builds on"]. Decode steps take the plain-torch in-place step, as with merge_protect.
     merge_bias: True adds log(n) to the attention logit of an entry standing for n tokens (n = 1 + the
         tokens merged into it, recursively; ``LayerCache.log_weight``, as Chelsea's), so merged mass is
         attended in proportion to the tokens it replaced [OURS; the paper attends plainly].
@@ -139,7 +139,7 @@ class D2O(Policy):
         evicts (``kvpass.kernels.d2o_merge_chains``): among all of a decode compression's evicted entries (at most
         m), and among the last m of the prompt's (``chain_window``: one static shape, so the exported compress graph
         chains as the runtime does).
-        False: only kept entries are targets, which lost more essay-cloze answers (docs/speed-notes.md, "Session 38")
+        False: only kept entries are targets, which lost more essay-cloze answers (docs/quality.md, "D2O with `interval` > 1")
         [OURS: interval > 1 is ours].
     first_compression: "prefill" (kvpass's contract: the budget holds from the first step) or "decode": the
         released code's timing, the prompt compressed after the first decode step with that step's

@@ -32,7 +32,7 @@ class Knorm(Policy):
     ----------
     sinks: first tokens always kept (kvpress: 0).
     recent: newest entries always kept, clamped to ``keep - sinks`` (kvpass: 32; kvpress: 0). With 0 the decode-time
-        compressions evict the newest tokens by their norm: low budgets stutter (docs/merge-diagnosis.md,
+        compressions evict the newest tokens by their norm: low budgets stutter (docs/quality.md,
         "Degeneration check") and a question fed after compression is evicted as it arrives (quality suite,
         query-agnostic at 0.5: 4.3% with 0, 22.7% with 32, kvpress's KnormPress 21.7%).
     interval: decode steps between compressions.

@@ -1,6 +1,6 @@
 """D2O against its released code (AIoT-MLSys-Lab/D2O, LLM_merge_new/LMEval_kv_token_merge/
 modeling_llama3_7b_13b_d2o.py: ``D2O_LayerKVCache`` and ``LlamaAttention3_D2O.forward``), as read and
-restated below in our own words (float64, plain torch; no code of theirs). docs/d2o-official.md lists
+restated below in our own words (float64, plain torch; no code of theirs). docs/d2o.md lists
 every difference and which side kvpass takes.
 
 What the released code does to one layer (batch 1, K and V repeated to the Hq query heads):

@@ -1,7 +1,7 @@
 """Every registered policy generates on both real models shipped in PyPI packages: SmolLM2-135M-Instruct
 (Llama, GQA 9/3) and Gemma-3-270M (sliding + global layers, MQA, QK-norm), at budget 0.5 (each compressing
 policy compresses), with finite logits, text, and every layer within its budget + interval. (The
-quality of these answers is the leaderboard's business, benchmarks/results/quality-smollm2.md.)"""
+quality of these answers is the leaderboard's business, benchmarks/results/quality-suite-smollm2.md.)"""
 
 from __future__ import annotations
 
