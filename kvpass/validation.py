@@ -93,6 +93,17 @@ RULES: tuple[Rule, ...] = (
          "§6.12) without the tokenizer its repeat request is written with",
          "policy {policy!r} scores entries by asking the model to repeat the context, which needs the model's "
          "tokenizer: kvpass.apply(model, policy=..., tokenizer=tokenizer)"),
+    Rule("context.type", GENERATE, "context", "not a ContextCache (KVPassModel.compress_context)",
+         "context must be what model.compress_context(context_ids) returned, got {got}", InvalidType),
+    Rule("context.model", GENERATE, "context", "a context cache another KVPassModel made",
+         "this context cache was compressed by another KVPassModel (another policy, budget or model); compress it "
+         "with this one: model.compress_context(context_ids)"),
+    Rule("context.rows", GENERATE, "context", "questions whose rows neither are one per context row nor share "
+         "a one-row context", "{got} question rows for a context cache of {rows} rows: give one question row per "
+         "context row, or compress a single context (one row) that every question shares"),
+    Rule("context.full_heads", GENERATE, "context", "a policy with KV heads kept full (Chelsea's calibrated "
+         "outlier heads)", "questions over a compressed context are not supported with full-cache KV heads "
+         "(a calibration's outlier heads)"),
     Rule("budget.type", APPLY, "budget", "not a float or an int (bool, str, None)",
          "budget must be a float fraction in (0, 1] or an int token count, got {got!r}", InvalidType),
     Rule("budget.fraction", APPLY, "budget", "a float outside (0, 1]",

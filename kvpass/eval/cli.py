@@ -54,7 +54,7 @@ def _common(p: argparse.ArgumentParser, lm: bool, niah: bool) -> None:
         p.add_argument("--needles", type=int, default=1, help="passphrases in the haystack (multi-needle: > 1)")
         p.add_argument("--max-new-tokens", type=int, default=32)
         p.add_argument("--modes", nargs="+", default=["query_aware", "query_agnostic"],
-                       choices=["query_aware", "query_agnostic"])
+                       choices=["query_aware", "query_agnostic", "query_agnostic_bounded"])
         p.add_argument("--batch", type=int, default=8,
                        help="needle cases of equal token counts decoded together per (policy, budget) (results "
                             "do not depend on it)")
@@ -281,7 +281,7 @@ def _suite_run_options(p: argparse.ArgumentParser, calibrate: bool) -> None:
                             "chunks (kvpass/runtime/chunked_prefill.py); its own store and report, "
                             "quality-suite-<model>-chunk<TOKENS>.*")
     p.add_argument("--modes", nargs="+", default=["query_aware", "query_agnostic"],
-                   choices=["query_aware", "query_agnostic"])
+                   choices=["query_aware", "query_agnostic", "query_agnostic_bounded"])
     p.add_argument("--batch", type=int, default=16, help="rows per session (results do not depend on it)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda; each case records it")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],

@@ -196,7 +196,7 @@ def run(loaded: Loaded, segments: Sequence[Segment], configs: Sequence[tuple[str
             for c in [(REFERENCE, None), *configs] if key_of(loaded.name, c[0], c[1], s, probes) not in store]
     from kvpass.eval.shared import Models
 
-    models = Models(loaded.model)        # one capture for every policy
+    models = Models(loaded.model, loaded.tokenizer)        # one capture for every policy
     cached: dict[Segment, tuple[list[int], list[float], dict]] = {}
     bar = tqdm(todo, desc=desc, unit="run", position=shard[0], dynamic_ncols=True)
     for seg, (policy, budget) in bar:

@@ -5,10 +5,15 @@ passphrase at ``depth`` (plus ``needles - 1`` decoys), the question after it, a 
 to ``max_new_tokens`` tokens, scored by exact match (the passphrase string occurs in the output).
 
 * ``query_aware``: the whole prompt (context + question) is prefilled and compressed, then decoded.
-* ``query_agnostic``: the context alone is prefilled and compressed (``start(context_ids,
-  max_new_tokens=len(question_ids) + new)``), the question is fed through decode steps
-  (``session.feed``), then the answer is decoded, as kvpress's pipeline does. Both modes see the
-  same tokens (``common.split_chat``), so ``full`` must give the same answers in both.
+* ``query_agnostic``: the context alone is prefilled and compressed to its budget of the context's own
+  tokens (a ``KVPassModel.compress_context`` cache), then the question is prefilled over it and appended
+  and the answer decoded, the question and answer never compressed (kvpass/runtime/context_cache.py), as
+  kvpress's pipeline and KVzip do. Both modes see the same tokens (``common.split_chat``), so ``full`` must
+  give the same answers in both.
+* ``query_agnostic_bounded``: the context compressed alone with the budget of context + question + answer
+  tokens, the question fed through decode steps that keep compressing (``session.feed``): the budget holds at
+  every step, and the question's tokens push out context (the leaderboard's query-agnostic mode before
+  2026-12-07).
 * ``transformers``: plain ``model.generate`` on the same tokens, the reference ``full`` must match.
 """
 
@@ -26,8 +31,10 @@ from tqdm import tqdm
 from kvpass.eval.common import Loaded, Timer, eos_pad, split_chat
 from kvpass.eval.store import Store, case_key
 from kvpass.prompts import needle_prompt
+from kvpass.runtime.context_cache import ContextCache, ask
 
-MODES = ("query_aware", "query_agnostic")
+MODES = ("query_aware", "query_agnostic", "query_agnostic_bounded")
+CONTEXT_ONLY = ("query_agnostic", "query_agnostic_bounded")     # modes that prefill the context alone
 REFERENCE = "transformers"
 
 
@@ -115,8 +122,11 @@ def prompt_ids(cases: Sequence[NeedleCase], mode: str) -> torch.Tensor:
 
 
 def prefill_new_tokens(case: NeedleCase, mode: str, max_new_tokens: int) -> int:
-    """The tokens that follow the prefill of ``mode`` (they set the budget)."""
-    return max_new_tokens + (len(case.question_ids) if mode == "query_agnostic" else 0)
+    """The tokens that follow the prefill of ``mode`` and set its budget: none for ``query_agnostic`` (the
+    context's budget is its own), the question and answer for the others."""
+    if mode == "query_agnostic":
+        return 0
+    return max_new_tokens + (len(case.question_ids) if mode == "query_agnostic_bounded" else 0)
 
 
 @torch.no_grad()
@@ -140,10 +150,14 @@ def answer_kvpass(kv_model, case: NeedleCase | Sequence[NeedleCase], mode: str, 
     else:
         session = kv_model.start_from(prefill)
     fed = 0
-    if mode == "query_agnostic":
+    if mode in CONTEXT_ONLY:
         q = torch.tensor([c.question_ids for c in cases], device=kv_model.device)
-        session.feed(q)
         fed = q.shape[1]
+        if mode == "query_agnostic":      # the compressed context, asked: the question appended, never compressed
+            context = ContextCache(session, [len(c.context_ids) for c in cases], id(kv_model))
+            session = ask(kv_model, context, q, None, max_new_tokens)
+        else:
+            session.feed(q)
     tokens, _ = session.sample(max_new_tokens, eos_ids, pad, do_sample=False)
     report = session.report()
     answers = [_strip(row.tolist(), eos_ids, pad) for row in tokens]
@@ -152,10 +166,13 @@ def answer_kvpass(kv_model, case: NeedleCase | Sequence[NeedleCase], mode: str, 
     # per row: cache tensors are [B, ...] of equal shapes; full-cache bytes count the row's own tokens
     b = len(cases)
     per_token = report.full_cache_bytes // (b * (report.prompt_tokens + report.new_tokens))
+    # the tokens the cache stood for before the answer: prompt_tokens counts the question already where it was
+    # prefilled with the context (query-aware) or appended to it (query-agnostic); fed through steps it does not
+    before = report.prompt_tokens + (fed if mode == "query_agnostic_bounded" else 0)
     out = []
     for ans in answers:
         produced = min(len(ans) + 1, max_new_tokens)          # the answer and its end token, as alone
-        out.append((ans, CaseBytes(report.cache_bytes // b, per_token * (report.prompt_tokens + fed + produced))))
+        out.append((ans, CaseBytes(report.cache_bytes // b, per_token * (before + produced))))
     return out
 
 
@@ -317,7 +334,7 @@ def _run_group(loaded: Loaded, group: Sequence, mode: str, mode_cells: Sequence[
         todo.difference_update((ident(case), mode_cells[0]) for case in rows)
         bar.update(len(rows))
         return models, True
-    models = models or Models(loaded.model)
+    models = models or Models(loaded.model, loaded.tokenizer)
     chosen = {c: models.get(c.policy, c.budget).policy for c in mode_cells}   # a cell's policy: a name or a spec
     if prefill_chunk is not None:                     # each cell prefills (in chunks) on its own
         for cell in mode_cells:

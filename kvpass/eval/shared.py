@@ -78,8 +78,8 @@ class Models:
     """One capture of ``model`` for every policy: per (policy, budget) a ``kvpass.apply`` of it (``full``: one
     for every budget), and per group of policies a shared prefill graph (``prefill_graphs``)."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
+    def __init__(self, model: nn.Module, tokenizer=None) -> None:
+        self.model, self.tokenizer = model, tokenizer      # the tokenizer: policies that reconstruct the context
         self.captured = capture_model(model)
         self._built: dict[tuple[str, object], KVPassModel] = {}
         self._prefills: dict[tuple, RewrittenGraphs] = {}
@@ -91,7 +91,7 @@ class Models:
             # eager decode (compile=False): a grid builds a model per (policy, budget) and decodes few tokens
             # each, so a compilation each would cost more than it saves, and stored results stay comparable
             self._built[key] = apply(self.model, chosen, key[1] if key[1] is not None else 1.0,
-                                     captured=self.captured, compile=False)
+                                     captured=self.captured, compile=False, tokenizer=self.tokenizer)
         return self._built[key]
 
     def prefill_graphs(self, union: StatUnion) -> RewrittenGraphs:
@@ -107,4 +107,5 @@ class Models:
         any_model = self.get("full", None)
         device = any_model.device                   # kvpass refuses ids on another device than the model
         mask = None if attention_mask is None else attention_mask.to(device)
-        return any_model.prefill(input_ids.to(device), mask, max_new_tokens, graphs=self.prefill_graphs(union))
+        return any_model.prefill(input_ids.to(device), mask, max_new_tokens, graphs=self.prefill_graphs(union),
+                                 stats_for=union)

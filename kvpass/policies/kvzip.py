@@ -67,7 +67,8 @@ class KVzip(Policy):
             value = getattr(self, field_name)
             require(isinstance(value, int) and value >= 0, f"kvzip: {field_name} must be an int >= 0, got {value!r}")
         require(isinstance(self.chunk, int) and self.chunk >= 1, f"kvzip: chunk must be an int >= 1, got {self.chunk!r}")
-        require(self.layers in ("global", "uniform"), f"kvzip: layers must be 'global' or 'uniform', got {self.layers!r}")
+        require(self.layers in ("global", "global_mean", "uniform"),
+                f"kvzip: layers must be 'global', 'global_mean' or 'uniform', got {self.layers!r}")
 
     def stat_options(self, stat: Stat) -> dict[str, object]:
         return {"chunk": self.chunk}
@@ -105,19 +106,35 @@ class KVzip(Policy):
 
     def layer_budgets(self, budget: int, caches: list[LayerCache]) -> list[int]:
         """One row's budgets per compressed layer (the runtime calls this per row): ``layers="global"`` splits
-        ``len(caches) * budget`` over the layers by their entries above one threshold over all of them."""
+        ``len(caches) * budget`` over the layers by one threshold over all of them (class docstring)."""
         n_layers = len(caches)
         longest = max(int(c.length.max()) for c in caches)
         if self.layers == "uniform" or n_layers < 2 or longest <= budget:
             return [budget] * n_layers
         floor = min(self.min_budget(), budget)
-        scores = []
-        for cache in caches:
-            s = cache.slot_meta[Stat.RECONSTRUCTION.value].float()
-            scores.append(torch.where(cache.live, s, float("-inf")).flatten())
-        every = torch.cat(scores)
-        heads = caches[0].length.shape[1] * caches[0].length.shape[0]
-        k = min(n_layers * budget * heads, int(torch.isfinite(every).sum()))
-        threshold = every.topk(k).values[-1]
-        shares = [float((s >= threshold).sum()) / heads for s in scores]
+        # per layer [Hkv, n] live scores, each head's sorted descending
+        heads = [torch.where(c.live, c.slot_meta[Stat.RECONSTRUCTION.value].float(), float("-inf"))[0]
+                 .sort(dim=-1, descending=True).values for c in caches]
+        if self.layers == "global_mean":
+            every = torch.cat([h.flatten() for h in heads])
+            total = min(n_layers * budget * heads[0].shape[0], int(torch.isfinite(every).sum()))
+            threshold = every.topk(total).values[-1]
+            shares = [float((h >= threshold).sum()) / h.shape[0] for h in heads]
+            return apportion(shares, n_layers * budget, floor, longest)
+        # "global": the largest threshold at which the layers' most-needing heads fit the total, found by bisection
+        # over the candidate thresholds (every score); a layer's share is its head of most entries above it
+        candidates = torch.cat([h.flatten() for h in heads])
+        candidates = candidates[torch.isfinite(candidates)].unique().sort(descending=True).values
+
+        def need(tau: Tensor) -> list[int]:
+            return [int((h >= tau).sum(-1).max()) for h in heads]
+
+        lo, hi = 0, len(candidates) - 1                     # need() grows with the index (smaller thresholds)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if sum(need(candidates[mid])) <= n_layers * budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        shares = [float(n) for n in need(candidates[lo])]
         return apportion(shares, n_layers * budget, floor, longest)

@@ -19,6 +19,7 @@ from kvpass.head_group import SINGLE_PROCESS, HeadGroup
 from kvpass.policies.base import Policy
 from kvpass.rewrites import CapturedModel, RewrittenGraphs, compile_model
 from kvpass.runtime.chunked_prefill import check_prefill_chunk, start_chunked
+from kvpass.runtime.context_cache import ContextCache, ask, compress_context
 from kvpass.runtime.decode_buffers import DecodeBuffers
 from kvpass.runtime.layers import build_layers, check_min_budget
 from kvpass.runtime.reconstruction import add_after_prefill_stats
@@ -79,7 +80,7 @@ class Prefill:
 _UNSET = object()          # an argument left out, as opposed to an explicit None
 _GENERATE_ARGS = ("input_ids", "attention_mask", "max_new_tokens", "do_sample", "temperature", "top_k",
                   "top_p", "eos_token_id", "pad_token_id", "streamer", "generator", "return_dict_in_generate",
-                  "output_logits", "prefill_chunk")
+                  "output_logits", "prefill_chunk", "context")
 
 
 class KVPassModel(nn.Module):
@@ -275,6 +276,19 @@ class KVPassModel(nn.Module):
 
         return stack_sessions(groups(), batch)
 
+    @torch.no_grad()
+    def compress_context(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> ContextCache:
+        """Prefill and compress a context once (``input_ids`` [B, T], left-padded with ``attention_mask``; a fraction
+        budget is taken of the context's own tokens) for any number of later ``generate(question_ids,
+        context=cache)`` calls, each answering from copies of it; the questions and answers are appended, never
+        compressed (kvpass/runtime/context_cache.py)."""
+        if not self._lock.acquire(blocking=False):
+            raise in_use()
+        try:
+            return compress_context(self, input_ids, attention_mask)
+        finally:
+            self._lock.release()
+
     def _check_memory(self, batch: int, tokens: int, total: int) -> None:
         """Refuse before the prefill when its estimated memory (``validation.estimate_prefill_bytes``) exceeds
         what is free on the device (CUDA; ``validation.free_device_bytes``), after freeing the buffers ``generate``
@@ -319,7 +333,7 @@ class KVPassModel(nn.Module):
                  top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = _UNSET,
                  pad_token_id: int | None = _UNSET, streamer=None, generator: torch.Generator | None = None,
                  return_dict_in_generate: bool = False, output_logits: bool = False,
-                 prefill_chunk: int | None = _UNSET, **unsupported):
+                 prefill_chunk: int | None = _UNSET, context: ContextCache | None = None, **unsupported):
         """Generate like transformers' ``generate`` (greedy or sampling), with the compressed cache.
 
         input_ids: [B, T]; attention_mask: [B, T], left padding for B > 1. Returns the sequences
@@ -328,7 +342,10 @@ class KVPassModel(nn.Module):
         and timings. As in transformers, ``eos_token_id`` / ``pad_token_id`` left out come from the
         model's generation config, and an explicit None means none. ``prefill_chunk`` (kvpass): prefill the
         prompt this many tokens at a time, each layer compressed back to its budget between chunks
-        (kvpass/runtime/chunked_prefill.py; left out: ``self.prefill_chunk``, set by ``kvpass.apply``)."""
+        (kvpass/runtime/chunked_prefill.py; left out: ``self.prefill_chunk``, set by ``kvpass.apply``). ``context``
+        (kvpass): a ``compress_context`` cache; ``input_ids`` are then the questions, answered from copies of it
+        (one context row for every question, or one per question); the returned sequences are the questions and
+        answers."""
         check_generate_kwargs(unsupported, _GENERATE_ARGS)
         if input_ids is None:
             raise refuse("input_ids.missing")
@@ -349,10 +366,13 @@ class KVPassModel(nn.Module):
             if pad_id is None:
                 pad_id = int(eos_ids[0]) if len(eos_ids) else 0
             ids = as_input_ids(input_ids, self.device, self.vocab_size)
-            reuse = self._reuses_buffers(self._chunk_of(prefill_chunk))
+            reuse = context is None and self._reuses_buffers(self._chunk_of(prefill_chunk))
             if not reuse and self.decode_buffers.held:
                 self.release_decode_buffers()
-            session = self.start(ids, attention_mask, max_new_tokens, prefill_chunk)
+            if context is not None:
+                session = ask(self, context, ids, attention_mask, max_new_tokens)
+            else:
+                session = self.start(ids, attention_mask, max_new_tokens, prefill_chunk)
             if reuse:
                 session.reused_buffers = self.decode_buffers.adopt(session.layers)
             if streamer is not None:
