@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from torch import nn
 
 from kvpass.budget import check_budget
@@ -12,6 +14,8 @@ from kvpass.runtime.chunked_prefill import check_prefill_chunk, check_prefill_ch
 from kvpass.runtime.reconstruction import ReconstructionPrompt
 from kvpass.tensor_parallel import resolve_shard
 from kvpass.validation import check_budget_for_model, check_model, check_optional_bool, refuse
+
+log = logging.getLogger(__name__)
 
 
 def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float | int = 0.2, *,
@@ -53,7 +57,8 @@ def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float
         compile on any device (Inductor's CPU backend needs a C++ compiler). docs/compiled-decode.md.
     tokenizer: the model's tokenizer, for policies that ask the model to repeat the context (``kvzip`` and every
         ``scores=reconstruct``, kvpass/runtime/reconstruction.py: the repeat request is text in the model's chat
-        template); refused without it for those, unused by the others.
+        template); without it they repeat the context's tokens with no request (a warning says so); unused by the
+        others.
     policy_kwargs: the policy's hyperparameters (e.g. ``sinks=4`` for streamingllm).
 
     Bad arguments are refused before any work (``kvpass.validation.RULES``, docs/errors.md): a KVPassError
@@ -65,7 +70,9 @@ def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float
     chosen = get_policy(policy, **policy_kwargs)
     check_budget(budget)
     if chosen.compresses and Stat.RECONSTRUCTION in chosen.stats and tokenizer is None:
-        raise refuse("policy.tokenizer", policy=chosen.name)
+        log.warning("policy %s asks the model to repeat the context, and no tokenizer was given: the repetition "
+                    "is the context's tokens alone, without KVzip's request (pass kvpass.apply(..., tokenizer=...))",
+                    chosen.name)
     check_optional_bool("fuse_linears.type", fuse_linears)
     check_optional_bool("compile.type", compile)
     if chosen.compresses and isinstance(budget, int) and budget < chosen.min_budget():

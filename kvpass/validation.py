@@ -89,10 +89,6 @@ RULES: tuple[Rule, ...] = (
          "policy {policy!r} has no parameter(s) {got}; its parameters: {names}{hint}"),
     Rule("policy.value", APPLY, "policy_kwargs", "a parameter of the wrong type or out of range (each policy's "
          "__post_init__)", "(the policy's message, e.g. 'd2o: beta must lie in [0, 1], got 2')"),
-    Rule("policy.tokenizer", APPLY, "tokenizer", "a policy that reconstructs the context (KVzip's scores, "
-         "§6.12) without the tokenizer its repeat request is written with",
-         "policy {policy!r} scores entries by asking the model to repeat the context, which needs the model's "
-         "tokenizer: kvpass.apply(model, policy=..., tokenizer=tokenizer)"),
     Rule("context.type", GENERATE, "context", "not a ContextCache (KVPassModel.compress_context)",
          "context must be what model.compress_context(context_ids) returned, got {got}", InvalidType),
     Rule("context.model", GENERATE, "context", "a context cache another KVPassModel made",

@@ -46,6 +46,11 @@ class KVzip(Policy):
     sinks: first entries always kept (KVzip: 4).
     recent: newest entries always kept (0 in KVzip, which compresses the context alone) [OURS: 32].
     chunk: tokens repeated per reconstruction step (KVzip: 2048).
+    scope: what a chunk's repetition attends over besides itself: "span", the first ``sinks`` entries and the
+        chunk's own span of the prompt (its previous ``tail`` tokens included), the entries KVzip scores a chunk
+        against [OURS: KVzip's repetition attends over the whole prompt, and only its scoring is cut to the span],
+        so the reconstruction costs about one prefill at any length; "full", the whole prompt (the prefill's
+        cost again plus a prompt x prompt attention).
     layers: "global" or "uniform" layer budgets.
     interval: decode steps between compressions.
     """
@@ -58,6 +63,7 @@ class KVzip(Policy):
     sinks: int = 4
     recent: int = 32
     chunk: int = 2048
+    scope: str = "span"
     layers: str = "global"
     interval: int = 16
 
@@ -67,11 +73,12 @@ class KVzip(Policy):
             value = getattr(self, field_name)
             require(isinstance(value, int) and value >= 0, f"kvzip: {field_name} must be an int >= 0, got {value!r}")
         require(isinstance(self.chunk, int) and self.chunk >= 1, f"kvzip: chunk must be an int >= 1, got {self.chunk!r}")
+        require(self.scope in ("span", "full"), f"kvzip: scope must be 'span' or 'full', got {self.scope!r}")
         require(self.layers in ("global", "global_mean", "uniform"),
                 f"kvzip: layers must be 'global', 'global_mean' or 'uniform', got {self.layers!r}")
 
     def stat_options(self, stat: Stat) -> dict[str, object]:
-        return {"chunk": self.chunk}
+        return {"chunk": self.chunk, "scope": self.scope, "sinks": self.sinks}
 
     def min_budget(self) -> int:
         return self.sinks + self.recent + 1

@@ -84,7 +84,10 @@ def check_prefill_chunk(chunk: object, model: KVPassModel) -> None:
     if chunk is None:
         return
     policy = model.policy
-    if not policy.prefill_chunks:
+    if policy.compresses and Stat.RECONSTRUCTION in policy.stats:
+        reason = (f"policy {policy.name}: it scores entries by the model repeating the whole prompt over the prompt's "
+                  "uncompressed cache (docs/policies.md §6.12)")
+    elif not policy.prefill_chunks:
         reason = (f"policy {policy.name}: its first compression turns the cache into entries its decode attention "
                   "expands (Policy.prefill_chunks is False)")
     elif policy.compresses and model.graphs.full_heads:

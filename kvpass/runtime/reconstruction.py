@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from kvpass.cache import LayerCache, entries_from_prompt
+from kvpass.cache import EMPTY, LayerCache, entries_from_prompt, keep_slots
 from kvpass.policies.base import Stat
 
 if TYPE_CHECKING:
@@ -45,6 +45,11 @@ class ReconstructionPrompt:
     first: tuple[int, ...]
     later: tuple[int, ...]
     suffix: tuple[int, ...]
+
+    @classmethod
+    def bare(cls) -> ReconstructionPrompt:
+        """No request: the repetition is the context's tokens alone (a model given no tokenizer)."""
+        return cls((), (), ())
 
     @classmethod
     def from_tokenizer(cls, tokenizer) -> ReconstructionPrompt:
@@ -101,29 +106,62 @@ class _ReconstructionStats:
         return {}
 
 
+def _span_caches(caches: list[LayerCache], a: int, chunk: int, tail: int, sinks: int
+                 ) -> tuple[list[LayerCache], Tensor]:
+    """Each layer's cache cut to the first ``sinks`` slots and the chunk's own span [a - tail, a + chunk) of every
+    row (``scope="span"``), and the slots they hold [B, Hkv, S] (-1 where a row has none: empty)."""
+    first = caches[0]
+    n = first.length[:, :1]                                                       # [B, 1] each row's entries
+    lo = torch.arange(sinks, device=n.device)[None, :].expand(n.shape[0], -1)
+    span = torch.arange(max(0, a - tail), a + chunk, device=n.device)[None, :]
+    span = torch.where(span >= sinks, span, -1).expand(n.shape[0], -1)             # sinks are not counted twice
+    slot = torch.cat([lo, span], dim=1)
+    slot = torch.where(slot < n, slot, -1)[:, None, :].expand(*first.length.shape, slot.shape[1])
+    out = []
+    for cache in caches:
+        part = keep_slots(cache, slot.clamp(min=0))
+        part.log_weight = torch.where(slot >= 0, part.log_weight, EMPTY)
+        part.position = torch.where(slot >= 0, part.position, -1)
+        out.append(part)
+    return out, slot
+
+
 @torch.no_grad()
 def reconstruction_scores(model: KVPassModel, ids: Tensor, pad: Tensor, kv: list[Tensor],
-                          prompt: ReconstructionPrompt, chunk: int = 2048, tail: int = 8) -> dict[int, Tensor]:
+                          prompt: ReconstructionPrompt, chunk: int = 2048, tail: int = 8, scope: str = "span",
+                          sinks: int = 4) -> dict[int, Tensor]:
     """{layer: [B, Hkv, T] fp32} for every full-attention layer: each prompt entry's most attention over the repeat
     of its row (module docstring), in the prefill's layout (padded columns; pad columns 0). ids: [B, T] with ``pad``
-    [B] left pads; kv: the prefill's [k_0, v_0, ...], each [B, Hkv, T, D]."""
+    [B] left pads; kv: the prefill's [k_0, v_0, ...], each [B, Hkv, T, D]. ``scope``: what a chunk's repeat attends
+    over besides itself: the whole prompt ("full"), or its first ``sinks`` entries and the chunk's own span of the
+    prompt ("span": a chunk's cost no longer grows with the prompt)."""
     gm, keys = reconstruction_step(model)
     sites = list(model.graphs.sites)
     t = ids.shape[1]
     caches: list[LayerCache] = [entries_from_prompt(kv[2 * s.layer], kv[2 * s.layer + 1], pad, {}) for s in sites]
-    flat = [x for c in caches for x in (c.k, c.v, c.log_weight, c.position)]
     rows = [ids[b, int(p):].tolist() for b, p in enumerate(pad.tolist())]
-    top: dict[int, Tensor] = {}
+    top = {s.layer: caches[0].log_weight.new_zeros(caches[i].log_weight.shape) for i, s in enumerate(sites)}
     for a in range(0, max(len(r) for r in rows), chunk):
         rep, pos, rep_pad = _repeat_inputs(rows, a, chunk, tail, prompt, ids.device)
+        if scope == "span":
+            seen, slot = _span_caches(caches, a, chunk, tail, sinks)
+        else:
+            seen, slot = caches, None
+        flat = [x for c in seen for x in (c.k, c.v, c.log_weight, c.position)]
         outs = gm(rep, pos, rep_pad, *flat)
         for (layer, _), score in zip(keys, outs[1 + 2 * len(sites):], strict=True):
-            top[layer] = score if layer not in top else torch.maximum(top[layer], score)
+            if slot is None:
+                top[layer] = torch.maximum(top[layer], score)
+            else:                                   # back to the slots the span came from (empty ones to a spare)
+                spare = torch.cat([top[layer], top[layer][..., :1]], dim=-1)
+                at = torch.where(slot >= 0, slot, spare.shape[-1] - 1)
+                spare.scatter_reduce_(-1, at, score, reduce="amax")
+                top[layer] = spare[..., :-1]
     # compacted slots -> the prefill's padded columns: row b's slot s is column pad[b] + s
     col = (torch.arange(t, device=ids.device)[None, :] - pad[:, None])                    # [B, T]
     src = col.clamp(min=0)[:, None, :]
     return {layer: torch.where(col[:, None, :] >= 0, score.gather(-1, src.expand_as(score)), 0.0)
-            for layer, score in top.items()}
+            for layer, score in top.items() if layer in {k[0] for k in keys}}
 
 
 def add_after_prefill_stats(model: KVPassModel, asker, ids: Tensor, pad: Tensor, kv: list[Tensor],
@@ -132,12 +170,9 @@ def add_after_prefill_stats(model: KVPassModel, asker, ids: Tensor, pad: Tensor,
     statistics union of a shared prefill) wants that the prefill graph does not compute (``Stat.after_prefill``)."""
     if not getattr(asker, "compresses", True) or Stat.RECONSTRUCTION not in asker.stats:
         return
-    prompt = model.reconstruction_prompt
-    if prompt is None:
-        from kvpass.validation import refuse
-
-        raise refuse("policy.tokenizer", policy=getattr(asker, "name", "this policy"))
+    prompt = model.reconstruction_prompt or ReconstructionPrompt.bare()
     opts = asker.stat_options(Stat.RECONSTRUCTION)
-    scores = reconstruction_scores(model, ids, pad, kv, prompt, chunk=int(opts.get("chunk", 2048)))
+    scores = reconstruction_scores(model, ids, pad, kv, prompt, chunk=int(opts.get("chunk", 2048)),
+                                   scope=str(opts.get("scope", "span")), sinks=int(opts.get("sinks", 4)))
     for layer, score in scores.items():
         stats.setdefault(layer, {})[Stat.RECONSTRUCTION.value] = score
