@@ -67,7 +67,7 @@ def agreement(records: Sequence[dict]) -> dict[str, dict[str, int]]:
 def plot(table: Sequence[dict], path: str | Path, title: str) -> Path:
     """Accuracy vs budget, one panel per mode, one line per policy (peers dashed), ``full`` dotted."""
     plt = _plt()
-    modes = [m for m in ("query_aware", "query_agnostic") if any(r["mode"] == m for r in table)] or ["query_aware"]
+    modes = [m for m in ("query_aware", "query_agnostic", "query_agnostic_bounded") if any(r["mode"] == m for r in table)] or ["query_aware"]
     fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 4.4), squeeze=False)
     for ax, mode in zip(axes[0], modes, strict=True):
         here = [r for r in table if r["mode"] == mode]
