@@ -83,6 +83,36 @@ def section_ttft(model, captured, ids, device, repeats: int) -> dict:
     return {"prompt": ids.shape[1], "rows": rows}
 
 
+def _ask_times(kv, context, questions, new_tokens: int, device) -> dict:
+    """The three ways of answering ``questions`` [Q, Tq] about ``context`` [1, T] with ``kv``, timed."""
+    gen = dict(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)
+
+    def every_question():
+        for q in questions:
+            kv.generate(torch.cat([context, q[None]], dim=1), **gen)
+
+    def once_then_batch():
+        cache = kv.compress_context(context)
+        kv.generate(questions, context=cache, **gen)
+        return cache
+
+    def once_then_each():
+        cache = kv.compress_context(context)
+        for q in questions:
+            kv.generate(q[None], context=cache, **gen)
+
+    row = {"reprefill_s": statistics.median(_seconds(every_question, device, 1)),
+           "once_batched_s": statistics.median(_seconds(once_then_batch, device, 2)),
+           "once_each_s": statistics.median(_seconds(once_then_each, device, 1))}
+    cache = once_then_batch()
+    row.update(context_cache_bytes=cache.cache_bytes, answer_cache_bytes=kv.last_report.cache_bytes,
+               answer_full_cache_bytes=kv.last_report.full_cache_bytes,
+               saved_batched=1 - row["once_batched_s"] / row["reprefill_s"],
+               speedup_batched=row["reprefill_s"] / row["once_batched_s"],
+               speedup_each=row["reprefill_s"] / row["once_each_s"])
+    return row
+
+
 def section_ask(model, captured, context, questions, new_tokens: int, device) -> dict:
     """10 questions of one context: re-prefilled each, against compressed once and asked (batched, one at a time)."""
     import kvpass
@@ -95,33 +125,8 @@ def section_ask(model, captured, context, questions, new_tokens: int, device) ->
             kv = kvpass.apply(model, spec, 0.2, captured=captured, compile=False)
             kv.reconstruction_prompt = _prompt_ids(model.config.vocab_size)
             kv.reuse_decode_buffers = False
-            gen = dict(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)
-
-            def every_question():
-                for q in questions:
-                    kv.generate(torch.cat([context, q[None]], dim=1), **gen)
-
-            def once_then_batch():
-                cache = kv.compress_context(context)
-                kv.generate(questions, context=cache, **gen)
-                return cache
-
-            def once_then_each():
-                cache = kv.compress_context(context)
-                for q in questions:
-                    kv.generate(q[None], context=cache, **gen)
-
-            row["reprefill_s"] = statistics.median(_seconds(every_question, device, 1))
-            row["once_batched_s"] = statistics.median(_seconds(once_then_batch, device, 2))
-            row["once_each_s"] = statistics.median(_seconds(once_then_each, device, 1))
-            cache = once_then_batch()
-            row["context_cache_bytes"] = cache.cache_bytes
-            row["answer_cache_bytes"] = kv.last_report.cache_bytes
-            row["answer_full_cache_bytes"] = kv.last_report.full_cache_bytes
-            row["saved_batched"] = 1 - row["once_batched_s"] / row["reprefill_s"]
-            row["speedup_batched"] = row["reprefill_s"] / row["once_batched_s"]
-            row["speedup_each"] = row["reprefill_s"] / row["once_each_s"]
-            del cache
+            row.update(_ask_times(kv, context, questions, new_tokens, device))
+            del kv
         except Exception as exc:  # noqa: BLE001
             row["error"] = "".join(traceback.format_exception(exc))[-1500:]
         print(f"[ask] {row}", flush=True)
