@@ -10,10 +10,9 @@ inputs, the runner computes them as here). ``check_exportable`` refuses what the
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -23,6 +22,7 @@ from kvpass.cache import ENTRY_FIELDS, LayerCache, with_capacity
 from kvpass.errors import InvalidValue
 from kvpass.export.graphs import from_flat, to_flat
 from kvpass.policies.base import Attention, Policy
+from kvpass.runtime.policy_json import policy_metadata, rebuild_policy, rebuildable  # noqa: F401 (re-exported)
 from kvpass.validation import refuse
 
 BUDGET_MODES = ("runtime", "fixed")
@@ -99,39 +99,6 @@ def prompt_budgets(policy: Policy, budget: float | int, caches: Sequence[LayerCa
     extras = tuple(policy.head_capacity(b, c.length.shape[1]) - b for b, c in zip(layers, caches, strict=True))
     caps = tuple(min(b + e + interval, total) for b, e in zip(layers, extras, strict=True))
     return PromptBudgets(keep, layers, caps, extras)
-
-
-def policy_metadata(policy: Policy) -> dict:
-    """The policy's name and fields as JSON values (tuples as lists), for ``rebuild_policy``."""
-    out = {"name": policy.name}
-    for f in fields(policy):
-        value = getattr(policy, f.name)
-        out[f.name] = list(value) if isinstance(value, tuple) else value
-    json.dumps(out)                                  # a field JSON cannot hold fails here, at export
-    return out
-
-
-def rebuild_policy(meta: dict) -> Policy:
-    """The policy ``policy_metadata`` describes (tuples restored where the field's default is one)."""
-    from kvpass.policies import POLICIES
-
-    cls = POLICIES[meta["name"]]
-    defaults = cls.defaults()
-    kwargs = {k: tuple(v) if isinstance(defaults.get(k), tuple) and isinstance(v, list) else v
-              for k, v in meta.items() if k != "name"}
-    return cls(**kwargs)
-
-
-def rebuildable(policy: Policy) -> bool:
-    """Whether ``rebuild_policy(policy_metadata(policy))`` gives this policy (registered, JSON fields)."""
-    from kvpass.policies import POLICIES
-
-    if POLICIES.get(policy.name) is not type(policy):
-        return False
-    try:
-        return rebuild_policy(policy_metadata(policy)) == policy
-    except (TypeError, ValueError):
-        return False
 
 
 # ---------------------------------------------------------------------------------------------- verification

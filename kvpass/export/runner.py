@@ -179,7 +179,7 @@ class OnnxRunner:
                                                        "position_ids": np.tile(np.arange(n, dtype=np.int64), (len(rows), 1)),
                                                        "pad": np.zeros(len(rows), dtype=np.int64)})
             plans: dict = {}
-            for i, row in enumerate(rows):
+            for i in range(len(rows)):
                 got = self._row_budgets(outs[1:], i, n + max_new_tokens) if self.meta["compresses"] else None
                 if got is not None:
                     self._check_budgets(got, n, n + max_new_tokens)

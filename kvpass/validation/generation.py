@@ -32,10 +32,9 @@ NEUTRAL_CONFIG_FIELDS = frozenset({
     "transformers_version", "_from_model_config", "bos_token_id", "decoder_start_token_id", "cache_implementation",
     "cache_config", "compile_config", "disable_compile", "return_legacy_cache", "is_assistant", "trust_remote_code",
     "prefill_chunk_size", "generation_kwargs", "base_model_prefix", "target_lookbehind", "assistant_lookbehind",
-    "num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold", "output_attentions",
-    "output_hidden_states", "use_cache", "low_memory", "token_healing", "dola_layers", "_commit_hash",
-    "assistant_early_exit", "max_matching_ngram_size", "early_stopping", "length_penalty", "num_beam_groups",
-    "diversity_penalty", "num_beams", "continuous_batching_config",
+    "num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold", "low_memory",
+    "token_healing", "dola_layers", "_commit_hash", "assistant_early_exit", "max_matching_ngram_size",
+    "early_stopping", "length_penalty", "diversity_penalty", "continuous_batching_config",
 })
 
 
