@@ -18,13 +18,18 @@ from torch import Tensor
 Processor = Callable[[Tensor, Tensor], Tensor]
 
 
-def repetition_penalty(penalty: float) -> Processor:
+def repetition_penalty(penalty: float, pads: Tensor | None = None) -> Processor:
     """Every token already in ``input_ids``: its score divided by ``penalty`` where positive, multiplied where
-    negative (CTRL's penalty; transformers' RepetitionPenaltyLogitsProcessor). Padding ids count, as there."""
+    negative (CTRL's penalty; transformers' RepetitionPenaltyLogitsProcessor). ``pads`` [B]: each row's left
+    padding, whose ids do not count (transformers passes the attention mask's)."""
 
     def apply(input_ids: Tensor, scores: Tensor) -> Tensor:
-        seen = torch.gather(scores, 1, input_ids)
-        return scores.scatter(1, input_ids, torch.where(seen < 0, seen * penalty, seen / penalty))
+        b, v = scores.shape
+        ids = input_ids
+        if pads is not None:                          # padding -> a column past the vocabulary, dropped below
+            ids = ids.masked_fill(torch.arange(ids.shape[1], device=ids.device)[None] < pads[:, None], v)
+        seen = torch.zeros(b, v + 1, dtype=torch.bool, device=scores.device).scatter_(1, ids, True)[:, :v]
+        return torch.where(seen, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
 
     return apply
 
@@ -63,13 +68,14 @@ def no_eos_before(length: int, eos_ids: Sequence[int], skip: int = 0) -> Process
 
 
 def logits_processors(repetition: float = 1.0, ngram: int = 0, min_length: int = 0, min_new_tokens: int = 0,
-                      prompt_length: int = 0, eos_ids: Sequence[int] = (),
-                      extra: Sequence[Processor] = ()) -> list[Processor]:
+                      prompt_length: int = 0, eos_ids: Sequence[int] = (), extra: Sequence[Processor] = (),
+                      pads: Tensor | None = None) -> list[Processor]:
     """The processors transformers' ``generate`` builds for these settings, in its order, then ``extra`` (the
-    caller's ``logits_processor``). The minimum lengths apply only where there is an eos id."""
+    caller's ``logits_processor``). The minimum lengths apply only where there is an eos id; ``pads`` [B]: the
+    prompt's left padding (the repetition penalty skips it)."""
     out: list[Processor] = []
     if repetition != 1.0:
-        out.append(repetition_penalty(repetition))
+        out.append(repetition_penalty(repetition, pads))
     if ngram > 0:
         out.append(no_repeat_ngram(ngram))
     if eos_ids and min_length > 0:

@@ -221,6 +221,8 @@ def graph_specs(model: KVPassModel, max_length: int, budget: float | int | None 
         budgets_l, capacities = [max_length] * n, [max_length] * n
 
     decode = DecodeGraph(functional_decode(per_step_graphs(model), policy, meta))
+    if runtime:                 # example shapes only: within the capacity dims' range
+        capacities = [min(c, max_length) for c in capacities]
     state = [to_flat(to_capacity(caches[layer], capacities[layer]), m[layer]) for layer in range(n)]
     decode_args = (ids[:, :1], pos[:, -1:] + 1, *[x for layer in state for x in layer])
     plan = ExportPlan(specs, spec, interval, budgets_l, capacities, meta, pstate,

@@ -73,11 +73,13 @@ class GenerationArgs:
     streamer: object = None
     generator: torch.Generator | None = None
     prefill_chunk: object = UNSET             # kvpass: UNSET -> the model's ``prefill_chunk``
+    pads: torch.Tensor | None = None          # [B] the prompt's left padding, where an attention_mask was given
 
     def processors(self) -> list[Processor]:
         """The logits processors of these settings, transformers' order (``kvpass.sampling``)."""
         return logits_processors(self.repetition_penalty, self.no_repeat_ngram_size, self.min_length,
-                                 self.min_new_tokens, self.prompt_length, self.eos_ids, self.logits_processor)
+                                 self.min_new_tokens, self.prompt_length, self.eos_ids, self.logits_processor,
+                                 self.pads)
 
     @property
     def needs_sequences(self) -> bool:

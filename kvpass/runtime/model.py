@@ -340,12 +340,13 @@ class KVPassModel(TransformersCompat, nn.Module):
         ids = as_input_ids(input_ids, self.device, self.vocab_size)
         args = resolve_generation_args(self, ids.shape[1], kwargs, generation_config, stopping_criteria,
                                        logits_processor, streamer)
+        if attention_mask is not None:
+            attention_mask, args.pads = left_pads(attention_mask, ids)
         if args.num_return_sequences > 1:              # transformers' _expand_inputs_for_generation
             ids = ids.repeat_interleave(args.num_return_sequences, dim=0)
             if attention_mask is not None:
-                attention_mask = torch.as_tensor(attention_mask, device=ids.device)
-                attention_mask = attention_mask.reshape(-1, attention_mask.shape[-1])
                 attention_mask = attention_mask.repeat_interleave(args.num_return_sequences, dim=0)
+                args.pads = args.pads.repeat_interleave(args.num_return_sequences, dim=0)
         if not self._lock.acquire(blocking=False):      # one generate at a time: the decode step's buffers are shared
             raise in_use()
         try:
