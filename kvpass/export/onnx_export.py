@@ -181,6 +181,10 @@ def graph_specs(model: KVPassModel, max_length: int, budget: float | int | None 
     varying = varying_budgets(policy, spec)
     runtime = varying is not None and budgets == "runtime"
     fixed = budget_tokens(spec, max_length)
+    if runtime and policy.min_budget() > max_length - 1:
+        raise InvalidValue(f"max_length {max_length} holds no prompt longer than {policy.name}'s minimum budget of "
+                           f"{policy.min_budget()} entries: nothing would ever be compressed; raise max_length",
+                           "max_length")
     if policy.compresses and not runtime and fixed < policy.min_budget():
         raise InvalidValue(f"budget {fixed} is below {policy.name}'s minimum of {policy.min_budget()}", "budget")
     if varying is not None and not rebuildable(policy) and type(policy).layer_budgets is not Policy.layer_budgets:
