@@ -162,12 +162,25 @@ def test_export_refuses_a_compress_that_specialises_on_its_budget(llama, tmp_pat
 
 # ----------------------------------------------------------------------------------------------- every policy
 # (policy, budget, kwargs) of every registered policy the exporter accepts, each with prompts whose budgets vary:
-# per-layer budgets from the prompt (d2o, pyramidkv) or a fraction (the others); h2o, cam and kvmerger compute on
-# their budget in Python (int(keep * ratio)) and export with int budgets only (fixed)
+# per-layer budgets from the prompt (d2o, pyramidkv) or a fraction (the others); h2o computes on its budget in
+# Python (int(keep * recent_ratio)) and exports with an int budget only. Refused: the recall policies (quest,
+# clusterkv, ems) and D2O's deferred first compression / layers kept whole (above); cam, kvmerger, adakv and
+# chelsea, whose compress does not trace to ONNX at all (below).
 EXPORTABLE = [("d2o", 10, {"interval": 4}), ("d2o", 10, {"merge": False}), ("d2o", 0.3, {}),
               ("pyramidkv", 12, {"window": 4, "interval": 4}), ("snapkv", 0.3, {"window": 4, "interval": 4}),
               ("tova", 0.3, {}), ("knorm", 0.3, {"interval": 4}), ("streamingllm", 0.3, {"sinks": 2, "interval": 4}),
-              ("full", 0.3, {}), ("h2o", 10, {}), ("cam", 10, {})]
+              ("full", 0.3, {}), ("h2o", 10, {})]
+
+
+@pytest.mark.parametrize("policy, kwargs", [("cam", {}), ("kvmerger", {}), ("adakv", {}),
+                                            ("chelsea", {"sinks": 2, "recent": 4, "chunk": 8})])
+def test_export_refuses_a_compress_it_cannot_trace(llama, tmp_path, policy, kwargs):
+    """A compress that is not straight-line tensor code (a data-dependent branch, an op ONNX lacks) is refused
+    with what stopped the trace, whichever budgets mode."""
+    model = kvpass.apply(llama, policy=policy, budget=10, **kwargs)
+    with pytest.raises((NotImplementedError, InvalidValue), match=f"{policy}.compress cannot be") as info:
+        export_onnx(model, tmp_path, max_length=MAX_LENGTH, budgets="fixed")
+    assert "straight-line tensor code" in str(info.value)
 
 
 @pytest.mark.slow
