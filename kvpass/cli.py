@@ -131,9 +131,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     import kvpass
-    from kvpass.eval.scoring import score
     from kvpass.models import load_model
-    from kvpass.prompts import chat_ids
 
     policy_kwargs = parse_policy_args(args.policy_args)
     policy = kvpass.get_policy(args.policy, **policy_kwargs)     # fail fast, before loading the model
@@ -157,19 +155,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model, device=device)
     print(f"loaded {args.model} ({model.config.model_type}, {model.config.num_hidden_layers} layers) "
           f"in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    answer = None
-    if args.prompt_file:
-        text = open(args.prompt_file, encoding="utf-8").read()
-        ids = chat_ids(tokenizer, [{"role": "user", "content": text}])
-    else:
-        from kvpass.eval.tasks.single_needle import demo_case
-
-        case = demo_case(tokenizer, args.context_tokens, args.depth, args.seed)
-        ids = case.context_ids + case.question_ids
-        answer = case.answers[0]
-        print(f"built-in prompt: {args.context_tokens} tokens of Paul Graham essays, passphrase "
-              f"{answer!r} hidden at depth {args.depth:.0%} (the quality suite's single needle)", file=sys.stderr)
-        print(f"prompt ends:       ...{tokenizer.decode(case.question_ids[-12:]).strip()}")
+    ids, answer = _prompt_ids(args, tokenizer)
     warning = _budget_warning(args, policy, len(ids) + args.max_new_tokens)
     if warning:
         print(warning, file=sys.stderr)
@@ -187,7 +173,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
     out = kv_model.generate(torch.tensor([ids], device=kv_model.device), max_new_tokens=args.max_new_tokens,
                             repetition_penalty=args.repetition_penalty,
                             streamer=_Progress(len(ids), args.max_new_tokens, show), **sampling)
-    text = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True).strip()
+    _print_report(args, kv_model, tokenizer.decode(out[0, len(ids):], skip_special_tokens=True).strip(), answer)
+    return 0
+
+
+def _prompt_ids(args: argparse.Namespace, tokenizer) -> tuple[list[int], str | None]:
+    """The prompt's token ids (--prompt-file as the user message, else the built-in needle prompt) and the
+    expected answer (None for a file)."""
+    from kvpass.prompts import chat_ids
+
+    if args.prompt_file:
+        text = open(args.prompt_file, encoding="utf-8").read()
+        return chat_ids(tokenizer, [{"role": "user", "content": text}]), None
+    from kvpass.eval.tasks.single_needle import demo_case
+
+    case = demo_case(tokenizer, args.context_tokens, args.depth, args.seed)
+    answer = case.answers[0]
+    print(f"built-in prompt: {args.context_tokens} tokens of Paul Graham essays, passphrase "
+          f"{answer!r} hidden at depth {args.depth:.0%} (the quality suite's single needle)", file=sys.stderr)
+    print(f"prompt ends:       ...{tokenizer.decode(case.question_ids[-12:]).strip()}")
+    return case.context_ids + case.question_ids, answer
+
+
+def _print_report(args: argparse.Namespace, kv_model, text: str, answer: str | None) -> None:
+    """The answer and the last generate's report (``KVPassModel.last_report``) on stdout."""
+    from kvpass.eval.scoring import score
+
     r = kv_model.last_report
     print(f"answer:            {text}")
     if answer is not None:
@@ -212,7 +223,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(_cache_line(r, kv_model, args.max_new_tokens))
     print(f"time:              prefill {r.prefill_seconds:.2f} s, {r.new_tokens} tokens at "
           f"{r.new_tokens / max(r.decode_seconds, 1e-9):.1f} tokens/s decode ({r.tokens_per_second:.1f} with prefill)")
-    return 0
 
 
 def cmd_policies(args: argparse.Namespace) -> int:

@@ -244,8 +244,16 @@ def graph_specs(model: KVPassModel, max_length: int, budget: float | int | None 
     else:
         specs.append(GraphSpec("decode", "decode.onnx", decode, decode_args, ["input_ids", "position_ids", *past],
                                ["logits", *present], ({0: batch}, {0: batch}, tuple({0: batch} for _ in decode_args[2:]))))
-    if not policy.compresses:
-        return plan
+    if policy.compresses:
+        _add_compress_specs(plan, policy, caches, m, s0, max_length, batch)
+    return plan
+
+
+def _add_compress_specs(plan: ExportPlan, policy: Policy, caches: list, m: list, s0: list, max_length: int,
+                        batch: Dim) -> None:
+    """The compress graph(s) of ``plan``: one per distinct layer budget (fixed), or one taking the budget and
+    capacity as inputs, traced and checked (runtime). Discovers the state a compression creates (an EMA...)."""
+    budgets_l, interval, runtime, specs = plan.budgets, plan.interval, plan.runtime, plan.specs
     for keep in ([budgets_l[0]] if runtime else sorted(set(budgets_l))):
         layer = budgets_l.index(keep)
         example_cache = to_capacity(caches[layer], keep + interval + 5)
@@ -261,7 +269,7 @@ def graph_specs(model: KVPassModel, max_length: int, budget: float | int | None 
         if runtime:
             module = RuntimeBudgetCompressGraph(policy, m[layer], keys)
             program, plan.ranges = trace_runtime_budget_compress(module, policy, example_cache, m[layer], keys, keep,
-                                                                 interval, max_length, varying)
+                                                                 interval, max_length, plan.varying)
             specs.append(GraphSpec("compress", "compress.onnx", module, (), ["budget_slots", "capacity_slots",
                                                                              *names[0]], names[1], (), program))
             plan.compress_files[keep] = "compress.onnx"
@@ -274,7 +282,6 @@ def graph_specs(model: KVPassModel, max_length: int, budget: float | int | None 
         specs.append(GraphSpec(f"compress_{keep}", fname, CompressGraph(policy, keep, keep + interval, m[layer], keys),
                                tuple(example), *names, (dims,)))
         plan.compress_files[keep] = fname
-    return plan
 
 
 def onnx(model: KVPassModel, out_dir: str | Path, max_length: int = 512, budget: float | int | None = None,
