@@ -91,7 +91,8 @@ class OnnxRunner:
 
         if not self.runtime:
             fixed = tuple(layer["budget"] for layer in self.layers)
-            if got.layers != fixed:
+            # a layer whose entries (at most total - 1) stay within both budgets is never compressed either way
+            if any(a != b and total - 1 > min(a, b) for a, b in zip(got.layers, fixed, strict=True)):
                 raise refuse("export.budgets", prompt=prompt, total=total, got=list(got.layers),
                              why=f"the export fixed {list(fixed)} (budgets='fixed'); export with budgets='runtime'")
             return
@@ -201,7 +202,10 @@ class OnnxRunner:
         """One group of rows (one prompt length, one set of budgets ``got``, None for ``full``) from its prefill's
         outputs to its new tokens [b, n]."""
         states, policy_states, host_len, start = [], [], [], 0
-        budgets = got.layers if got is not None else [None] * len(self.layers)
+        if got is None:
+            budgets = [None] * len(self.layers)
+        else:                                   # fixed: the exported budgets (equal to the runtime's where it matters)
+            budgets = got.layers if self.runtime else [layer["budget"] for layer in self.layers]
         caps = [self.layers[i]["capacity"] if not self.runtime else got.capacities[i] for i in range(len(self.layers))]
         due_at = [min(c, total) - (got.extras[i] if got is not None else 0) for i, c in enumerate(caps)]
         for i, layer in enumerate(self.layers):
