@@ -191,3 +191,19 @@ def test_a_transformers_script_runs_unchanged(dtype):
     assert got[3] == want[3] == dtype
     if dtype == torch.float64:
         assert torch.equal(got[1], want[1])
+
+
+def test_fused_linears_save_and_convert(tmp_path):
+    """With fuse_linears (the CUDA default) the parameters are views of concatenated weights: save_pretrained
+    writes them as plain tensors, the reloaded model fuses again, and .half() rebuilds fused."""
+    model = tiny_model("llama")
+    snapshot = _snapshot(model)
+    kv = kvpass.apply(model, policy="full", fuse_linears=True)
+    assert kv.fused_linears
+    ids, _ = padded_batch([10])
+    want = kv.generate(ids, max_new_tokens=8)
+    kv.save_pretrained(tmp_path)
+    loaded = kvpass.from_pretrained(tmp_path)
+    assert loaded.fused_linears and torch.equal(loaded.generate(ids, max_new_tokens=8), want)
+    kv.half()
+    assert kv.fused_linears and kv.dtype == torch.float16 and _unchanged(model, snapshot)
