@@ -9,7 +9,7 @@
 """
 
 from kvpass import export  # noqa: E402  (kvpass.export.onnx / OnnxRunner / check_tensorrt / tensorrt)
-from kvpass.api import apply
+from kvpass.api import apply, from_pretrained
 from kvpass.budget import budget_tokens, check_budget
 from kvpass.compile_backend import compiled_model as compiled
 from kvpass.compile_backend import register as _register_backend
@@ -21,4 +21,5 @@ _register_backend()        # backend "kvpass" + OptimizedModule.generate (kvpass
 
 __version__ = "0.1.0"
 __all__ = ["DEFAULT_POLICY", "POLICIES", "GenerateOutput", "GenerationReport", "KVPassModel", "Policy",
-           "UnsupportedModel", "apply", "budget_tokens", "check_budget", "compiled", "export", "get_policy"]
+           "UnsupportedModel", "apply", "budget_tokens", "check_budget", "compiled", "export", "from_pretrained",
+           "get_policy"]

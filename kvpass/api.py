@@ -101,9 +101,18 @@ def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float
     out.prefill_chunk = prefill_chunk
     if tokenizer is not None:
         out.reconstruction_prompt = ReconstructionPrompt.from_tokenizer(tokenizer)
+    out.apply_options = {"fuse_linears": fuse_linears, "compile": compile}   # a rebuild's (.to(), from_pretrained)
     enabled = compile if compile is not None else out.device.type == "cuda"
     if enabled:
         from kvpass.compiled_decode import CompiledDecode
 
         out.compiled_decode = CompiledDecode(graphs.decode)
     return out
+
+
+def from_pretrained(path, *, policy: str | Policy | None = None, budget: float | int | None = None, model_class=None,
+                    **model_kwargs) -> KVPassModel:
+    """Load what ``KVPassModel.save_pretrained(path)`` wrote: the transformers model (``model_class``, default
+    ``AutoModelForCausalLM``, ``.from_pretrained(path, **model_kwargs)``), rewritten with the saved policy, budget
+    and options (``policy`` / ``budget`` override them). docs/transformers-compat.md."""
+    return KVPassModel.from_pretrained(path, policy=policy, budget=budget, model_class=model_class, **model_kwargs)

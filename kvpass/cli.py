@@ -38,25 +38,107 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="a policy hyperparameter, e.g. --set sinks=8 (repeatable)")
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    import torch
+# An integer budget below this many entries per layer holds too little to answer from: the built-in question alone
+# is about 20 tokens, and the sinks + recent window of most policies take 8-36 (``kvpass policies``).
+SMALL_BUDGET = 32
 
-    import kvpass
-    from kvpass.eval.scoring import score
-    from kvpass.models import load_model
-    from kvpass.prompts import chat_ids
+
+def _check_generate_options(args: argparse.Namespace) -> None:
+    """Every generate option checked before any model loads (rule ``cli.value``)."""
     from kvpass.validation import check_option, check_readable_file
 
-    policy_kwargs = parse_policy_args(args.policy_args)
-    kvpass.get_policy(args.policy, **policy_kwargs)              # fail fast, before loading the model
-    kvpass.check_budget(args.budget)
     if args.prompt_file:
         check_readable_file("--prompt-file", args.prompt_file)
     check_option("--max-new-tokens", args.max_new_tokens >= 1, args.max_new_tokens, "an int >= 1")
     check_option("--context-tokens", args.context_tokens >= 1, args.context_tokens, "an int >= 1")
     check_option("--depth", 0.0 <= args.depth <= 1.0, args.depth, "a number in [0, 1]")
     check_option("--tp", args.tp is None or args.tp >= 1, args.tp, "an int >= 1")
+    check_option("--temperature", args.temperature > 0, args.temperature, "a number > 0")
+    check_option("--top-k", args.top_k is None or args.top_k >= 0, args.top_k, "an int >= 0 (0: off)")
+    check_option("--top-p", args.top_p is None or 0 < args.top_p <= 1, args.top_p, "a number in (0, 1]")
+    check_option("--repetition-penalty", args.repetition_penalty > 0, args.repetition_penalty, "a number > 0")
+    sampling_only = [name for name, value in (("--temperature", args.temperature != 1.0), ("--top-k", args.top_k),
+                                               ("--top-p", args.top_p), ("--sampling-seed", args.sampling_seed))
+                     if value is not None and value is not False]
+    check_option(sampling_only[0] if sampling_only else "--sample", args.sample or not sampling_only,
+                 "given without --sample", "used with --sample (greedy decoding takes no sampling options)")
+
+
+class _Progress:
+    """A streamer (``generate(streamer=...)``) that reports on stderr: the prefill's end (the first ``put``, the
+    prompt) and each decoded token on one line."""
+
+    def __init__(self, prompt_tokens: int, max_new_tokens: int, show: bool) -> None:
+        self.start, self.show, self.max_new = time.perf_counter(), show, max_new_tokens
+        self.tokens = -1                     # the first put is the prompt
+        if show:
+            print(f"prefilling {prompt_tokens} tokens ...", file=sys.stderr, flush=True)
+
+    def put(self, ids) -> None:
+        self.tokens += 1
+        if not self.show:
+            return
+        if self.tokens == 0:
+            print(f"prefilled in {time.perf_counter() - self.start:.1f} s; decoding ...", file=sys.stderr, flush=True)
+            self.start = time.perf_counter()
+        else:
+            print(f"\rdecoded {self.tokens}/{self.max_new} tokens ({time.perf_counter() - self.start:.1f} s)",
+                  end="", file=sys.stderr, flush=True)
+
+    def end(self) -> None:
+        if self.show and self.tokens > 0:
+            print(file=sys.stderr, flush=True)
+
+
+def _budget_warning(args: argparse.Namespace, policy, tokens: int) -> str | None:
+    """A warning where the budget leaves a layer fewer than ``SMALL_BUDGET`` entries of a longer sequence."""
+    import kvpass
+
+    if not policy.compresses:
+        return None
+    keep = kvpass.budget_tokens(args.budget, tokens)
+    if keep >= min(SMALL_BUDGET, tokens):
+        return None
+    given = f"budget {args.budget}" + (f" ({keep} entries)" if isinstance(args.budget, float) else "")
+    return (f"warning: {given} keeps {keep} of {tokens} tokens per layer; below {SMALL_BUDGET} entries a layer "
+            "cannot hold the question and what it asks about, so expect an unrelated answer. An int --budget is a "
+            "token count: for a fraction write e.g. --budget 0.2")
+
+
+def _cache_line(r, kv_model, max_new_tokens: int) -> str:
+    """The report's cache line, and where the cache holds more than a full one the reason: slots reserved for new
+    tokens not generated, and the position and log-weight kvpass keeps per slot."""
+    line = (f"cache bytes:       {r.cache_bytes / 2**20:.2f} MiB compressed vs {r.full_cache_bytes / 2**20:.2f} MiB "
+            f"full ({r.compression_ratio:.1%})")
+    if r.cache_bytes <= r.full_cache_bytes:
+        return line
+    heads = sum(s.n_kv_heads for s in kv_model.graphs.sites) * r.batch
+    kv_slot = sum(2 * s.n_kv_heads * s.head_dim for s in kv_model.graphs.sites) * r.batch * kv_model.dtype.itemsize
+    if not kv_model.policy.compresses:
+        slots = r.prompt_tokens + max_new_tokens
+        unused = (slots - r.prompt_tokens - r.new_tokens) * kv_slot / r.full_cache_bytes
+        meta = 12 * heads * slots / r.full_cache_bytes
+        line += (f"\n                   (more than full: the cache holds prompt + max_new_tokens = {slots} slots a layer, "
+                 f"{slots - r.prompt_tokens - r.new_tokens} not used as generation stopped early (+{unused:.1%}), "
+                 f"and kvpass keeps a position and a log-weight per slot (+{meta:.1%}))")
+    else:
+        line += ("\n                   (more than full: the budget plus the policy's interval and per-slot statistics "
+                 "exceed what the sequence needs; lower --budget)")
+    return line
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    import kvpass
+    from kvpass.models import load_model
+
+    policy_kwargs = parse_policy_args(args.policy_args)
+    policy = kvpass.get_policy(args.policy, **policy_kwargs)     # fail fast, before loading the model
+    kvpass.check_budget(args.budget)
+    _check_generate_options(args)
     device = "cpu"
+    show = not args.quiet
     if args.tp is not None and args.tp > 1:                 # one process per shard (torchrun), rank 0 prints
         if "RANK" not in os.environ:
             raise ValueError(f"--tp {args.tp} runs one process per shard: start it with "
@@ -68,33 +150,67 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if rank:
             sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115  (for the process's life)
     t0 = time.perf_counter()
+    if show:
+        print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     model, tokenizer = load_model(args.model, device=device)
     print(f"loaded {args.model} ({model.config.model_type}, {model.config.num_hidden_layers} layers) "
           f"in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    answer = None
-    if args.prompt_file:
-        text = open(args.prompt_file, encoding="utf-8").read()
-        ids = chat_ids(tokenizer, [{"role": "user", "content": text}])
-    else:
-        from kvpass.eval.tasks.single_needle import demo_case
-
-        case = demo_case(tokenizer, args.context_tokens, args.depth, args.seed)
-        ids = case.context_ids + case.question_ids
-        answer = case.answers[0]
-        print(f"built-in prompt: {args.context_tokens} tokens of Paul Graham essays, passphrase "
-              f"{answer!r} hidden at depth {args.depth:.0%} (the quality suite's single needle)", file=sys.stderr)
-        print(f"prompt ends:       ...{tokenizer.decode(case.question_ids[-12:]).strip()}")
+    ids, answer = _prompt_ids(args, tokenizer)
+    warning = _budget_warning(args, policy, len(ids) + args.max_new_tokens)
+    if warning:
+        print(warning, file=sys.stderr)
     t0 = time.perf_counter()
+    if show:
+        print(f"rewriting {model.config.num_hidden_layers} layers for {policy.name} (tracing the model) ...",
+              file=sys.stderr, flush=True)
     kv_model = kvpass.apply(model, policy=args.policy, budget=args.budget, tp=args.tp,
                             compile={"auto": None, "on": True, "off": False}[args.compile], **policy_kwargs)
     print(f"rewrote {len(kv_model.graphs.sites)} attention sites in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    out = kv_model.generate(torch.tensor([ids], device=kv_model.device), max_new_tokens=args.max_new_tokens, do_sample=False)
-    text = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True).strip()
+    sampling = dict(do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p) \
+        if args.sample else dict(do_sample=False)
+    if args.sample and args.sampling_seed is not None:
+        sampling["generator"] = torch.Generator(kv_model.device).manual_seed(args.sampling_seed)
+    out = kv_model.generate(torch.tensor([ids], device=kv_model.device), max_new_tokens=args.max_new_tokens,
+                            repetition_penalty=args.repetition_penalty,
+                            streamer=_Progress(len(ids), args.max_new_tokens, show), **sampling)
+    _print_report(args, kv_model, tokenizer.decode(out[0, len(ids):], skip_special_tokens=True).strip(), answer)
+    return 0
+
+
+def _prompt_ids(args: argparse.Namespace, tokenizer) -> tuple[list[int], str | None]:
+    """The prompt's token ids (--prompt-file as the user message, else the built-in needle prompt) and the
+    expected answer (None for a file)."""
+    from kvpass.prompts import chat_ids
+
+    if args.prompt_file:
+        text = open(args.prompt_file, encoding="utf-8").read()
+        return chat_ids(tokenizer, [{"role": "user", "content": text}]), None
+    from kvpass.eval.tasks.single_needle import demo_case
+
+    case = demo_case(tokenizer, args.context_tokens, args.depth, args.seed)
+    answer = case.answers[0]
+    print(f"built-in prompt: {args.context_tokens} tokens of Paul Graham essays, passphrase "
+          f"{answer!r} hidden at depth {args.depth:.0%} (the quality suite's single needle)", file=sys.stderr)
+    print(f"prompt ends:       ...{tokenizer.decode(case.question_ids[-12:]).strip()}")
+    return case.context_ids + case.question_ids, answer
+
+
+def _print_report(args: argparse.Namespace, kv_model, text: str, answer: str | None) -> None:
+    """The answer and the last generate's report (``KVPassModel.last_report``) on stdout."""
+    from kvpass.eval.scoring import score
+
     r = kv_model.last_report
     print(f"answer:            {text}")
     if answer is not None:
         print(f"expected:          {answer}  ({'correct' if score(text, [answer], 'all') else 'wrong'})")
-    print(f"policy:            {r.policy} at budget {args.budget} = {r.budget_tokens} entries per layer")
+    if kv_model.policy.compresses:
+        print(f"policy:            {r.policy} at budget {args.budget} = {r.budget_tokens} entries per layer")
+    else:
+        print(f"policy:            {r.policy} (every token kept; the budget does not apply)")
+    if args.sample:
+        top_k = args.top_k if args.top_k is not None else "50 (transformers' default)"
+        print(f"sampling:          temperature {args.temperature}, top-k {top_k}, top-p {args.top_p or 1.0}"
+              + (f", seed {args.sampling_seed}" if args.sampling_seed is not None else ""))
     if args.tp and args.tp > 1:
         print(f"tensor parallel:   {args.tp} processes; cache bytes below are per process (its 1/{args.tp} of the KV heads)")
     if r.full_heads:
@@ -104,11 +220,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if r.compiled:
         print(f"compiled decode:   {r.compilations} compilation(s), {r.compile_seconds:.1f} s (once per model)")
     print(f"prompt tokens:     {r.prompt_tokens}")
-    print(f"cache bytes:       {r.cache_bytes / 2**20:.2f} MiB compressed vs {r.full_cache_bytes / 2**20:.2f} MiB "
-          f"full ({r.compression_ratio:.1%})")
+    print(_cache_line(r, kv_model, args.max_new_tokens))
     print(f"time:              prefill {r.prefill_seconds:.2f} s, {r.new_tokens} tokens at "
           f"{r.new_tokens / max(r.decode_seconds, 1e-9):.1f} tokens/s decode ({r.tokens_per_second:.1f} with prefill)")
-    return 0
 
 
 def cmd_policies(args: argparse.Namespace) -> int:
@@ -137,6 +251,15 @@ def _generate_parser(sub) -> None:
     p.add_argument("--depth", type=float, default=0.5, help="where the passphrase hides, 0..1 (default 0.5)")
     p.add_argument("--seed", type=int, default=1, help="seed of the passphrase (default 1)")
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (with --sample; default 1)")
+    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (with --sample; "
+                   "default: transformers' 50)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1] (with --sample)")
+    p.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampling generator (with --sample)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="transformers' repetition penalty (> 0; 1: off)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--tp", type=int, default=None,
                    help="tensor parallel over N processes: run under `torchrun --nproc-per-node N -m kvpass.cli`")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",

@@ -17,26 +17,27 @@ from kvpass.rewrites.shard_tensor_parallel import Shard
 def resolve_shard(tp: int | None, device_mesh, device: torch.device) -> tuple[Shard | None, HeadGroup]:
     """(this rank's Shard, its head group) for ``tp`` processes or a 1-D ``device_mesh``; (None, the
     single-process group) when neither asks for more than one process."""
+    from kvpass.validation import refuse
+
     if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
-        raise ValueError(f"tp must be an int >= 1, got {tp!r}")
+        raise refuse("tp.value", name="tp", allowed="an int >= 1 or None", got=tp)
     if device_mesh is None and (tp is None or tp == 1):
         return None, SINGLE_PROCESS
     import torch.distributed as dist
     if device_mesh is None:
         if not dist.is_initialized() and "RANK" not in os.environ:
-            raise ValueError(f"tp={tp} needs one process per shard: run under `torchrun --nproc-per-node {tp}` "
-                             "(or initialise torch.distributed and pass device_mesh=)")
+            raise refuse("tp.processes", got=tp, found="this process runs alone: no torchrun, no torch.distributed")
         from torch.distributed.device_mesh import init_device_mesh
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         if world != tp:
-            raise ValueError(f"tp={tp} but {world} processes run; start exactly {tp} "
-                             f"(torchrun --nproc-per-node {tp}) or pass a device_mesh of {tp}")
+            raise refuse("tp.processes", got=tp, found=f"{world} processes run")
         device_mesh = init_device_mesh(device.type, (tp,))
     if device_mesh.ndim != 1:
-        raise ValueError(f"device_mesh must be 1-D (the tensor-parallel dimension), got {device_mesh.ndim} dims")
+        raise refuse("tp.value", argument="device_mesh", name="device_mesh",
+                     allowed="a 1-D DeviceMesh (the tensor-parallel dimension)", got=f"{device_mesh.ndim} dims")
     world = device_mesh.size()
     if tp is not None and tp != world:
-        raise ValueError(f"tp={tp} differs from the device_mesh's {world} processes")
+        raise refuse("tp.value", name="tp", allowed=f"the device_mesh's size, {world}", got=tp)
     if world == 1:
         return None, SINGLE_PROCESS
     group = device_mesh.get_group()

@@ -155,3 +155,24 @@ def test_compiled_rejects_other_backends(llama):
         kvpass.compiled(torch.compile(llama, backend="eager"))
     with pytest.raises(TypeError, match="torch.compile"):              # kvpass.errors.InvalidType
         kvpass.compiled(llama)
+
+
+def test_compiled_d2o_equals_apply_on_uneven_allocations(llama):
+    """The compile path resolves budgets as kvpass.apply does (it runs the same runtime): D2O's per-layer budgets
+    from each prompt and a fraction of each prompt + new tokens, on prompts whose allocation is uneven."""
+    options = {"policy": "d2o", "budget": 0.3, "policy_kwargs": {"interval": 4}}
+    eager = kvpass.apply(llama, policy="d2o", budget=0.3, interval=4)
+    prompts = []
+    for length, seed in ((12, 0), (16, 1), (23, 2), (30, 1), (41, 0), (40, 3)):
+        ids = torch.randint(0, 128, (1, length), generator=torch.Generator().manual_seed(seed))
+        eager.generate(ids, max_new_tokens=1)
+        if len(set(eager.last_report.layer_budgets.values())) > 1:
+            prompts.append(ids)
+    assert len(prompts) >= 2
+    torch._dynamo.reset()
+    compiled = torch.compile(llama, backend="kvpass", options=options)
+    for ids in prompts[:2]:
+        want = eager.generate(ids, max_new_tokens=20)
+        budgets = eager.last_report.layer_budgets
+        assert torch.equal(compiled.generate(ids, max_new_tokens=20), want)
+        assert kvpass.compiled(compiled).last_report.layer_budgets == budgets

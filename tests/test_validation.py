@@ -57,8 +57,9 @@ def test_docs_errors_md_is_the_table():
 
 def test_every_rule_is_raised_somewhere():
     """Each rule key is refused in the code (descriptive rows point at the module that raises)."""
-    source = "\n".join(p.read_text() for p in (ROOT / "kvpass").rglob("*.py") if p.name != "validation.py")
-    source += (ROOT / "kvpass" / "validation.py").read_text().split("RULE: dict")[1]
+    table = ROOT / "kvpass" / "validation" / "rules.py"
+    source = "\n".join(p.read_text() for p in (ROOT / "kvpass").rglob("*.py") if p != table)
+    source += table.read_text().split("RULE: dict")[1]
     descriptive = {r.key for r in RULES if r.message.startswith("(")}
     for rule in RULES:
         if rule.key not in descriptive:
@@ -226,7 +227,35 @@ INPUTS = {
     "attentions": (dict(input_ids=IDS, output_attentions=True), InvalidType, "output_attentions"),
     "hidden states": (dict(input_ids=IDS, output_hidden_states=True), InvalidType, "output_hidden_states"),
     "constraints": (dict(input_ids=IDS, constraints=[object()]), InvalidType, "constraints"),
-    "several sequences": (dict(input_ids=IDS, num_return_sequences=2), InvalidType, "num_return_sequences"),
+    "several greedy sequences": (dict(input_ids=IDS, num_return_sequences=2), InvalidValue, "num_return_sequences"),
+    "no sequences": (dict(input_ids=IDS, do_sample=True, num_return_sequences=0), InvalidValue,
+                     "num_return_sequences"),
+    "empty list": (dict(input_ids=[]), InvalidValue, "input_ids"),
+    "eos str": (dict(input_ids=IDS, eos_token_id="x"), InvalidType, "eos_token_id"),
+    "eos float": (dict(input_ids=IDS, eos_token_id=1.5), InvalidType, "eos_token_id"),
+    "eos negative": (dict(input_ids=IDS, eos_token_id=[2, -1]), InvalidValue, "eos_token_id"),
+    "pad str": (dict(input_ids=IDS, pad_token_id="x"), InvalidType, "pad_token_id"),
+    "do_sample str": (dict(input_ids=IDS, do_sample="yes"), InvalidType, "do_sample"),
+    "max_length str": (dict(input_ids=IDS, max_new_tokens=None, max_length="9"), InvalidType, "max_length"),
+    "max_length within the prompt": (dict(input_ids=IDS, max_new_tokens=None, max_length=IDS.shape[1]), InvalidValue,
+                                     "max_length"),
+    "min_new_tokens -1": (dict(input_ids=IDS, min_new_tokens=-1), InvalidValue, "min_new_tokens"),
+    "min_length float": (dict(input_ids=IDS, min_length=2.5), InvalidType, "min_length"),
+    "repetition_penalty 0": (dict(input_ids=IDS, repetition_penalty=0.0), InvalidValue, "repetition_penalty"),
+    "repetition_penalty str": (dict(input_ids=IDS, repetition_penalty="high"), InvalidType, "repetition_penalty"),
+    "no_repeat_ngram_size -1": (dict(input_ids=IDS, no_repeat_ngram_size=-1), InvalidValue, "no_repeat_ngram_size"),
+    "output_scores str": (dict(input_ids=IDS, output_scores="yes"), InvalidType, "output_scores"),
+    "stopping_criteria int": (dict(input_ids=IDS, stopping_criteria=3), InvalidType, "stopping_criteria"),
+    "logits_processor list of ints": (dict(input_ids=IDS, logits_processor=[1]), InvalidType, "logits_processor"),
+    "generation_config str": (dict(input_ids=IDS, generation_config="greedy"), InvalidType, "generation_config"),
+    "generation_config beams": (dict(input_ids=IDS, generation_config=transformers.GenerationConfig(num_beams=4)),
+                                InvalidType, "generation_config.num_beams"),
+    "generation_config bad words": (dict(input_ids=IDS, generation_config=transformers.GenerationConfig(
+        bad_words_ids=[[5]])), InvalidType, "generation_config.bad_words_ids"),
+    "typical_p": (dict(input_ids=IDS, typical_p=0.5), InvalidType, "typical_p"),
+    "stop strings": (dict(input_ids=IDS, stop_strings=["."]), InvalidType, "stop_strings"),
+    "generator": (dict(input_ids=IDS, do_sample=True, generator=7), InvalidType, "generator"),
+    "streamer": (dict(input_ids=IDS, streamer=print), InvalidType, "streamer"),
     "contrastive": (dict(input_ids=IDS, penalty_alpha=0.6, top_k=4), InvalidType, "penalty_alpha"),
     "unknown": (dict(input_ids=IDS, frobnicate=1), InvalidType, "frobnicate"),
 }

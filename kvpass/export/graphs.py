@@ -16,10 +16,11 @@ compress (one layer): (past.* with any capacity N) -> (present.* with capacity C
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 from torch.fx import GraphModule
 
-from kvpass.cache import ENTRY_FIELDS, LayerCache, with_capacity
+from kvpass.cache import EMPTY_SLOT, ENTRY_FIELDS, LayerCache, with_capacity
 from kvpass.policies.base import Policy
 from kvpass.rewrites.insert_compressed_cache import RewrittenGraphs, prompt_cache
 
@@ -51,6 +52,20 @@ def to_capacity(cache: LayerCache, capacity: int) -> LayerCache:
     """Same entries in ``capacity`` slots (``with_capacity`` without its check: the caller guarantees the cut
     slots are empty; static shapes only, no data-dependent branch); the cache itself where it fits."""
     return cache if cache.capacity == capacity else with_capacity(cache, capacity, check=False)
+
+
+def fit_capacity(cache: LayerCache, capacity: int) -> LayerCache:
+    """Same entries in ``capacity`` slots without a branch on the shapes (``capacity`` may be symbolic): every
+    per-slot tensor gets ``capacity`` empty slots appended, then its first ``capacity`` slots are kept. The caller
+    guarantees no live entry lies at or beyond ``capacity``."""
+
+    def fit(t: Tensor, value) -> Tensor:
+        shape = list(t.shape)
+        shape[2] = capacity
+        return torch.cat([t, t.new_full(shape, value)], dim=2)[:, :, :capacity]
+
+    return LayerCache(**{f: fit(getattr(cache, f), fill) for f, fill in EMPTY_SLOT.items()}, length=cache.length,
+                      slot_meta={n: fit(t, 0) for n, t in cache.slot_meta.items()}, state=dict(cache.state))
 
 
 class PrefillGraph(nn.Module):
@@ -103,3 +118,28 @@ class CompressGraph(nn.Module):
             raise NotImplementedError(f"{self.policy.name}.compress created state {sorted(extra)} the export did not "
                                       "discover; seed it in the example (see graph_specs)")
         return tuple(to_flat(to_capacity(out, self.capacity), self.meta, self.state))
+
+
+class RuntimeBudgetCompressGraph(nn.Module):
+    """``CompressGraph`` whose budget and output capacity are inputs, for budgets resolved per prompt at run time
+    (a fraction of prompt + new tokens, or per-layer budgets such as D2O's from the prompt's attention): the
+    runner computes them as ``kvpass.apply``'s runtime does and passes them as the lengths of two inputs,
+    ``budget_slots`` [keep] and ``capacity_slots`` [C] (their values are unused; ONNX has no integer scalars that
+    shape a graph). Inputs after those two: one layer's cache tensors with any capacity N > keep, its slot
+    metadata, then ``state``; outputs: the same tensors with C slots. The policy's ``compress`` runs with a
+    symbolic ``keep``: ``kvpass.export.budgets.verify_runtime_budget_graph`` checks the traced graph against it
+    over the budgets and capacities the runner can ask for (a policy that computes on its budget in Python, e.g.
+    ``int(keep * ratio)``, is traced for one budget only, and refused)."""
+
+    def __init__(self, policy: Policy, meta: tuple[str, ...], state: tuple[str, ...] = ()) -> None:
+        super().__init__()
+        self.policy, self.meta, self.state = policy, meta, state
+
+    def forward(self, budget_slots: Tensor, capacity_slots: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
+        keep, capacity = budget_slots.shape[0], capacity_slots.shape[0]
+        out = self.policy.compress(from_flat(tensors, self.meta, self.state), keep)
+        extra = set(out.state) - set(self.state)
+        if extra:
+            raise NotImplementedError(f"{self.policy.name}.compress created state {sorted(extra)} the export did not "
+                                      "discover; seed it in the example (see graph_specs)")
+        return tuple(to_flat(fit_capacity(out, capacity), self.meta, self.state))

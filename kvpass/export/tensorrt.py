@@ -53,11 +53,12 @@ def _trt_inputs(spec, max_batch: int, max_length: int) -> list:
 
 
 def tensorrt(model: KVPassModel, out_dir: str | Path, max_length: int = 512, budget: int | None = None,
-             precision: str = "fp16", max_batch: int = 8) -> dict[str, str]:
+             precision: str = "fp16", max_batch: int = 8, budgets: str = "fixed") -> dict[str, str]:
     """Build one serialized TensorRT engine per graph (prefill, decode, compress) into ``out_dir``.
 
-    The graphs are the ones ``kvpass.export.onnx`` writes, at the same fixed capacities; dynamic batch and
-    prompt length follow their torch.export dims. Raises TensorRTUnavailable (before any work) when
+    The graphs are the ones ``kvpass.export.onnx`` writes; ``budgets`` as there, "fixed" by default (constant
+    capacities and top-k K, which TensorRT wants; there is no TensorRT runner here to resolve budgets per
+    prompt); dynamic batch and prompt length follow their torch.export dims. Raises TensorRTUnavailable (before any work) when
     torch-tensorrt is not installed, ValueError for a bad precision. Returns {graph key: engine file}."""
     if precision not in _PRECISIONS:
         raise InvalidValue(f"precision must be one of {', '.join(_PRECISIONS)}, got {precision!r}", "precision")
@@ -72,13 +73,17 @@ def tensorrt(model: KVPassModel, out_dir: str | Path, max_length: int = 512, bud
 
     from kvpass.export.onnx_export import graph_specs
 
-    plan = graph_specs(model, max_length, budget)
+    plan = graph_specs(model, max_length, budget, budgets=budgets)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     engines: dict[str, str] = {}
     for spec in plan.specs:
-        with torch.no_grad():
-            exported = torch.export.export(spec.module, spec.args, dynamic_shapes=spec.dynamic_shapes, strict=False)
+        if spec.program is not None:              # traced already (budgets resolved at run time)
+            exported = spec.program
+        else:
+            with torch.no_grad():
+                exported = torch.export.export(spec.module, spec.args, dynamic_shapes=spec.dynamic_shapes,
+                                               strict=False)
         engine = torch_tensorrt.dynamo.convert_exported_program_to_serialized_trt_engine(
             exported, arg_inputs=_trt_inputs(spec, max_batch, max_length),
             enabled_precisions={_PRECISIONS[precision]})

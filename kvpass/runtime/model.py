@@ -1,6 +1,7 @@
 """``KVPassModel``: what ``kvpass.apply`` returns, the adapter to transformers' ``generate`` and ``forward``
-over the compressed cache: input checks, prefill, the session's start (``start`` / ``start_from``), sampling
-through a ``DecodeSession`` and the report."""
+over the compressed cache: input checks, prefill, the session's start (``start`` / ``start_from``), the token
+loop over a ``DecodeSession`` (``kvpass.runtime.decode_loop``) and the report. Its transformers conventions
+(outputs, dtype, state dict, ``.to()``, save / load) are ``kvpass.runtime.hf_compat``'s."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from kvpass.budget import budget_tokens, check_budget
 from kvpass.decode_step import StaticDecodeStep
@@ -21,16 +23,16 @@ from kvpass.rewrites import CapturedModel, RewrittenGraphs, compile_model
 from kvpass.runtime.chunked_prefill import check_prefill_chunk, start_chunked
 from kvpass.runtime.context_cache import ContextCache, ask, compress_context
 from kvpass.runtime.decode_buffers import DecodeBuffers
+from kvpass.runtime.decode_loop import decode_tokens
+from kvpass.runtime.generation_args import UNSET, GenerationArgs, resolve_generation_args
+from kvpass.runtime.hf_compat import TransformersCompat
 from kvpass.runtime.layers import build_layers, check_min_budget
 from kvpass.runtime.reconstruction import add_after_prefill_stats
 from kvpass.runtime.session import DecodeSession, GenerationReport, stack_sessions
 from kvpass.validation import (
     MEMORY_ADVICE,
     as_input_ids,
-    check_generate_kwargs,
-    check_max_new_tokens,
     check_memory,
-    check_sampling,
     estimate_prefill_bytes,
     in_use,
     left_pads,
@@ -39,12 +41,12 @@ from kvpass.validation import (
 
 
 @dataclass
-class GenerateOutput:
-    """Returned with ``return_dict_in_generate=True``, like transformers' output."""
+class GenerateOutput(GenerateDecoderOnlyOutput):
+    """Returned with ``return_dict_in_generate=True``: transformers' ``GenerateDecoderOnlyOutput`` (``sequences``
+    [B, T + new], ``scores`` with ``output_scores``, ``logits`` with ``output_logits``: tuples of [B, V] per
+    step) plus ``report``, the call's ``GenerationReport``."""
 
-    sequences: Tensor
-    logits: tuple[Tensor, ...] | None
-    report: GenerationReport
+    report: GenerationReport | None = None
 
 
 @dataclass
@@ -77,17 +79,16 @@ class Prefill:
                        pad=self.pad[idx], pos=self.pos[idx], max_new_tokens=self.max_new_tokens, seconds=self.seconds)
 
 
-_UNSET = object()          # an argument left out, as opposed to an explicit None
-_GENERATE_ARGS = ("input_ids", "attention_mask", "max_new_tokens", "do_sample", "temperature", "top_k",
-                  "top_p", "eos_token_id", "pad_token_id", "streamer", "generator", "return_dict_in_generate",
-                  "output_logits", "prefill_chunk", "context")
+_UNSET = UNSET             # an argument left out, as opposed to an explicit None
 
 
-class KVPassModel(nn.Module):
+class KVPassModel(TransformersCompat, nn.Module):
     """A causal LM whose attention runs over a compressed KV cache. Built by ``kvpass.apply`` (from the
     graphs of ``kvpass.rewrites.compile_model``); shares the original model's weights and leaves its modules
     and values unchanged. Where the pipeline fused sibling projections (``fuse_linears``, default on CUDA)
-    their parameters share the storage of one concatenated tensor."""
+    their parameters share the storage of one concatenated tensor. ``parameters()`` / ``state_dict()`` are the
+    base model's; ``.to()`` / ``.half()`` / ``.cuda()`` rebuild the rewrite over a converted copy
+    (``kvpass.runtime.hf_compat``)."""
 
     def __init__(self, model: nn.Module, policy: Policy, budget: float | int,
                  captured: CapturedModel, graphs: RewrittenGraphs, heads: HeadGroup = SINGLE_PROCESS) -> None:
@@ -97,13 +98,16 @@ class KVPassModel(nn.Module):
         # heads: this rank's share of every layer's KV heads under tensor parallelism (kvpass.head_group);
         # host-side lengths and sampled tokens are agreed over it, and the policy reduces over it
         self.heads = heads
+        self.given_policy = policy                 # as passed (unbound): what a rebuild or save_pretrained uses
         self.policy, self.budget = policy.bind_model(model).with_heads(heads), budget
+        self.apply_options: dict = {"fuse_linears": None, "compile": None}   # kvpass.apply's, for a rebuild
         self.captured, self.graphs = captured, graphs
         self._model = [model]                      # not a submodule: its weights are not ours to own
         self.config = model.config
         self.generation_config = getattr(model, "generation_config", None)
         self.last_report: GenerationReport | None = None
-        self._all_logits_prefill = None
+        self._forward_graphs: list = []            # forward's all-logits prefill graph, built on first use (a
+                                                   # list: not a submodule, so state_dict stays the model's)
         # Each decode step's device work, replayed from a CUDA graph on CUDA (eager on CPU); decode_step.py.
         self.decode_step = StaticDecodeStep()
         # Rows prefilled at a time (None: the whole batch). Smaller groups bound the prefill's memory (the
@@ -145,21 +149,33 @@ class KVPassModel(nn.Module):
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def name_or_path(self) -> str:
+        return getattr(self.model, "name_or_path", "")
+
     def __repr__(self) -> str:
         return (f"KVPassModel({self.config.model_type}, policy={self.policy!r}, budget={self.budget}, "
                 f"layers={len(self.graphs.sites)})")
 
     # ---------------------------------------------------------------- forward
     @torch.no_grad()
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        """Logits [B, T, V] of a plain forward over the prompt (the prefill graph, full attention)."""
-        if self._all_logits_prefill is None:
+    def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                labels: Tensor | None = None, *, return_dict: bool | None = None, logits_to_keep: int = 0, **kwargs):
+        """A plain forward over the prompt (the prefill graph, full attention), as the transformers model's:
+        ``CausalLMOutputWithPast`` with ``logits`` [B, T, V] (the last ``logits_to_keep`` positions where > 0) and,
+        with ``labels`` [B, T] (-100: ignored), ``loss``, the base model's next-token cross entropy. A tuple with
+        ``return_dict=False``. No gradients (inference), no cache returned (``past_key_values`` is None);
+        ``attention_mask`` left padding only."""
+        return self._forward_output(input_ids, attention_mask, labels, return_dict, logits_to_keep, kwargs)
+
+    def _forward_graph(self):
+        """The prefill graph of every position's logits (``full``, built once, kept out of the module tree)."""
+        if not self._forward_graphs:
             from kvpass.policies.full import Full
-            self._all_logits_prefill = compile_model(self.captured, Full(), sites=self.graphs.sites,
-                                                     fuse_linears=self.fused_linears, prefill_only=True,
-                                                     last_logits_only=False).prefill
-        ids, pad, pos = self._prepare(input_ids, attention_mask, 0)
-        return self._all_logits_prefill(ids, pos, pad)[0]
+            self._forward_graphs.append(compile_model(self.captured, Full(), sites=self.graphs.sites,
+                                                      fuse_linears=self.fused_linears, prefill_only=True,
+                                                      last_logits_only=False).prefill)
+        return self._forward_graphs[0]
 
     # ---------------------------------------------------------------- generate
     def _prepare(self, input_ids, attention_mask, max_new_tokens) -> tuple[Tensor, Tensor, Tensor]:
@@ -190,12 +206,6 @@ class KVPassModel(nn.Module):
         emb = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
         weight = getattr(emb, "weight", None)
         return int(weight.shape[0]) if weight is not None else getattr(self.config, "vocab_size", None)
-
-    def _gen_default(self, name: str, value, fallback):
-        if value is not None:
-            return value
-        got = getattr(self.generation_config, name, None) if self.generation_config is not None else None
-        return fallback if got is None else got
 
     @torch.no_grad()
     def prefill(self, input_ids: Tensor, attention_mask: Tensor | None = None, max_new_tokens: int = 0,
@@ -328,73 +338,81 @@ class KVPassModel(nn.Module):
                 and self.decode_step.graphed(self.device))
 
     @torch.no_grad()
-    def generate(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
-                 max_new_tokens: int | None = None, do_sample: bool | None = None, temperature: float | None = None,
-                 top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = _UNSET,
-                 pad_token_id: int | None = _UNSET, streamer=None, generator: torch.Generator | None = None,
-                 return_dict_in_generate: bool = False, output_logits: bool = False,
-                 prefill_chunk: int | None = _UNSET, context: ContextCache | None = None, **unsupported):
+    def generate(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None, generation_config=None,
+                 stopping_criteria=None, logits_processor=None, streamer=None, inputs: Tensor | None = None, **kwargs):
         """Generate like transformers' ``generate`` (greedy or sampling), with the compressed cache.
 
-        input_ids: [B, T]; attention_mask: [B, T], left padding for B > 1. Returns the sequences
-        [B, T + new] (rows that finished early are filled with ``pad_token_id``), or a
-        ``GenerateOutput`` with ``return_dict_in_generate``. ``self.last_report`` holds cache bytes
-        and timings. As in transformers, ``eos_token_id`` / ``pad_token_id`` left out come from the
-        model's generation config, and an explicit None means none. ``prefill_chunk`` (kvpass): prefill the
-        prompt this many tokens at a time, each layer compressed back to its budget between chunks
-        (kvpass/runtime/chunked_prefill.py; left out: ``self.prefill_chunk``, set by ``kvpass.apply``). ``context``
-        (kvpass): a ``compress_context`` cache; ``input_ids`` are then the questions, answered from copies of it
-        (one context row for every question, or one per question); the returned sequences are the questions and
-        answers."""
-        check_generate_kwargs(unsupported, _GENERATE_ARGS)
+        input_ids (or ``inputs``): [B, T]; attention_mask: [B, T], left padding for B > 1. Takes transformers'
+        ``generation_config``, ``stopping_criteria``, ``logits_processor``, ``streamer`` and the keyword arguments
+        ``max_new_tokens``, ``max_length``, ``min_new_tokens``, ``min_length``, ``do_sample``, ``temperature``,
+        ``top_k``, ``top_p``, ``repetition_penalty``, ``no_repeat_ngram_size``, ``num_return_sequences``
+        (sampling), ``eos_token_id``, ``pad_token_id``, ``return_dict_in_generate``, ``output_scores``,
+        ``output_logits``; kvpass's ``generator`` (a torch.Generator for sampling) and ``prefill_chunk`` (prefill
+        the prompt this many tokens at a time, each layer compressed back to its budget between chunks,
+        kvpass/runtime/chunked_prefill.py; left out: ``self.prefill_chunk``) and ``context`` (a ``compress_context``
+        cache: ``input_ids`` are then questions, answered from copies of it, the question and answer appended, never
+        compressed; kvpass/runtime/context_cache.py). Values are resolved and checked
+        before any work (``kvpass.runtime.generation_args``: argument > generation_config > the model's >
+        transformers' defaults); beam search and the other features kvpass does not implement are refused by
+        name. Returns the sequences [B * num_return_sequences, T + new] (rows that finished early are filled with
+        the pad id), or a ``GenerateOutput`` with ``return_dict_in_generate``. ``self.last_report`` holds cache
+        bytes and timings."""
+        if input_ids is None:
+            input_ids = inputs
         if input_ids is None:
             raise refuse("input_ids.missing")
+        ids = as_input_ids(input_ids, self.device, self.vocab_size)
+        args = resolve_generation_args(self, ids.shape[1], kwargs, generation_config, stopping_criteria,
+                                       logits_processor, streamer)
+        if attention_mask is not None:
+            attention_mask, args.pads = left_pads(attention_mask, ids)
+        if args.num_return_sequences > 1:              # transformers' _expand_inputs_for_generation
+            ids = ids.repeat_interleave(args.num_return_sequences, dim=0)
+            if attention_mask is not None:
+                attention_mask = attention_mask.repeat_interleave(args.num_return_sequences, dim=0)
+                args.pads = args.pads.repeat_interleave(args.num_return_sequences, dim=0)
         if not self._lock.acquire(blocking=False):      # one generate at a time: the decode step's buffers are shared
             raise in_use()
+        try:
+            new, scores, step_logits = self._generate_locked(ids, attention_mask, args)
+        finally:
+            self._lock.release()
+        sequences = torch.cat([ids, new], dim=1)
+        if args.return_dict_in_generate:
+            return GenerateOutput(sequences=sequences, scores=scores, logits=step_logits, report=self.last_report)
+        return sequences
+
+    def _generate_locked(self, ids: Tensor, attention_mask, args: GenerationArgs) -> tuple[Tensor, tuple | None,
+                                                                                             tuple | None]:
+        """The work of ``generate`` once its arguments are checked and the model is held: prefill, the token loop,
+        the report; a CUDA out-of-memory error frees what the call holds and is refused with advice."""
         session = None
         try:
-            max_new_tokens = check_max_new_tokens(self._gen_default("max_new_tokens", max_new_tokens, 20))
-            sampling = dict(do_sample=bool(self._gen_default("do_sample", do_sample, False)),
-                            temperature=self._gen_default("temperature", temperature, 1.0),
-                            top_k=self._gen_default("top_k", top_k, None), top_p=self._gen_default("top_p", top_p, None),
-                            generator=generator)
-            check_sampling(sampling["do_sample"], sampling["temperature"], sampling["top_k"], sampling["top_p"])
-            sampling["temperature"] = float(sampling["temperature"])
-            eos = self._gen_default("eos_token_id", None, None) if eos_token_id is _UNSET else eos_token_id
-            eos_ids = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), device=self.device)
-            pad_id = self._gen_default("pad_token_id", None, None) if pad_token_id is _UNSET else pad_token_id
-            if pad_id is None:
-                pad_id = int(eos_ids[0]) if len(eos_ids) else 0
-            ids = as_input_ids(input_ids, self.device, self.vocab_size)
-            reuse = context is None and self._reuses_buffers(self._chunk_of(prefill_chunk))
+            reuse = args.context is None and self._reuses_buffers(self._chunk_of(args.prefill_chunk))
             if not reuse and self.decode_buffers.held:
                 self.release_decode_buffers()
-            if context is not None:
-                session = ask(self, context, ids, attention_mask, max_new_tokens)
+            if args.context is not None:
+                session = ask(self, args.context, ids, attention_mask, args.max_new_tokens)
             else:
-                session = self.start(ids, attention_mask, max_new_tokens, prefill_chunk)
+                session = self.start(ids, attention_mask, args.max_new_tokens, args.prefill_chunk)
             if reuse:
                 session.reused_buffers = self.decode_buffers.adopt(session.layers)
-            if streamer is not None:
-                streamer.put(ids.cpu())
-            new, step_logits = session.sample(max_new_tokens, eos_ids, pad_id, streamer, output_logits, **sampling)
-            if streamer is not None:
-                streamer.end()
+            if args.streamer is not None:
+                args.streamer.put(ids.cpu())
+            new, scores, step_logits = decode_tokens(session, args, ids)
+            if args.streamer is not None:
+                args.streamer.end()
             self.last_report = session.report()
             if reuse:
                 self.decode_buffers.keep(session.layers)
+            return new, scores, step_logits
         except torch.OutOfMemoryError as err:           # free what this call holds, then say what to change
-            batch, tokens = _shape_of(input_ids)
+            batch, tokens = _shape_of(ids)
             session = None
             self.release_decode_buffers()
             raise refuse("memory.oom", batch=batch, tokens=tokens, advice=MEMORY_ADVICE[0].upper() + MEMORY_ADVICE[1:] + ".") from err
         finally:
             session = None                             # never outlives the call, whatever happened
-            self._lock.release()
-        sequences = torch.cat([ids, new], dim=1)
-        if return_dict_in_generate:
-            return GenerateOutput(sequences, step_logits, self.last_report)
-        return sequences
 
 
 def _shape_of(input_ids) -> tuple[int, int]:

