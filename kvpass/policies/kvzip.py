@@ -80,13 +80,11 @@ class KVzip(Policy):
     def stat_options(self, stat: Stat) -> dict[str, object]:
         return {"chunk": self.chunk, "scope": self.scope, "sinks": self.sinks}
 
-    def min_budget(self) -> int:
-        return self.sinks + self.recent + 1
-
-    def protected(self, keep: int | Tensor) -> tuple[int, int | Tensor]:
-        """(sinks, recent) within ``keep`` (an int, or [B] int64 per row, each >= ``min_budget``)."""
+    def protected(self, keep: int | Tensor) -> tuple[int | Tensor, int | Tensor]:
+        """(sinks, recent) within ``keep`` (an int, or [B] int64 per row): the sinks first, then the window."""
         if isinstance(keep, Tensor):
-            return self.sinks, (keep - self.sinks).clamp(min=0, max=self.recent).view(-1, 1, 1)
+            sinks = keep.clamp(max=self.sinks)
+            return sinks.view(-1, 1, 1), (keep - sinks).clamp(max=self.recent).view(-1, 1, 1)
         sinks = min(self.sinks, keep)
         return sinks, min(self.recent, keep - sinks)
 
@@ -118,7 +116,7 @@ class KVzip(Policy):
         longest = max(int(c.length.max()) for c in caches)
         if self.layers == "uniform" or n_layers < 2 or longest <= budget:
             return [budget] * n_layers
-        floor = min(self.min_budget(), budget)
+        floor = min(self.sinks + self.recent + 1, budget)
         # per layer [Hkv, n] live scores, each head's sorted descending
         heads = [torch.where(c.live, c.slot_meta[Stat.RECONSTRUCTION.value].float(), float("-inf"))[0]
                  .sort(dim=-1, descending=True).values for c in caches]
