@@ -132,6 +132,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from kvpass.models import load_model
     from kvpass.validation import check_option
 
+    if args.policy == "kvzip":
+        return _calibrate_kvzip(args)
+
     policy = Chelsea(sinks=args.sinks, recent=args.recent, chunk=args.chunk)
     check_option("--threshold", 0.0 < args.threshold <= 1.0, args.threshold, "a number in (0, 1]")
     check_option("--ratio", 0.0 < args.ratio < 1.0, args.ratio, "a number in (0, 1)")
@@ -160,8 +163,32 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate_kvzip(args: argparse.Namespace) -> int:
+    """``--policy kvzip``: fit KVzip's score surrogate (kvpass/calibrate_kvzip.py) and write it."""
+    from pathlib import Path
+
+    from kvpass.calibrate_kvzip import fit_surrogate
+    from kvpass.models import load_model
+
+    t0 = time.perf_counter()
+    model, tokenizer = load_model(args.model, device=args.device)
+    print(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    sequences = calibration_sequences(tokenizer, args.samples, args.length)
+    t0 = time.perf_counter()
+    surrogate = fit_surrogate(model, tokenizer, sequences)
+    name = Path(args.model).stem if Path(args.model).exists() else args.model
+    out = surrogate.save(Path(args.out) if args.out else Path("calibrations") / f"kvzip-{name}.json")
+    print(f"{len(sequences)} x {args.length} tokens in {time.perf_counter() - t0:.0f} s; wrote {out}; use it with "
+          f"--policy 'kvzip[scores=predicted,surrogate={out}]'")
+    return 0
+
+
 def add_calibrate_parser(sub) -> None:
-    p = sub.add_parser("calibrate", help="find Chelsea's outlier KV heads (docs/policies.md §1.10) and write a calibration file")
+    p = sub.add_parser("calibrate", help="find Chelsea's outlier KV heads (docs/policies.md §1.10), or fit KVzip's "
+                                         "score surrogate (--policy kvzip, §6.12), and write the file")
+    p.add_argument("--policy", choices=["chelsea", "kvzip"], default="chelsea",
+                   help="chelsea (outlier heads, default) or kvzip (the linear surrogate of its reconstruction scores)")
+    p.add_argument("--device", default="cpu", help="where the model runs (kvzip's fit; cpu or cuda)")
     p.add_argument("--model", default="smollm2", help="smollm2, gemma3-270m, a .gguf file or a transformers directory")
     p.add_argument("--samples", type=int, default=16, help="calibration sequences (default 16, §1.10 [OURS])")
     p.add_argument("--length", type=int, default=4096, help="tokens per sequence (default 4096, §1.10 [OURS])")

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -51,7 +51,12 @@ class KVzip(Policy):
         against [OURS: KVzip's repetition attends over the whole prompt, and only its scoring is cut to the span],
         so the reconstruction costs about one prefill at any length; "full", the whole prompt (the prefill's
         cost again plus a prompt x prompt attention).
-    layers: "global" or "uniform" layer budgets.
+    layers: "global" or "uniform" layer budgets ("global_mean": a layer's share by its heads' mean, for comparison).
+    scores: "reconstruct" (the reconstruction pass) or "predicted": each entry's score predicted from its own key
+        and value by a per-(layer, head) linear model fitted on calibration text (``kvpass calibrate kvzip``;
+        kvpass/policies/kvzip_surrogate.py), no pass beyond the prefill [OURS, in the spirit of KVzap].
+    surrogate: with scores="predicted", the surrogate file or the name of one shipped in kvpass/calibrations;
+        None: the shipped one fitted on a model of this model's shape.
     interval: decode steps between compressions.
     """
 
@@ -65,6 +70,8 @@ class KVzip(Policy):
     chunk: int = 2048
     scope: str = "span"
     layers: str = "global"
+    scores: str = "reconstruct"
+    surrogate: str | None = None
     interval: int = 16
 
     def __post_init__(self) -> None:
@@ -74,11 +81,33 @@ class KVzip(Policy):
             require(isinstance(value, int) and value >= 0, f"kvzip: {field_name} must be an int >= 0, got {value!r}")
         require(isinstance(self.chunk, int) and self.chunk >= 1, f"kvzip: chunk must be an int >= 1, got {self.chunk!r}")
         require(self.scope in ("span", "full"), f"kvzip: scope must be 'span' or 'full', got {self.scope!r}")
+        require(self.scores in ("reconstruct", "predicted"),
+                f"kvzip: scores must be 'reconstruct' or 'predicted', got {self.scores!r}")
+        require(self.surrogate is None or isinstance(self.surrogate, str),
+                f"kvzip: surrogate must be a file or a shipped name, got {self.surrogate!r}")
         require(self.layers in ("global", "global_mean", "uniform"),
                 f"kvzip: layers must be 'global', 'global_mean' or 'uniform', got {self.layers!r}")
 
     def stat_options(self, stat: Stat) -> dict[str, object]:
-        return {"chunk": self.chunk, "scope": self.scope, "sinks": self.sinks}
+        if self.scores == "predicted":
+            return {"method": "predicted", "surrogate": self.surrogate}
+        return {"method": "reconstruct", "chunk": self.chunk, "scope": self.scope, "sinks": self.sinks}
+
+    def bind_model(self, model) -> KVzip:
+        """With scores="predicted": the surrogate resolved (``surrogate`` None: the shipped one of the model's
+        shape) and checked against the model."""
+        if self.scores != "predicted":
+            return self
+        from kvpass.policies.kvzip_surrogate import KVzipSurrogate, model_shape, shipped_for
+        from kvpass.validation import refuse
+
+        if self.surrogate is None:
+            name = shipped_for(model)
+            if name is None:
+                raise refuse("kvzip.surrogate_model", got="no shipped surrogate", model=str(model_shape(model)))
+            return replace(self, surrogate=name)
+        KVzipSurrogate.load(self.surrogate).check(model)
+        return self
 
     def protected(self, keep: int | Tensor) -> tuple[int | Tensor, int | Tensor]:
         """(sinks, recent) within ``keep`` (an int, or [B] int64 per row): the sinks first, then the window."""
@@ -143,3 +172,4 @@ class KVzip(Policy):
                 hi = mid - 1
         shares = [float(n) for n in need(candidates[lo])]
         return apportion(shares, n_layers * budget, floor, longest)
+

@@ -19,6 +19,7 @@ repeat itself; normalised over all of that (the chunk's true attention). Cost: a
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -170,9 +171,25 @@ def add_after_prefill_stats(model: KVPassModel, asker, ids: Tensor, pad: Tensor,
     statistics union of a shared prefill) wants that the prefill graph does not compute (``Stat.after_prefill``)."""
     if not getattr(asker, "compresses", True) or Stat.RECONSTRUCTION not in asker.stats:
         return
-    prompt = model.reconstruction_prompt or ReconstructionPrompt.bare()
     opts = asker.stat_options(Stat.RECONSTRUCTION)
+    if opts.get("method") == "predicted":                     # no pass: the surrogate of the scores
+        surrogate = _surrogate(str(opts["surrogate"]))
+        for site in model.graphs.sites:
+            if site.window is None:
+                k, v = kv[2 * site.layer], kv[2 * site.layer + 1]
+                live = (torch.arange(k.shape[2], device=k.device)[None, :] >= pad[:, None])[:, None, :]
+                score = surrogate.predict(site.layer, k, v) * live
+                stats.setdefault(site.layer, {})[Stat.RECONSTRUCTION.value] = score
+        return
+    prompt = model.reconstruction_prompt or ReconstructionPrompt.bare()
     scores = reconstruction_scores(model, ids, pad, kv, prompt, chunk=int(opts.get("chunk", 2048)),
                                    scope=str(opts.get("scope", "span")), sinks=int(opts.get("sinks", 4)))
     for layer, score in scores.items():
         stats.setdefault(layer, {})[Stat.RECONSTRUCTION.value] = score
+
+
+@functools.lru_cache(maxsize=8)
+def _surrogate(name_or_path: str):
+    from kvpass.policies.kvzip_surrogate import KVzipSurrogate
+
+    return KVzipSurrogate.load(name_or_path)

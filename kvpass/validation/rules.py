@@ -89,6 +89,12 @@ RULES: tuple[Rule, ...] = (
          "policy {policy!r} has no parameter(s) {got}; its parameters: {names}{hint}"),
     Rule("policy.value", APPLY, "policy_kwargs", "a parameter of the wrong type or out of range (each policy's "
          "__post_init__)", "(the policy's message, e.g. 'd2o: beta must lie in [0, 1], got 2')"),
+    Rule("kvzip.surrogate", APPLY, "policy_kwargs", "kvzip[scores=predicted] with a surrogate that is neither a "
+         "file nor a shipped name", "no KVzip surrogate {got!r}: give a file written by `kvpass calibrate kvzip` or "
+         "a shipped name ({names})"),
+    Rule("kvzip.surrogate_model", APPLY, "policy_kwargs", "kvzip[scores=predicted] for a model no surrogate was "
+         "fitted on", "the KVzip surrogate ({got}) does not fit this model ({model}); fit one: kvpass calibrate kvzip "
+         "--model MODEL --out FILE, then kvzip[scores=predicted,surrogate=FILE]"),
     Rule("context.type", GENERATE, "context", "not a ContextCache (KVPassModel.compress_context)",
          "context must be what model.compress_context(context_ids) returned, got {got}", InvalidType),
     Rule("context.model", GENERATE, "context", "a context cache another KVPassModel made",
