@@ -10,12 +10,13 @@ import torch
 
 from kvpass.cache import EMPTY, LayerCache, gather_slots, keep_slots
 from kvpass.policies.base import Policy, Stat, require
+from kvpass.policies.capabilities import GathersAcrossHeads
 from kvpass.policies.head_budgets import head_cap, select_kept_across_heads
 from kvpass.policies.selection import kept_slots
 
 
 @dataclass(frozen=True)
-class AdaKV(Policy):
+class AdaKV(Policy, GathersAcrossHeads):
     """Keep the inner policy's layer budget, split across the layer's KV heads by its scores: each head
     keeps its top ``floor = int(alpha * keep)`` entries, and the rest of the layer's ``Hkv * keep`` go to
     the top scores over all heads jointly (``head_budgets``), so heads whose attention is concentrated

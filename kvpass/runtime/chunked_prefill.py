@@ -8,7 +8,7 @@ at most about budget + chunk entries during prefill instead of the whole prompt.
                    the layer's cache and, causally, the chunk itself (``kvpass::chunk_attention``) ─▶ the
                    chunk's K, V and statistics appended to the cache; the cache's own statistics updated
     between chunks: each compressible layer whose rows hold more than their budget is compressed
-                   (``Policy.compress_into``, rows of one budget together), lengths read back once a chunk
+                   (in place where the policy can, rows of one budget together), lengths read back once a chunk
     after the last chunk: the caches go through the runtime's usual prompt compression, budgets, capacities
                    and ``prepare`` (``kvpass.runtime.layers.build_layers``), then decode as usual.
 
@@ -58,6 +58,7 @@ from kvpass.cache import (
     with_capacity,
 )
 from kvpass.policies.base import Stat
+from kvpass.policies.capabilities import compress_in_place
 from kvpass.rewrites.insert_compressed_cache import prompt_cache
 from kvpass.runtime.layers import PromptCaches, build_layers, check_min_budget, row_budgets, row_layer_budgets
 from kvpass.runtime.session import DecodeSession
@@ -285,11 +286,11 @@ class _ChunkedPrefill:
             for b in over:
                 groups.setdefault(self.budgets[i][b], []).append(b)
             if len(groups) == 1 and len(over) == len(self.entries[i]):
-                self.policy.compress_into(cache, next(iter(groups)))
+                compress_in_place(self.policy, cache, next(iter(groups)))
             else:
                 for keep, rows in groups.items():
                     part = take_rows(cache, rows)
-                    self.policy.compress_into(part, keep)
+                    compress_in_place(self.policy, part, keep)
                     put_rows_at(cache, part, rows)
             done.append(i)
             self.compressions += 1

@@ -29,8 +29,8 @@ from kvpass.cache import (
 )
 from kvpass.decode_step import StaticDecodeStep
 from kvpass.head_group import HeadGroup
-from kvpass.kernels.decode_attention_nearest import add_nearest_state
 from kvpass.policies.base import Policy
+from kvpass.policies.capabilities import compress_in_place, deferred_scores
 from kvpass.rewrites import RewrittenGraphs
 from kvpass.rewrites.insert_compressed_cache import prompt_cache
 from kvpass.runtime.recent_queries import add_recent_queries
@@ -45,7 +45,6 @@ class RuntimeModel(Protocol):
     graphs: RewrittenGraphs
     heads: HeadGroup
     decode_step: StaticDecodeStep
-    rows_in_one_call: bool
     compiled_decode: Callable | None      # the decode graph compiled (kvpass.compiled_decode.CompiledDecode)
 
     @property
@@ -110,11 +109,11 @@ class Layer:
 
     @property
     def one_budget(self) -> bool:
-        """Every row has the layer's budget and capacity (``Policy.compress_into`` fits the layer)."""
+        """Every row has the layer's budget and capacity (one in-place compression fits the layer)."""
         return len(set(self.row_budgets)) == 1 and all(cap == self.cache.capacity for cap in self.row_caps)
 
     def keep_rows(self) -> Tensor:
-        """``row_budgets`` as a [B] int64 tensor on the cache's device (``Policy.compress_rows_into``), made
+        """``row_budgets`` as a [B] int64 tensor on the cache's device (``RaggedRows.compress_rows_into``), made
         once for the session's budgets: it exists before a CUDA-graphed step is captured (the step calls
         this first) and keeps its address."""
         key = tuple(self.row_budgets)
@@ -291,9 +290,9 @@ def build_layers(model: RuntimeModel, kv: Sequence[Tensor] | None, stats: dict[i
         for name in model.policy.host_resident if on_host else ():
             setattr(lay.cache, name, getattr(lay.cache, name).to("cpu").pin_memory())
         if site.layer in model.graphs.deferred_scores:
-            add_recent_queries(lay.cache, site.n_heads, model.policy.deferred_scores())
+            add_recent_queries(lay.cache, site.n_heads, deferred_scores(model.policy))
         if site.layer in model.graphs.nearest_layers:
-            add_nearest_state(lay.cache, model.policy.nearest_candidates())
+            lay.cache.state.update(model.policy.decode_state(lay.cache))
     return layers, compressions
 
 
@@ -366,14 +365,14 @@ def compress_prompt_rows(model: RuntimeModel, lay: Layer) -> None:
 
 def compress_rows_into(model: RuntimeModel, lay: Layer, rows: list[int]) -> None:
     """Decode time, eager: the due ``rows`` of ``lay`` compressed each to its own budget in a copy of its
-    own capacity (rows of one budget and capacity together, ``Policy.compress_into`` as a batch of one
+    own capacity (rows of one budget and capacity together, compressed in place as a batch of one
     would run it), written back into the layer's buffers; then their lengths are read back (a sync)."""
     groups: dict[tuple[int, int], list[int]] = {}
     for b in rows:
         groups.setdefault((lay.row_budgets[b], lay.row_caps[b]), []).append(b)
     for (keep, cap), part_rows in groups.items():
         part = take_rows(lay.cache, part_rows, cap)
-        model.policy.compress_into(part, keep)
+        compress_in_place(model.policy, part, keep)
         put_rows_at(lay.cache, part, part_rows)
     lay.set_row_len(model.heads.max(lay.cache.length.amax(-1)).tolist())
     check_within_budget(model, lay)

@@ -109,11 +109,6 @@ class KVPassModel(nn.Module):
         # per-layer budgets (D2O, PyramidKV) are then those of the first group's largest [OURS]: the one
         # place where a row's budgets depend on its batch-mates (the stacked buffers need one layout).
         self.prefill_rows: int | None = None
-        # Decode-time compression of a layer whose rows have budgets of their own (D2O's per-row layer budgets):
-        # True takes the whole layer in one call where the policy can (``Policy.rows_in_one_call``), in the
-        # CUDA-graphed step; False compresses the due rows one budget at a time in copies (eager, a host sync
-        # a layer): the old path, kept for benchmarks/ragged_decode_gpu.py's before/after. Same tokens.
-        self.rows_in_one_call = True
         # Prompt tokens prefilled at a time (None: the whole prompt), each layer compressed back to its budget
         # between chunks, so prefill holds about budget + chunk entries per layer (kvpass/runtime/chunked_prefill.py).
         self.prefill_chunk: int | None = None
