@@ -19,11 +19,11 @@ import json
 from pathlib import Path
 
 import torch
+from kvpass.kernels.d2o_evict_one import d2o_evict_one_triton
 
 from benchmarks.bench.kernels import decode_case
 from benchmarks.bench.timing import time_fn
 from benchmarks.probes.d2o_evict_one_sweep import layer
-from kvpass.kernels.d2o_evict_one import d2o_evict_one_triton
 from kvpass.kernels.decode_attention import decode_attention_triton
 
 

@@ -14,10 +14,10 @@ import json
 from pathlib import Path
 
 import torch
+from kvpass.kernels.d2o_evict_many import evict_many_triton, split_tensor
 
 from benchmarks.bench.timing import gpu_name, time_fn
 from benchmarks.d2o_evict_many_gpu import full_layer, refill
-from kvpass.kernels.d2o_evict_many import evict_many_triton, split_tensor
 from kvpass.policies.d2o import D2O
 
 VARIANTS = {

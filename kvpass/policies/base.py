@@ -27,8 +27,6 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import TYPE_CHECKING, ClassVar
 
-from torch import Tensor
-
 from kvpass.cache import LayerCache
 from kvpass.head_group import SINGLE_PROCESS, HeadGroup
 

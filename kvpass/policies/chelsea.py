@@ -13,8 +13,8 @@ from torch import Tensor
 import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
 from kvpass.cache import EMPTY, LayerCache, keep_slots, load_into, with_capacity
 from kvpass.policies.base import Policy, require
-from kvpass.policies.capabilities import InPlace
 from kvpass.policies.calibration import Calibration, load_calibration
+from kvpass.policies.capabilities import InPlace
 from kvpass.policies.selection import slot_places
 
 if TYPE_CHECKING:

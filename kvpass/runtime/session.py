@@ -22,7 +22,12 @@ from kvpass.cache import (
     with_capacity,
 )
 from kvpass.decode_step import fork_side_by_side, join_pending
-from kvpass.policies.capabilities import compress_layers_into, gathers_across_heads, nearest_candidates, rows_in_one_call
+from kvpass.policies.capabilities import (
+    compress_layers_into,
+    gathers_across_heads,
+    nearest_candidates,
+    rows_in_one_call,
+)
 from kvpass.rewrites.attention_sites import AttentionSite
 from kvpass.rewrites.insert_compressed_cache import DECODE_STATS
 from kvpass.runtime.layers import (
@@ -187,7 +192,7 @@ class DecodeSession:
         self.logits = self._device_step(tokens, due_in_step)
         for i in due:
             # the policy contract: a compressed row holds at most `budget` entries (checked when eager); a row
-            # that was not due is left as it is (``Policy.rows_in_one_call``: it may hold more, below its capacity)
+            # that was not due is left as it is (``RaggedRows.rows_in_one_call``: it may hold more, below its capacity)
             lay = self.layers[i]
             lay.set_row_len([min(n, b) if r in due_rows[i] else n
                              for r, (n, b) in enumerate(zip(lay.row_len, lay.row_budgets, strict=True))])
@@ -249,7 +254,8 @@ class DecodeSession:
         compress_layers_into(self.policy, [self._compress_job(lay)])
         if self.owner.heads.collectives != asked and not gathers_across_heads(self.policy):
             raise RuntimeError(f"{self.policy.name}: its compression asked the other ranks for heads' statistics, but "
-                               "it does not declare GathersAcrossHeads (kvpass/policies/capabilities.py)")
+                               "it does not declare GathersAcrossHeads with gathers_across_heads() True "
+                               "(kvpass/policies/capabilities.py)")
 
     def _compress_job(self, lay: Layer) -> tuple[LayerCache, int | Tensor]:
         """(cache, keep) of ``compress_layers_into`` for the whole layer: the rows' own budgets ([B] int64)

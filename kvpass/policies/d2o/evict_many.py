@@ -15,13 +15,14 @@ from torch import Tensor
 
 from kvpass.cache import gather_slots, put_slots
 from kvpass.kernels import add_references
-from kvpass.kernels._triton import HAS_TRITON, next_pow2, require_triton, tl, triton
+from kvpass.kernels._triton import HAS_TRITON, next_pow2, require_triton
 from kvpass.kernels.cosine_match import cosine_match_reference
 from kvpass.policies.d2o.chains import chain_similarities, fold_chains
-from kvpass.policies.d2o.evict_one import check_layer
 from kvpass.policies.d2o.evict_many_kernels import _merge_compact_kernel, _select_kernel, _threshold_kernel
+from kvpass.policies.d2o.evict_one import check_layer
 from kvpass.policies.d2o.in_place import StepTensors, evict_in_place
 from kvpass.policies.d2o.merge import StepOptions
+
 
 def evict_many_triton(t: StepTensors, split: Tensor, m: int, opts: StepOptions, *, block: int = 4096,
                       count_block: int = 1024, ways: int = 16, resident_max: int = 8192, num_warps: int = 8) -> None:

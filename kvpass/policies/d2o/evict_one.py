@@ -18,7 +18,6 @@ in one all-gather (``run_layers``), so each rank decides as one process does.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Generator
 
 import torch

@@ -112,22 +112,25 @@ def evict_in_place(t: StepTensors, keep: int | Tensor, due: int | Tensor, m: int
     w_self: float | Tensor = opts.w_self
     if score_e is not None:
         w_e = torch.where(merged, score_e, 0.0)
-    sizes = torch.gather(t.log_weight, 2, e_idx).exp() if opts.bias else None
+    lw_e = torch.gather(t.log_weight, 2, e_idx) if opts.bias else None
+    sizes = None if lw_e is None else lw_e.exp()
     if opts.chains:                        # the linked entries fold into their evicted parents, children first
         k_e, v_e, sizes = fold_chains(k_e, v_e, parent, chained & merged, w_e,
                                       score_e if score_e is not None else w_self, opts.by_count, sizes)
         merged, w_e = merged & ~chained, torch.where(chained, 0.0, w_e)
     if opts.score_weights:
         w_self = (torch.gather(t.score.float(), 2, nearest) + SCORE_EPS)[..., None]          # [B, Hkv, m, 1]
-    merge_into(t, nearest, merged, w_e, w_self, k_e, v_e, sizes, opts)
+    merge_into(t, nearest, merged, w_e, w_self, k_e, v_e, (lw_e, sizes), opts)
     compact(t, e_idx, valid, evicted, new_length)
 
 
 def merge_into(t: StepTensors, nearest: Tensor, merged: Tensor, w_e: Tensor, w_self: float | Tensor, k_e: Tensor,
-               v_e: Tensor, sizes: Tensor | None, opts: StepOptions) -> None:
+               v_e: Tensor, bias: tuple[Tensor | None, Tensor | None], opts: StepOptions) -> None:
     """Each target's final average, written once per evicted entry f that merges into it: assign[f, e] = evicted e
     merges into f's target ([B, Hkv, m, m]), so every write of one slot carries the same value (no scatter-add).
-    ``sizes`` (merge_bias): the log-size of a target becomes log(exp(log_weight) + the merged entries' sizes)."""
+    ``bias`` (merge_bias): the evicted entries' (log-weights, sizes after chains); a target's log-size becomes
+    log(exp(log_weight) + the merged entries' sizes)."""
+    lw_e, sizes = bias
     assign = ((nearest[..., :, None] == nearest[..., None, :]) & merged[..., None, :]).float()
     count = assign @ merged.float()[..., None]                                 # [B, Hkv, m, 1]
     w_sum = assign @ w_e[..., None]
@@ -137,8 +140,12 @@ def merge_into(t: StepTensors, nearest: Tensor, merged: Tensor, w_e: Tensor, w_s
         put_slots(buf, nearest, averaged(into, acc, w_self, w_sum, count, opts))
     if sizes is not None:                  # before anything moves (fp32, as the reference)
         into = gather_slots(t.log_weight, nearest)
-        size = into.exp() + (assign @ torch.where(merged, sizes, 0.0)[..., None])[..., 0]
-        put_slots(t.log_weight, nearest, torch.where(count[..., 0] > 0, size.log(), into))
+        if nearest.shape[-1] == 1:         # one eviction: log(e^a + e^b) shifted by the max, as the Triton step
+            top = torch.maximum(into, lw_e)
+            new = top + torch.log(torch.exp(into - top) + torch.exp(lw_e - top))
+        else:
+            new = (into.exp() + (assign @ torch.where(merged, sizes, 0.0)[..., None])[..., 0]).log()
+        put_slots(t.log_weight, nearest, torch.where(count[..., 0] > 0, new, into))
 
 
 def compact(t: StepTensors, e_idx: Tensor, valid: Tensor, evicted: Tensor, new_length: Tensor) -> None:

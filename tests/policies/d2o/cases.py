@@ -16,7 +16,8 @@ from tests.policies.policy_helpers import by_position
 def ordered_cache(lengths: list[list[int]], c: int, d: int = 8, seed: int = 0, dtype: torch.dtype = torch.float64,
                   near: float = 0.4) -> LayerCache:
     """A cache [B, Hkv, C, D] in sequence order: row (b, g) holds positions 0, 2, 4, ... of its lengths[b][g]
-    entries (gaps, as after earlier compressions), continuous random scores (no ties) in 'col_sum' and
+    entries (gaps, as after earlier compressions) but its newest 8 consecutive (as decoding leaves them: the
+    one-in-one-out kernels find the recent window by position arithmetic), continuous random scores (no ties) in 'col_sum' and
     'window_scores', a fraction ``near`` of keys near-copies of others (so merges happen), garbage K, V in the
     empty slots, and an EMA threshold already set in some batch rows."""
     gen = torch.Generator().manual_seed(seed)
@@ -33,18 +34,25 @@ def ordered_cache(lengths: list[list[int]], c: int, d: int = 8, seed: int = 0, d
     state = {TAU: torch.where(tau_set, 0.2 + 0.6 * torch.rand(b, generator=gen), 0.0).float(), TAU_SET: tau_set}
     return LayerCache(k=k.to(dtype), v=torch.randn(b, h, c, d, generator=gen, dtype=torch.float64).to(dtype),
                       log_weight=torch.where(live, 0.0, float("-inf")).float(), length=length,
-                      position=torch.where(live, 2 * torch.arange(c), -1), slot_meta=meta, state=state)
+                      position=torch.where(live, _positions(length, c), -1), slot_meta=meta, state=state)
 
 
-def shuffled(cache: LayerCache, seed: int) -> LayerCache:
-    """The same entries with each row's live slots but the newest (slot length - 1) in a random order, as after
-    earlier in-place steps."""
+def _positions(length: torch.Tensor, c: int, tail: int = 8) -> torch.Tensor:
+    j = torch.arange(c)
+    start = (length[..., None] - tail).clamp(min=0)
+    return torch.where(j < start, 2 * j, j + start)
+
+
+def shuffled(cache: LayerCache, seed: int, front: int = 4) -> LayerCache:
+    """The same entries with each row's live slots in a random order, as after earlier in-place steps, except the
+    first ``front`` (the sinks: in place since the prompt's compression, which the one-in-one-out kernels rely on)
+    and the newest (slot length - 1, where the decode step writes it)."""
     gen = torch.Generator().manual_seed(seed)
     b, h, c = cache.position.shape
     perm = torch.arange(c).repeat(b, h, 1)
     for (bi, g), n in zip(((x, y) for x in range(b) for y in range(h)), cache.length.view(-1).tolist(), strict=True):
-        if n > 1:
-            perm[bi, g, :n - 1] = torch.randperm(n - 1, generator=gen)
+        if n - 1 > front:
+            perm[bi, g, front:n - 1] = front + torch.randperm(n - 1 - front, generator=gen)
     return reorder(cache, perm)
 
 

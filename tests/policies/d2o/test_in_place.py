@@ -87,18 +87,6 @@ def test_rows_of_their_own_budgets_in_one_call(interval: int, options: dict) -> 
         assert_rows_unchanged(got, before, [2, 4], f"seed {seed}")
 
 
-def test_rows_in_one_call_accepts_one_in_one_out_and_full_intervals() -> None:
-    d2o = D2O()
-    assert d2o.rows_in_one_call([20, 18, 23], [21, 19, 24])
-    assert d2o.rows_in_one_call([20, 18], [21, 10])              # a short row: never due before its end
-    assert not d2o.rows_in_one_call([20, 18], [21, 20])          # two entries at a time: interval 2
-    policy = D2O(interval=4)
-    assert policy.rows_in_one_call([10, 12], [14, 16])
-    assert policy.rows_in_one_call([10, 30], [14, 20])           # a short row that never compresses
-    assert not policy.rows_in_one_call([10, 12], [14, 15])        # a row due below budget + interval
-    assert D2O(interval=4, merge_weighting="score", merge_protect=0.5).rows_in_one_call([10, 12], [14, 16])
-
-
 @pytest.fixture
 def prompt_ids() -> torch.Tensor:
     return torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
