@@ -16,6 +16,7 @@ from kvpass.policies.kvmerger import KVMerger
 from kvpass.policies.pyramidkv import PyramidKV
 from kvpass.policies.quest import Quest
 from kvpass.policies.snapkv import SnapKV
+from kvpass.policies.spec import parse_value, split_spec
 from kvpass.policies.streamingllm import StreamingLLM
 from kvpass.policies.tova import TOVA
 
@@ -62,35 +63,6 @@ def get_policy(name: str | Policy, **kwargs) -> Policy:
         raise
     except TypeError as err:                     # a dataclass field given a value its code cannot take
         raise InvalidValue(f"{name}: {err}", "policy_kwargs") from err
-
-
-def parse_value(text: str) -> object:
-    """A hyperparameter's text as a user writes it: an int, a float, true/false, else the string."""
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            continue
-    return text.lower() == "true" if text.lower() in ("true", "false") else text
-
-
-def split_spec(spec: str) -> tuple[str, dict[str, object]]:
-    """A policy spec, ``name`` or ``name[key=value,...]`` (e.g. ``d2o[scores=window,merge_bias=true]``:
-    how the evaluations name a configuration), -> (name, hyperparameters)."""
-    from kvpass.validation import refuse
-
-    name, _, rest = spec.partition("[")
-    if not rest:
-        return spec, {}
-    if not rest.endswith("]"):
-        raise refuse("policy.spec", got=spec)
-    kwargs: dict[str, object] = {}
-    for item in filter(None, rest[:-1].split(",")):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise refuse("policy.spec", got=spec)
-        kwargs[key.strip()] = parse_value(value.strip())
-    return name, kwargs
 
 
 def policy_from_spec(spec: str) -> Policy:

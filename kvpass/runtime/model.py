@@ -14,12 +14,12 @@ from torch import Tensor, nn
 
 from kvpass.budget import budget_tokens, check_budget
 from kvpass.decode_step import StaticDecodeStep
-from kvpass.errors import OutOfDeviceMemory
 from kvpass.head_group import SINGLE_PROCESS, HeadGroup
 from kvpass.policies.base import Policy
 from kvpass.rewrites import CapturedModel, RewrittenGraphs, compile_model
 from kvpass.runtime.chunked_prefill import check_prefill_chunk, start_chunked
 from kvpass.runtime.decode_buffers import DecodeBuffers
+from kvpass.runtime.inputs import check_prefill_memory, prepare_inputs
 from kvpass.runtime.layers import build_layers, check_min_budget
 from kvpass.runtime.session import DecodeSession, GenerationReport, stack_sessions
 from kvpass.validation import (
@@ -27,9 +27,7 @@ from kvpass.validation import (
     as_input_ids,
     check_generate_kwargs,
     check_max_new_tokens,
-    check_memory,
     check_sampling,
-    estimate_prefill_bytes,
     in_use,
     left_pads,
     refuse,
@@ -112,7 +110,6 @@ class KVPassModel(nn.Module):
         # Prompt tokens prefilled at a time (None: the whole prompt), each layer compressed back to its budget
         # between chunks, so prefill holds about budget + chunk entries per layer (kvpass/runtime/chunked_prefill.py).
         self.prefill_chunk: int | None = None
-        self._chunk_step = None                    # the chunk-step graph, built on first use (chunked_prefill)
         self._lock = threading.Lock()              # held by generate(): a second thread gets ModelInUse
         # bytes free on the device for the pre-prefill memory check (None: validation.free_device_bytes, which
         # asks CUDA and skips other devices); tests set a function to exercise the check on the CPU
@@ -152,17 +149,7 @@ class KVPassModel(nn.Module):
 
     # ---------------------------------------------------------------- generate
     def _prepare(self, input_ids, attention_mask, max_new_tokens) -> tuple[Tensor, Tensor, Tensor]:
-        """ids [B, T], left pads [B], positions [B, T] after every input check (``kvpass.validation``)."""
-        ids = as_input_ids(input_ids, self.device, self.vocab_size)
-        mask, pad = left_pads(attention_mask, ids)
-        longest = int(ids.shape[1] - pad.min())
-        ctx = self.captured.context_length
-        if longest > ctx:
-            raise refuse("input_ids.context", got=longest, context=ctx)
-        if longest + max_new_tokens > ctx:
-            raise refuse("max_new_tokens.context", prompt=longest, got=max_new_tokens, context=ctx)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        return ids, pad, pos
+        return prepare_inputs(self, input_ids, attention_mask, max_new_tokens)      # kvpass/runtime/inputs.py
 
     @property
     def compile_report(self) -> dict:
@@ -263,23 +250,7 @@ class KVPassModel(nn.Module):
         return stack_sessions(groups(), batch)
 
     def _check_memory(self, batch: int, tokens: int, total: int) -> None:
-        """Refuse before the prefill when its estimated memory (``validation.estimate_prefill_bytes``) exceeds
-        what is free on the device (CUDA; ``validation.free_device_bytes``), after freeing the buffers ``generate``
-        kept (``release_decode_buffers``) if they are what is in the way."""
-        if self.device.type != "cuda" and self.free_bytes is None:
-            return
-        kv_width = sum(s.n_kv_heads * s.head_dim for s in self.graphs.sites)
-        slots = total if not self.policy.compresses else budget_tokens(self.budget, total) + getattr(
-            self.policy, "interval", 1)
-        need = estimate_prefill_bytes(self.config, batch, tokens, total, slots, next(self.model.parameters()).dtype,
-                                      kv_width)
-        try:
-            check_memory(need, self.device, batch, tokens, self.free_bytes)
-        except OutOfDeviceMemory:
-            if not self.decode_buffers.held:
-                raise
-            self.release_decode_buffers()
-            check_memory(need, self.device, batch, tokens, self.free_bytes)
+        check_prefill_memory(self, batch, tokens, total)                            # kvpass/runtime/inputs.py
 
     def release_decode_buffers(self) -> None:
         """Free the cache buffers ``generate`` keeps between calls and the decode step's CUDA graphs recorded over
