@@ -240,8 +240,8 @@ def release_failed_capture(graph: torch.cuda.CUDAGraph, pool: tuple[int, int], d
     kept the capture's use), that use is dropped here and the cache emptied again. Where its segments still
     hold live tensors the pool is left alone: a torch that drops the use itself (2.11) has already made the pool
     freeable, and a second drop sent its use count below zero, after which every ``torch.cuda.empty_cache()``
-    of the process failed an internal assert (session 33, H100: ClusterKV's host-resident cache fails every
-    capture). ``pool``: the id the capture was begun with (``torch.cuda.graph_pool_handle()``)."""
+    of the process failed an internal assert (on an H100 with torch 2.11: ClusterKV's host-resident cache
+    fails every capture). ``pool``: the id the capture was begun with (``torch.cuda.graph_pool_handle()``)."""
     pool, index = tuple(pool), device.index or 0
     try:                                         # torch before #180395: an end of capture that failed left
         torch._C._cuda_endAllocateToPool(index, pool)    # the allocator routing to the pool
@@ -327,7 +327,7 @@ _PENDING = PENDING
 # compression, and the forked kernels run beside the step's first GEMVs. A one-in-one-out eviction (interval 1:
 # every layer, every step, one entry a row) is short: on fewer streams the first layers' evictions meet less of
 # the others' and finish sooner, and the rest still end long before their layers. Compiled D2O steps, 32k, H200
-# (benchmarks/results/h200-session41/side-streams-in-step-*), ms a step on 1 / 2 / 8 streams: batch 1 4.744 /
+# (the side-streams-in-step-* results in benchmarks/results/), ms a step on 1 / 2 / 8 streams: batch 1 4.744 /
 # 4.780 / 4.815, batch 4 6.454 / 6.461 / 6.559, batch 8 7.620 / 7.614 / 7.734, batch 16 (2 / 4 / 8) 9.906 /
 # 9.977 / 10.03; at batch 32 (runs that drifted with time) 8 streams were the fastest of each round. A
 # compression of many entries a layer (interval > 1: every layer at one step in ``interval``) keeps ``most``

@@ -292,8 +292,8 @@ MANY_ROWS = 128
 # Fewest slots per split (rounded to BLOCK_N); 128-slot splits were 8-10% slower on an H100 at B = 1 (C = 6.5k,
 # 13k) and at 1k x 8 (decode-attention-batch-sweep-nvidia-h100-80gb-hbm3.json).
 MIN_SPLIT = 256
-# Slots per scores program of the merge launch. 512 against 128 (H200, C 6555, the 8B shape, session 40:
-# benchmarks/probes/decode_scores_cost.py, h200-session40/decode-scores-cost.json): the merge launch with the
+# Slots per scores program of the merge launch. 512 against 128 (H200, C 6555, the 8B shape:
+# benchmarks/probes/decode_scores_cost.py, decode-scores-cost.json): the merge launch with the
 # scores 26.8 -> 16.3 us at batch 32 (the whole op 258.4 -> 248.1), 14.8 -> 9.2 at batch 16, 3.7 -> 2.6 at batch 1;
 # a quarter of the programs, each rebuilding its rows' log-sum-exp once for 4x the slots. 1024 was slower at
 # every batch (19.8 us at batch 32).
@@ -370,7 +370,7 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, log_weight: Tensor,
     if num_warps is None:
         num_warps = 4
     if num_stages is None:
-        # with the candidates' running maxima in registers, 2 stages beat 3 from 128 rows (H200, session 39)
+        # with the candidates' running maxima in registers, 2 stages beat 3 from 128 rows (H200)
         many = b * hkv >= MANY_ROWS
         num_stages = (2 if many and (n_cand or not wide) else 3) if on_gpu else 1
     if on_gpu:        # fp32 (or a small GPU): fewer stages or narrower tiles where the tiles would not fit

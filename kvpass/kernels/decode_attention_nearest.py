@@ -21,8 +21,8 @@ the query tile's spare rows, which no output reads).
 The Triton kernel reads |k_j| from ``inv_norm`` [B, Hkv, C] fp32 (1 / max(|k_j|, eps), kept by the eviction op:
 computed where it scans a row, updated where it merges or moves), not from K: a slot whose entry is NaN there
 (the newest entry, written by this step) is left out, and the eviction compares e with the newest entry itself.
-Computing the norms from each K tile instead cost 2.2x the attention at batch 1 (session 32's form, reverted;
-benchmarks/results/h200-session39/). The reference computes every norm from K (and so does not leave the newest
+Computing the norms from each K tile instead cost 2.2x the attention at batch 1 (an earlier form, reverted;
+nearest-in-attention-timing-nvidia-h200.json in benchmarks/results/). The reference computes every norm from K (and so does not leave the newest
 out: the eviction's comparison gives the same answer). Below a batch of ``FUSE_FROM_BATCH`` the search costs the
 step more than the scan it saves (the attention is on the step's path, the scan beside it): there the op is the
 plain attention and the eviction never names candidates (``fuses_at``).
@@ -48,7 +48,7 @@ NEAREST_INPUTS = ("nearest_next", "nearest_from", "nearest_inv_norm", "nearest_c
                   "nearest_slot")
 # The smallest batch whose Triton step searches in the attention: on an H200 at 32k, one layer (attention + eviction,
 # scanning -> fused) 42.8 -> 46.3 us at batch 1, 93.7 -> 77.8 at 4, 448.8 -> 328.6 at 32
-# (benchmarks/results/h200-session39/nearest-in-attention-timing-nvidia-h200.json).
+# (nearest-in-attention-timing-nvidia-h200.json in benchmarks/results/).
 FUSE_FROM_BATCH = 4
 _EPS = 1e-12
 

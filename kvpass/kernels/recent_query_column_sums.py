@@ -126,7 +126,7 @@ def _combine_lse_kernel(PART_M, PART_L, QPOS, LSE, ROWS, HQ, T, SPLITS, BLOCK_R:
 
 _LSE_CONFIG = (64, 128, 4, 3)    # (BLOCK_M, BLOCK_N, num_warps, num_stages) on CUDA: recent-query-column-sums-sweep-nvidia-h200.json
 # The column pass's query tile on CUDA (the chunked prefill's column sums keep 64): an H200 sweep of the whole op at
-# C 6.5k (benchmarks/results/h200-session37/recent-query-column-sums-sweep-*) took 348 against 403 us at B 32, m 16,
+# C 6.5k (recent-query-column-sums-sweep-* in benchmarks/results/) took 348 against 403 us at B 32, m 16,
 # 28 against 29 us at B 1, m 16, and 941 against 951 us at B 32, m 64.
 _COLUMN_BLOCK_M = 32
 

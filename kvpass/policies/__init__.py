@@ -11,6 +11,7 @@ from kvpass.policies.d2o import D2O
 from kvpass.policies.ems import EMS
 from kvpass.policies.full import Full
 from kvpass.policies.h2o import H2O
+from kvpass.policies.keydiff import KeyDiff
 from kvpass.policies.knorm import Knorm
 from kvpass.policies.kvmerger import KVMerger
 from kvpass.policies.pyramidkv import PyramidKV
@@ -22,7 +23,7 @@ from kvpass.policies.tova import TOVA
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Full, StreamingLLM, D2O, H2O, SnapKV, PyramidKV, CaM,
                                                           Chelsea, KVMerger, EMS, ClusterKV, Quest, Knorm, TOVA,
-                                                          AdaKV)}
+                                                          AdaKV, KeyDiff)}
 # Chosen from the suite's leaderboard (benchmarks/results/quality-suite-smollm2.md, budget 0.2, query-aware,
 # among policies that really save memory): SnapKV with a pooling kernel of 31 answers 97.0% [94.4, 98.4] of
 # 300 cases against the full cache's 96.7%; with SnapKV's kernel of 7 it keeps only the first digits of a

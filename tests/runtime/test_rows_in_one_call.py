@@ -94,7 +94,7 @@ def test_rows_in_one_call_accepts_one_in_one_out_and_full_intervals():
     assert not D2O(interval=2).rows_in_one_call([20, 18], [21, 20])   # a row due below budget + interval
     assert D2O(interval=2, merge_protect=0.5, merge_weighting="score").rows_in_one_call([20, 18], [22, 20])
     keep = torch.tensor([20, 7, 4, 1])
-    sinks, important, recent = d2o.split_rows(keep)
+    sinks, important, recent = d2o.split(keep)
     for b, k in enumerate(keep.tolist()):
         assert (int(sinks[b]), int(important[b]), int(recent[b])) == d2o.split(k)
 

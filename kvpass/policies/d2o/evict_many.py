@@ -89,10 +89,6 @@ def evict_many_triton(t: StepTensors, split: Tensor, m: int, opts: StepOptions, 
             x.masked_fill_(freed.view(*freed.shape, *([1] * (x.dim() - 3))), 0)
 
 
-def _options(beta: float, variant: str, min_cos: float, bias: bool, chains: int) -> StepOptions:
-    return StepOptions(beta=beta, variant=variant, min_cos=min_cos, bias=bias, chains=chains)
-
-
 @torch.library.custom_op("kvpass::d2o_evict_many", mutates_args=(
     "k", "v", "score", "position", "log_weight", "length", "tau", "tau_set", "others"))
 def d2o_evict_many(k: Tensor, v: Tensor, score: Tensor, position: Tensor, log_weight: Tensor, length: Tensor,
@@ -109,7 +105,7 @@ def d2o_evict_many_reference(k: Tensor, v: Tensor, score: Tensor, position: Tens
     """The op's plain-torch definition: ``evict_in_place`` with each batch row's split."""
     keep, due, sinks, recent, target_from = split.unbind(0)
     evict_in_place(StepTensors(k, v, score, position, log_weight, length, tau, tau_set, others), keep, due, m, sinks,
-                   recent, target_from, _options(beta, variant, min_cos, bias, chains))
+                   recent, target_from, StepOptions(beta=beta, variant=variant, min_cos=min_cos, bias=bias, chains=chains))
 
 
 @d2o_evict_many.register_fake
@@ -123,6 +119,6 @@ if HAS_TRITON:
     def _(k, v, score, position, log_weight, length, tau, tau_set, others, split, m, beta, variant, min_cos,
           bias=False, chains=0):
         evict_many_triton(StepTensors(k, v, score, position, log_weight, length, tau, tau_set, others), split, m,
-                          _options(beta, variant, min_cos, bias, chains))
+                          StepOptions(beta=beta, variant=variant, min_cos=min_cos, bias=bias, chains=chains))
 
 add_references({"d2o_evict_many": d2o_evict_many_reference})

@@ -10,7 +10,8 @@ hold what ``reference.compress_reference`` gives each row at capacity keep + 1 (
 ``nearest`` ([] or the layer's six tensors of ``nearest.NEAREST_INPUTS``): the step also names the M entries of
 lowest score the next step may evict, which the decode attention (``kvpass::decode_attention_nearest``) searches
 from its own read of K; the Triton step takes e's nearest key from there where e was named (batch >= 4), scans
-otherwise, and keeps each key's inverse norm for that search. The CPU step scans and names the same candidates.
+otherwise, and keeps each key's inverse norm for that search. The CPU kernel scans and names none (so the search
+finds nothing to do: on the CPU D2O runs ``evict_in_place`` itself, never this op).
 Tensor parallelism (``heads``): the threshold's per-head statistics of every layer due at one step are gathered
 in one all-gather (``run_layers``), so each rank decides as one process does.
 """
@@ -28,8 +29,8 @@ from kvpass.kernels import add_references
 from kvpass.kernels._triton import HAS_TRITON, check_device, next_pow2, require_triton, tl, triton
 from kvpass.kernels.decode_attention_nearest import check_nearest_inputs, fuses_at
 from kvpass.policies.d2o.evict_one_kernels import _candidate_kernel, _merge_move_kernel, _nearest_key_kernel
-from kvpass.policies.d2o.in_place import StepTensors, evict_in_place, evicted_slots
-from kvpass.policies.d2o.merge import NO_FLOOR, StepOptions
+from kvpass.policies.d2o.in_place import StepTensors, evict_in_place
+from kvpass.policies.d2o.merge import NO_FLOOR, StepOptions, every_head
 
 Gathered = tuple[Tensor, Tensor] | None          # every rank's (u, ev) [B, H_ALL] of one layer; None in one process
 
@@ -75,35 +76,6 @@ def check_layer(t: StepTensors, variant: str, split: Tensor) -> None:
             raise ValueError(f"other slot metadata must be [B, Hkv, C, ...] = {(b, h, c)}, got {tuple(x.shape)}")
 
 
-def next_candidates(t: StepTensors, split: Tensor, m: int) -> Tensor:
-    """[B, Hkv, m] int64: the m lowest-score entries the next step may evict once this step's e is gone (one more
-    position has left the recent window; the newest entry is named by e, where it moves), -1 for none and for rows
-    that evict nothing. Before the step's moves."""
-    keep, _, sinks, recent, _ = split.unbind(0)
-    e_idx, valid, _, rank = evicted_slots(t, keep, keep + 1, 1, sinks, recent, SINGLE_PROCESS)
-    b, h, c = t.score.shape
-    j = torch.arange(c, device=t.k.device)
-    length = t.length[..., None]
-    ok = ((j < length) & (rank >= sinks.view(b, 1, 1)) & (rank <= length - recent.view(b, 1, 1)) & (j != e_idx)
-          & valid)
-    prio = torch.where(ok, t.score.double(), float("inf"))
-    low = torch.sort(prio, dim=-1, stable=True)
-    slot = torch.where(low.indices == length - 1, e_idx, low.indices)[..., :m]
-    picked = torch.where(low.values[..., :m] < float("inf"), slot, -1)
-    return torch.nn.functional.pad(picked, (0, m - picked.shape[-1]), value=-1)
-
-
-def evict_one_torch(t: StepTensors, nearest: list[Tensor], split: Tensor, opts: StepOptions,
-                    heads: HeadGroup = SINGLE_PROCESS) -> None:
-    """The step in plain torch (the op's CPU kernel; the options without a kernel on CUDA): with ``nearest``, the
-    next step's candidates and first target slot named as the Triton step names them."""
-    keep, _, sinks, recent, target_from = split.unbind(0)
-    if nearest:
-        nearest[0].copy_(next_candidates(t, split, nearest[0].shape[-1]))
-        nearest[1].copy_(target_from[:, None].expand_as(nearest[1]))
-    evict_in_place(t, keep, keep + 1, 1, sinks, recent, target_from, opts, heads)
-
-
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -121,8 +93,6 @@ def run_layers(steps: list[Generator[Gathered, Gathered, None]], heads: HeadGrou
     """Several layers' ``evict_one_steps``: kernels A and B of every layer, then, under tensor parallelism, one
     all-gather of every layer's per-head (u, ev) (layers of one shape stacked), then every layer's kernel C. Each
     layer ends as it does alone; the collectives keep one order as long as every rank passes one order."""
-    from kvpass.policies.d2o.merge import every_head
-
     wanted = [next(step) for step in steps]
     got: list[Gathered] = [None] * len(steps)
     if heads.world > 1:
@@ -211,10 +181,6 @@ def evict_one_triton(t: StepTensors, nearest: list[Tensor], split: Tensor, opts:
     run_layers([evict_one_steps(t, nearest, split, opts, heads, **launch)], heads)
 
 
-def _options(beta: float, variant: str, min_cos: float, bias: bool) -> StepOptions:
-    return StepOptions(beta=beta, variant=variant, min_cos=min_cos, bias=bias)
-
-
 @torch.library.custom_op("kvpass::d2o_evict_one", mutates_args=(
     "k", "v", "score", "position", "log_weight", "length", "tau", "tau_set", "others", "nearest"))
 def d2o_evict_one(k: Tensor, v: Tensor, score: Tensor, position: Tensor, log_weight: Tensor, length: Tensor,
@@ -228,9 +194,11 @@ def d2o_evict_one_reference(k: Tensor, v: Tensor, score: Tensor, position: Tenso
                             length: Tensor, tau: Tensor, tau_set: Tensor, others: list[Tensor], nearest: list[Tensor],
                             split: Tensor, beta: float, variant: str, min_cos: float = NO_FLOOR,
                             bias: bool = False) -> None:
-    """The op's plain-torch definition (``evict_one_torch``), which export substitutes for it."""
-    evict_one_torch(StepTensors(k, v, score, position, log_weight, length, tau, tau_set, others), nearest, split,
-                    _options(beta, variant, min_cos, bias))
+    """The op's plain-torch definition (``evict_in_place``, one eviction; no candidates named), which export
+    substitutes for it."""
+    keep, _, sinks, recent, target_from = split.unbind(0)
+    evict_in_place(StepTensors(k, v, score, position, log_weight, length, tau, tau_set, others), keep, keep + 1, 1,
+                   sinks, recent, target_from, StepOptions(beta=beta, variant=variant, min_cos=min_cos, bias=bias))
 
 
 @d2o_evict_one.register_fake
@@ -244,6 +212,6 @@ if HAS_TRITON:
     def _(k, v, score, position, log_weight, length, tau, tau_set, others, nearest, split, beta, variant,
           min_cos=NO_FLOOR, bias=False):
         evict_one_triton(StepTensors(k, v, score, position, log_weight, length, tau, tau_set, others), nearest,
-                         split, _options(beta, variant, min_cos, bias))
+                         split, StepOptions(beta=beta, variant=variant, min_cos=min_cos, bias=bias))
 
 add_references({"d2o_evict_one": d2o_evict_one_reference})

@@ -200,19 +200,14 @@ class D2O(Policy, RaggedRows, GathersAcrossHeads, FusedDecodeStatistics):
         return [got[i] for i in range(n_layers)]
 
     # ------------------------------------------------------------------ token level (§5.5, §5.6)
-    def split(self, keep: int) -> tuple[int, int, int]:
-        """(sinks, important N incl. sinks, recent M) for a budget of ``keep`` entries."""
+    def split(self, keep: int | Tensor) -> tuple[int | Tensor, int | Tensor, int | Tensor]:
+        """(sinks, important N incl. sinks, recent M) of a budget of ``keep`` entries (an int, or [B] int64: per
+        batch row, each [B])."""
         n, m = self.n_m_ratio
         recent = keep * m // (n + m)
         important = keep - recent
-        return min(self.sinks, important), important, recent
-
-    def split_rows(self, keep: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``split`` per batch row: keep [B] int64 -> (sinks, important, recent), each [B]."""
-        n, m = self.n_m_ratio
-        recent = keep * m // (n + m)
-        important = keep - recent
-        return important.clamp(max=self.sinks), important, recent
+        return (important.clamp(max=self.sinks) if isinstance(keep, Tensor) else min(self.sinks, important),
+                important, recent)
 
     def step_options(self) -> StepOptions:
         protect = float(self.merge_protect) if self.merge and self.merge_protect > 0 else 0.0
@@ -229,7 +224,7 @@ class D2O(Policy, RaggedRows, GathersAcrossHeads, FusedDecodeStatistics):
 
     def _protected(self, keep: int | Tensor) -> tuple[int | Tensor, int | Tensor, int | Tensor]:
         """(sinks, recent, target_from) of a budget (an int, or [B] int64 per batch row)."""
-        sinks, _, recent = self.split_rows(keep) if isinstance(keep, Tensor) else self.split(keep)
+        sinks, _, recent = self.split(keep)
         zero = torch.zeros_like(keep) if isinstance(keep, Tensor) else 0
         return sinks, recent, zero if self.merge_into_sinks else sinks
 

@@ -11,13 +11,11 @@ The runtime's prefill compression is this function itself; it synchronises with 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import Tensor
 
 import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
-from kvpass.cache import LayerCache, gather_slots, keep_slots, put_rows_at, take_rows
+from kvpass.cache import LayerCache, gather_slots, keep_slots
 from kvpass.head_group import SINGLE_PROCESS, HeadGroup
 from kvpass.kernels.cosine_match import cosine_match_reference
 from kvpass.policies.d2o.chains import chain_similarities, chain_window, fold_chains, put
@@ -115,16 +113,3 @@ def sums_into(nearest: Tensor, merged: Tensor, w_e: Tensor, srcs: tuple[Tensor, 
     idx = nearest[..., None].expand(*nearest.shape, accs[0].shape[-1])
     return (zeros.scatter_add(2, nearest, merged), zeros.scatter_add(2, nearest, w_e),
             [acc.scatter_add(2, idx, w_e[..., None] * src.float()) for src, acc in zip(srcs, accs, strict=True)])
-
-
-def compress_rows_reference(compress, cache: LayerCache, keep: Sequence[int], capacity: Sequence[int]
-                            ) -> LayerCache:
-    """Per-row budgets: each row b that is due (holds ``capacity[b]`` entries in some head) compressed alone by
-    ``compress(cache, keep)`` (a policy's ``compress``) in a copy of its own capacity, the others unchanged; returns
-    a cache of ``cache``'s capacity (what ``compress_rows_into`` must give, up to the slots' order)."""
-    out = take_rows(cache, list(range(cache.k.shape[0])))
-    longest = cache.length.amax(-1).tolist()
-    for b, (k, cap) in enumerate(zip(keep, capacity, strict=True)):
-        if longest[b] >= cap:
-            put_rows_at(out, compress(take_rows(cache, [b], cap), k), [b])
-    return out

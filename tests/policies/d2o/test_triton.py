@@ -14,7 +14,7 @@ from kvpass.cache import LayerCache, put_rows_at, take_rows
 from kvpass.kernels.decode_attention_nearest import decode_attention_nearest_triton
 from kvpass.policies.d2o import D2O
 from kvpass.policies.d2o.evict_many import evict_many_triton
-from kvpass.policies.d2o.evict_one import evict_one_torch, evict_one_triton, split_tensor
+from kvpass.policies.d2o.evict_one import evict_one_triton, split_tensor
 from kvpass.policies.d2o.in_place import StepTensors
 from kvpass.policies.d2o.nearest import layer_nearest, nearest_state
 from tests.policies.d2o.cases import (
@@ -127,22 +127,25 @@ def test_evict_one_ties_go_to_the_lowest_slot(triton_device: str) -> None:
         assert torch.equal(got.k[0, 0].cpu()[after.index(pos[8])], cache.k[0, 0, 8]), splits       # 8 did not
 
 
-def test_op_cpu_kernel_names_the_triton_steps_candidates(triton_device: str) -> None:
-    """The op's plain-torch kernel (``evict_one_torch``) holds the reference's entries, and names as the next step's
-    candidates the entries the Triton step names (as sets: their lowest scores)."""
+def test_the_ops_plain_torch_kernels_equal_the_reference() -> None:
+    """The ops' CPU kernels (what export substitutes for them) hold the reference's entries: ``d2o_evict_one`` (one
+    budget and per row, its nearest state given: it names no candidates) and ``d2o_evict_many``."""
     policy, keep = D2O(), 12
-    cache = shuffled(ordered_cache([[13, 13, 13]] * 4, 13, 16, seed=6, dtype=torch.float32), 6)
-    want = reference(policy, cache, keep)
-    cpu, tri = copied(cache), copied(cache, triton_device)
-    state_cpu, state_tri = nearest_state(cpu), nearest_state(tri)
-    t, split = inputs(policy, cpu, keep, keep + 1)
-    evict_one_torch(t, list(state_cpu.values()), split, policy.step_options())
-    assert_rows_equal(cpu, want, [0, 1, 2, 3], "cpu kernel")
-    evict_one(policy, tri, keep, list(state_tri.values()))
-    assert_rows_equal(tri, want, [0, 1, 2, 3], "triton")
-    named = lambda s, c: torch.sort(c.position.cpu().gather(2, s["nearest_next"].cpu())).values  # noqa: E731
-    assert torch.equal(named(state_cpu, cpu), named(state_tri, tri))
-    assert (state_cpu["nearest_next"] >= 0).all()
+    cache = shuffled(ordered_cache([[13, 13, 13], [13, 9, 13]], 13, 16, seed=6, dtype=torch.float32), 6)
+    for keep_arg in (keep, torch.tensor([keep, keep])):
+        got = copied(cache)
+        state = nearest_state(got)
+        t, split = inputs(policy, got, keep_arg, keep_arg + 1)
+        torch.ops.kvpass.d2o_evict_one(*t, list(state.values()), split, 0.7, "paper")
+        assert_rows_equal(got, reference(policy, cache, keep), [0, 1], f"evict one, keep {keep_arg}")
+        assert (state["nearest_next"] == -1).all()
+    many = D2O(interval=4)
+    cache = shuffled(ordered_cache([[24, 24, 22], [21, 9, 24]], 24, 16, seed=7, dtype=torch.float32), 7)
+    got = copied(cache)
+    t, split = inputs(many, got, 20, 21)
+    opts = many.step_options()
+    torch.ops.kvpass.d2o_evict_many(*t, split, 4, opts.beta, opts.variant, opts.min_cos, opts.bias, opts.chains)
+    assert_rows_equal(got, reference(many, cache, 20), [0, 1], "evict many")
 
 
 def fused_steps(policy: D2O, got: LayerCache, keeps: list[int], steps: int, device: str) -> int:
