@@ -278,8 +278,13 @@ class D2O(Policy, RaggedRows, GathersAcrossHeads, FusedDecodeStatistics):
         return cache.k.is_cuda and not torch.compiler.is_exporting() and self._kernel_options()
 
     def _inputs(self, cache: LayerCache, keep: int | Tensor, due: int | Tensor) -> tuple[StepTensors, Tensor]:
-        """The layer's tensors and the [5, B] split of the ops."""
-        split = split_tensor(cache.k.shape[0], cache.k.device, keep, due, *self._protected(keep))
+        """The layer's tensors and the [5, B] split of the ops (an int budget's checked: the ops read [B] values
+        on the device, unchecked, and a row with no candidate or no merge target would poison the threshold)."""
+        sinks, recent, target_from = self._protected(keep)
+        if isinstance(keep, int) and not (sinks + recent <= keep and 0 <= target_from < keep):
+            raise ValueError(f"d2o: a budget of {keep} leaves sinks {sinks}, recent {recent} and merge targets "
+                             f"from slot {target_from}: a layer needs at least {self.min_budget()} entries")
+        split = split_tensor(cache.k.shape[0], cache.k.device, keep, due, sinks, recent, target_from)
         return StepTensors.of(cache, self._score_name(cache)), split
 
     def _sharded_step(self, cache: LayerCache, keep: int | Tensor) -> Generator[Gathered, Gathered, None] | None:
