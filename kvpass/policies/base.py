@@ -80,8 +80,9 @@ def require(condition: bool, message: str) -> None:
 @dataclass(frozen=True)
 class Policy:
     """Base of every policy. Subclasses are frozen dataclasses whose fields are the paper's
-    hyperparameters with its defaults; ``interval`` is how many decode steps a layer may grow past its
-    budget before it is compressed again (so a layer holds between budget and budget + interval).
+    hyperparameters with its defaults; an ``interval`` field, where a policy has one (the runtime reads 1
+    otherwise), is how many decode steps a layer may grow past its budget before it is compressed again (so a
+    layer holds between budget and budget + interval).
 
     ``expand_kv_heads`` (every policy, keyword-only; docs/policies.md §0.5 "paper-faithful expanded mode",
     §4.10, §5.3): False (default) keeps the cache per KV head, statistics averaged over the G = Hq/Hkv

@@ -8,19 +8,21 @@ prefill(input_ids [B, T], position_ids [B, T], pad [B])
     k_l, v_l: [B, Hkv, T, D] post-RoPE KV-head tensors; pad = left pads per row;
     stats: for each compressible layer, each statistic the policy asks for, [B, Hkv, T] fp32 (per slot)
     or [B, H] fp32 (per head, e.g. Stat.HEAD_VARIANCE).
-decode(input_ids [B, 1], position_ids [B, 1], then per layer: k_cache_l, v_cache_l, log_weight_l, slot_l,
-       position_l, and, for full-attention layers, the policy's ``decode_inputs`` of that layer)
+decode(input_ids [B, 1], position_ids [B, 1], then per layer the inputs its ``LayerInputs`` names, in the
+       order of kvpass/rewrites/decode_layout.py: k_cache_l, v_cache_l, log_weight_l, slot_l, position_l, and, for
+       full-attention layers, the policy's ``decode_inputs`` of that layer)
     -> (logits [B, 1, V], *scores)
     writes the step's K, V (and its position) into slot_l of the cache buffers in place, then attends over the cache with
     the policy's decode op (sliding-window layers always with the dense op: a ring is never recalled);
     scores: [B, Hkv, C_l] fp32 per compressible layer when the policy accumulates attention, except the layers
-    whose scores are deferred (``Policy.deferred_scores`` m > 0, ``deferred_scores`` below): their inputs end
-    with recent_query_l [B, Hq, m, D] and recent_position_l [B, m] int64, a ring the step writes its query and
-    position into (``kvpass::write_query``), and their attention returns no scores (the runtime computes the
-    kept queries' rows before the layer's next compression, kvpass/runtime/recent_queries.py).
-    Where the policy names candidate slots whose nearest keys its next compression seeks (``Policy.nearest_candidates``
-    M > 0: D2O's one-in-one-out step, ``nearest_layers`` below), a layer's inputs end with the five tensors of
-    ``NEAREST_INPUTS`` and it attends with ``kvpass::decode_attention_nearest``, which finds them from its read of K.
+    whose scores are deferred (``FusedDecodeStatistics.deferred_scores`` m > 0, ``deferred_score_layers`` below):
+    their inputs end with recent_query_l [B, Hq, m, D] and recent_position_l [B, m] int64, a ring the step writes
+    its query and position into (``kvpass::write_query``), and their attention returns no scores (the runtime
+    computes the kept queries' rows before the layer's next compression, kvpass/runtime/recent_queries.py).
+    Where the policy names candidate slots whose nearest keys its next compression seeks
+    (``FusedDecodeStatistics.nearest_candidates`` M > 0: D2O's one-in-one-out step, ``nearest_search_layers``
+    below), a layer's inputs end with the six tensors of ``NEAREST_INPUTS`` and it attends with
+    ``kvpass::decode_attention_nearest``, which finds them from its read of K.
     A layer some of whose KV heads keep every token (``Policy.full_kv_heads``, Chelsea's outlier heads)
     is split into two dense sub-groups (docs/policies.md §0.6 b): k_cache_l, v_cache_l, log_weight_l, slot_l,
     position_l (and the scores) cover its other heads, in order, [B, Hkv - F, C_l, ...], and the inputs
