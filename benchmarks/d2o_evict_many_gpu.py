@@ -1,5 +1,6 @@
 """One layer's D2O decode-time compression with ``interval`` m > 1: the in-place evict-many step against the
-general path (sort, copy, fp32 copies of K and V, copy back), and the one-in-one-out step for scale.
+reference and a copy back (sort, copy, fp32 copies of K and V: what the runtime ran before the evict-many step),
+and the one-in-one-out step for scale.
 
     python benchmarks/d2o_evict_many_gpu.py --b 32 --hkv 8 --keep 6554 --interval 16 --out OUT.json
     python benchmarks/d2o_evict_many_gpu.py --smoke          # CPU, small shapes: that it runs
@@ -8,7 +9,7 @@ Per path: a layer of capacity keep + m (keep + 1 for the one-in-one-out row) hol
 row (random bf16 K, V, random scores, positions in a random slot order), compressed ``--reps`` times; before
 each rep (untimed) the freed slots are refilled with new entries (positions above the newest, length = C), as
 m decode steps would. Times with CUDA events (wall clock on CPU), median per call and per token (call / m).
-``D2O.in_place_many = False`` is the general path (what main ran before the evict-many step).
+The "general" row is the slow path of any policy without the in-place capability (``InPlace.compress_into``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,14 @@ import time
 import torch
 
 from kvpass.cache import LayerCache
+from kvpass.policies.capabilities import InPlace
 from kvpass.policies.d2o import D2O, TAU, TAU_SET
+
+
+class _Reference(D2O):
+    """D2O whose decode-time compression is the slow path: the reference and a copy back."""
+
+    compress_into = InPlace.compress_into
 
 
 def full_layer(b: int, hkv: int, c: int, d: int, dtype: torch.dtype, device: str, seed: int = 0) -> LayerCache:
@@ -91,8 +99,7 @@ def main() -> None:
     for name, capacity, interval, in_place in (("evict_many", args.keep + m, m, True),
                                               ("general", args.keep + m, m, False),
                                               ("one_in_one_out", args.keep + 1, 1, True)):
-        D2O.in_place_many = in_place
-        policy = D2O(interval=interval)
+        policy = D2O(interval=interval) if in_place else _Reference(interval=interval)
         cache = full_layer(args.b, args.hkv, capacity, args.d, dtype, device)
         ms = time_path(policy, cache, args.keep, args.reps, args.warmup)
         per_call = statistics.median(ms)
@@ -100,7 +107,6 @@ def main() -> None:
                       "ms_per_token": per_call / (capacity - args.keep), "ms_all": ms}
         print(f"[d2o-evict-many] {name}: {per_call:.3f} ms/call, {per_call / (capacity - args.keep):.4f} ms/token "
               f"(one layer)", flush=True)
-    D2O.in_place_many = True
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "config": vars(args),
               "rows": rows}
     if args.out:

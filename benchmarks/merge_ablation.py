@@ -27,6 +27,8 @@ from typing import ClassVar
 
 import torch
 
+import kvpass.policies.d2o.in_place as d2o_in_place
+import kvpass.policies.d2o.reference as d2o_reference
 from kvpass.cache import LayerCache, gather_slots, keep_slots
 from kvpass.eval import suite
 from kvpass.eval.common import load, set_threads
@@ -34,7 +36,9 @@ from kvpass.eval.store import Store
 from kvpass.eval.tasks import single_needle
 from kvpass.kernels.cosine_match import cosine_match_reference
 from kvpass.policies import POLICIES
-from kvpass.policies.d2o import D2O, _sums_into
+from kvpass.policies.d2o import D2O, TAU, TAU_SET
+from kvpass.policies.d2o.merge import averaged, threshold_and_merge, unprotected
+from kvpass.policies.d2o.reference import sums_into
 from kvpass.policies.selection import kept_slots, ordered_slots, select_kept
 
 
@@ -45,14 +49,17 @@ class D2OAblation(D2O):
     stay); ``recent_absorbs=False``: the recent window (the newest ``recent`` positions of the
     row) is no merge target. Which tokens merge where (nearest kept key, EMA threshold, guards) is D2O's. Only
     the general (prefill) path changes, so run these with ``interval`` >= the answer length (no decode-time
-    compression). The general path of ``D2O._compress_general`` restated with those two changes."""
+    compression). The reference (``kvpass.policies.d2o.reference.compress_reference``) restated with those two
+    changes."""
 
     name: ClassVar[str] = "d2o_ablation"
     merge_kv: str = "both"
     recent_absorbs: bool = True
 
-    def _compress_general(self, cache: LayerCache, keep: int, sinks: int, recent: int) -> LayerCache:
-        kept = select_kept(self._score(cache), cache.length, keep, sinks, recent)
+    def compress(self, cache: LayerCache, keep: int) -> LayerCache:
+        sinks, recent, target_from = self._protected(keep)
+        score = self._score_name(cache)
+        kept = select_kept(cache.slot_meta[score], cache.length, keep, sinks, recent)
         out = keep_slots(cache, kept_slots(kept, keep))
         n_evicted = cache.capacity - out.capacity
         if n_evicted <= 0:
@@ -61,25 +68,28 @@ class D2OAblation(D2O):
         e_idx = ordered_slots(evicted, n_evicted)                                  # [B, Hkv, E]
         valid = torch.gather(evicted, 2, e_idx)
         k_e, v_e = gather_slots(cache.k, e_idx), gather_slots(cache.v, e_idx)
-        targets = out.live & (torch.arange(out.capacity) >= self._target_from(keep))
-        if self._protecting():
-            targets = targets & self._unprotected(self._score(out), out.live, keep)
+        targets = out.live & (torch.arange(out.capacity) >= target_from)
+        opts = self.step_options()
+        if opts.protect > 0:
+            targets = targets & unprotected(out.slot_meta[score], out.live, int(opts.protect * keep))
         if not self.recent_absorbs:
             newest = out.position.max(-1, keepdim=True).values
             targets = targets & (out.position <= newest - recent)
         nearest, u_star = cosine_match_reference(k_e, out.k, targets)
         valid = valid & (nearest >= 0)
         nearest, u_star = nearest.clamp(min=0), torch.where(valid, u_star, 0.0)
-        merged, w_e, w_self = self._threshold_and_merge(out.state, u_star, valid)
-        count, w_sum, (k_acc, v_acc) = _sums_into(nearest, merged.float(), w_e, (k_e, v_e),
-                                                  (w_self * out.k.float(), w_self * out.v.float()))
-        norm = w_self + (w_sum if self.d2o_variant == "paper" else count)
-        target = (count > 0)[..., None]
+        b = cache.k.shape[0]
+        tau = cache.state[TAU].clone() if TAU in cache.state else torch.zeros(b)
+        tau_set = cache.state[TAU_SET].clone() if TAU_SET in cache.state else torch.zeros(b, dtype=torch.bool)
+        out.state[TAU], out.state[TAU_SET] = tau, tau_set
+        merged, w_e = d2o_reference.threshold_and_merge(self.heads, u_star, valid, tau, tau_set, opts)
+        w_self = opts.w_self
+        count, w_sum, (k_acc, v_acc) = sums_into(nearest, merged.float(), w_e, (k_e, v_e),
+                                                 (w_self * out.k.float(), w_self * out.v.float()))
         for name, acc in (("k", k_acc), ("v", v_acc)):
             if (name, self.merge_kv) in (("k", "values"), ("v", "keys")):
                 continue
-            base = getattr(out, name)
-            setattr(out, name, torch.where(target, (acc / norm[..., None]).to(base.dtype), base))
+            setattr(out, name, averaged(getattr(out, name), acc, w_self, w_sum[..., None], count[..., None], opts))
         return out
 
 
@@ -165,39 +175,37 @@ def summarise(records: list[dict], labels: dict[str, str], budgets: list[float])
 
 
 def count_merges(loaded, items: list, specs: list[str], budgets: list[float], batch: int) -> list[dict]:
-    """Per (D2O spec, budget): evicted and merged (KV head, token) pairs, counted by wrapping
-    ``D2O._threshold_and_merge`` on a fresh run (a throwaway store, so every case runs). That counts the
-    prefill compression and the decode steps of the pure path (merge_protect, merge_weighting="score"); the
-    in-place decode op (every other variant) does not pass through it, so there only the prefill counts."""
+    """Per (D2O spec, budget): evicted and merged (KV head, token) pairs, counted by wrapping D2O's
+    ``threshold_and_merge`` (the reference's and the plain-torch step's) on a fresh run of that spec alone (a
+    throwaway store, so every case runs). That counts the prefill compression and the decode steps of the
+    plain-torch step (on the CPU every step; on CUDA the options the Triton ops lack)."""
     import tempfile
 
-    counts: dict[str, list[int]] = {}
-    original = D2O._threshold_and_merge
+    count = [0, 0]
 
-    def counting(self, state, u_star, valid):
-        merged, w_e, w_self = original(self, state, u_star, valid)
-        got = counts.setdefault(repr(self), [0, 0])
-        got[0] += int(valid.sum())
-        got[1] += int(merged.sum())
-        return merged, w_e, w_self
+    def counting(heads, u, valid, tau, tau_set, opts):
+        merged, w_e = threshold_and_merge(heads, u, valid, tau, tau_set, opts)
+        count[0] += int(valid.sum())
+        count[1] += int(merged.sum())
+        return merged, w_e
 
     from kvpass.policies import policy_from_spec
 
     d2o_specs = [s for s in specs if isinstance(policy_from_spec(s), D2O)]
     rows = []
-    D2O._threshold_and_merge = counting
+    d2o_reference.threshold_and_merge = d2o_in_place.threshold_and_merge = counting
     try:
         for budget in budgets:
-            counts.clear()
-            with tempfile.TemporaryDirectory() as tmp:
-                suite.run(loaded, items, suite.cells(d2o_specs, [budget], ["query_aware"], reference=False),
-                          Store(Path(tmp) / "counts.json"), batch=batch, desc=f"merge counts @{budget}")
             for spec in d2o_specs:
-                evicted, merged = counts.get(repr(policy_from_spec(spec)), [0, 0])
+                count[:] = [0, 0]
+                with tempfile.TemporaryDirectory() as tmp:
+                    suite.run(loaded, items, suite.cells([spec], [budget], ["query_aware"], reference=False),
+                              Store(Path(tmp) / "counts.json"), batch=batch, desc=f"merge counts {spec} @{budget}")
+                evicted, merged = count
                 rows.append({"spec": spec, "budget": budget, "evicted": evicted, "merged": merged,
                              "merged_fraction": round(merged / max(evicted, 1), 4)})
     finally:
-        D2O._threshold_and_merge = original
+        d2o_reference.threshold_and_merge = d2o_in_place.threshold_and_merge = threshold_and_merge
     return rows
 
 

@@ -5,8 +5,9 @@ D2O gives every batch row its own per-layer budgets (its own attention variance,
 so a layer's rows differ in budget. Before, every decode step compressed such a layer one budget at a time
 in copies of each row's capacity (``kvpass.runtime.layers.compress_rows_into``: per layer and row group a take, the
 op, a put back and a host sync, eager, outside the CUDA-graphed step); now the whole layer is one call of
-``D2O.compress_rows_into`` (the Triton op ``kvpass::d2o_evict_one_ragged``) inside the graphed step.
-``KVPassModel.rows_in_one_call = False`` restores the old path: that is the "per-row" row here.
+``D2O.compress_rows_into`` (the Triton op ``kvpass::d2o_evict_one`` reading each row's budget) inside the graphed
+step. The "per-row" rows turn the policy's rows-in-one-call capability off for the run (the slow path every
+policy without it takes).
 
 Setting: a small Llama-shaped model with random bf16 weights (16 layers, 16 query / 8 KV heads of 128),
 batch 16 and 32 of left-padded prompts of unequal lengths around 4k (random in [prompt - 512, prompt]),
@@ -155,7 +156,9 @@ def run(args: argparse.Namespace) -> dict:
                 rows.append(row)
                 continue
             kv = models[name]
-            kv.rows_in_one_call = in_one_call
+            one_call = type(kv.policy).rows_in_one_call
+            if not in_one_call:                        # the slow path: each due row compressed alone
+                type(kv.policy).rows_in_one_call = lambda self, budgets, capacities: False
             captures = kv.decode_step.captures
             try:
                 session = kv.start(ids, mask, max_new_tokens=args.warm + args.steps + 1)
@@ -175,7 +178,7 @@ def run(args: argparse.Namespace) -> dict:
             except Exception as exc:  # noqa: BLE001  (recorded: the other rows still run)
                 row["error"] = f"{type(exc).__name__}: {exc}"[:1500]
             finally:
-                kv.rows_in_one_call = True
+                type(kv.policy).rows_in_one_call = one_call
             rows.append(row)
             print(f"[ragged] {json.dumps(row)}", flush=True)
             release_gpu_memory(device)

@@ -185,7 +185,7 @@ def _calibrate_kvzip(args: argparse.Namespace) -> int:
 
 def add_calibrate_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="find Chelsea's outlier KV heads (docs/policies.md §1.10), or fit KVzip's "
-                                         "score surrogate (--policy kvzip, §6.12), and write the file")
+                                         "score surrogate (--policy kvzip, §6.13), and write the file")
     p.add_argument("--policy", choices=["chelsea", "kvzip"], default="chelsea",
                    help="chelsea (outlier heads, default) or kvzip (the linear surrogate of its reconstruction scores)")
     p.add_argument("--device", default="cpu", help="where the model runs (kvzip's fit; cpu or cuda)")

@@ -240,8 +240,8 @@ def release_failed_capture(graph: torch.cuda.CUDAGraph, pool: tuple[int, int], d
     kept the capture's use), that use is dropped here and the cache emptied again. Where its segments still
     hold live tensors the pool is left alone: a torch that drops the use itself (2.11) has already made the pool
     freeable, and a second drop sent its use count below zero, after which every ``torch.cuda.empty_cache()``
-    of the process failed an internal assert (session 33, H100: ClusterKV's host-resident cache fails every
-    capture). ``pool``: the id the capture was begun with (``torch.cuda.graph_pool_handle()``)."""
+    of the process failed an internal assert (on an H100 with torch 2.11: ClusterKV's host-resident cache
+    fails every capture). ``pool``: the id the capture was begun with (``torch.cuda.graph_pool_handle()``)."""
     pool, index = tuple(pool), device.index or 0
     try:                                         # torch before #180395: an end of capture that failed left
         torch._C._cuda_endAllocateToPool(index, pool)    # the allocator routing to the pool

@@ -2,8 +2,8 @@
 without cycles, and the graph passes (``kvpass/rewrites``) and ops (``kvpass/kernels``) never reach into
 the runtime, so either can be read, tested and changed without it.
 
-The graph is read with ``ast`` from the source (every ``import`` statement, function-local ones
-included, except those under ``if TYPE_CHECKING:``, which never run). Importing ``kvpass.a.b`` also runs
+The graph is read with ``ast`` from the source (every ``import`` statement, function-local ones and those
+under ``if TYPE_CHECKING:`` included: a type-only cycle is a cycle of the design all the same). Importing ``kvpass.a.b`` also runs
 ``kvpass/__init__`` and ``kvpass/a/__init__``; those implicit edges are left out, as Python resolves
 them from ``sys.modules`` and they only order the work.
 """
@@ -28,8 +28,6 @@ ALLOWED_RUNTIME_IMPORTS: dict[tuple[str, str], str] = {}
 # (importer, imported): function-level imports that close a cycle, left out of the cycle check, with the
 # reason. Each must stay function-level (checked): at module level the cycle would be a real import loop.
 ALLOWED_CYCLE_EDGES: dict[tuple[str, str], str] = {
-    ("kvpass.policies.adakv", "kvpass.policies"):
-        "a wrapper policy resolves its inner policy by name through the registry, which imports the wrapper",
     ("kvpass.runtime.hf_compat", "kvpass.api"):
         "KVPassModel.to() / from_pretrained rebuild through kvpass.apply (the one place a model is checked and "
         "built), which imports the model class; imported inside those methods",
@@ -53,12 +51,12 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _import_nodes(tree: ast.AST):
-    """Every Import / ImportFrom node, skipping the bodies of ``if TYPE_CHECKING:``."""
+def _import_nodes(tree: ast.AST, type_only: bool = True):
+    """Every Import / ImportFrom node; ``type_only=False`` skips the bodies of ``if TYPE_CHECKING:``."""
     stack = [tree]
     while stack:
         node = stack.pop()
-        if isinstance(node, ast.If) and _is_type_checking(node):
+        if isinstance(node, ast.If) and _is_type_checking(node) and not type_only:
             stack.extend(node.orelse)
             continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -154,6 +152,7 @@ def test_the_graph_reader_sees_imports():
     graph = import_graph()
     assert "kvpass.policies.base" in graph["kvpass.policies"]          # absolute, at the top
     assert "kvpass.kernels.write_kv" in graph["kvpass.kernels"]
+    assert "kvpass.rewrites.attention_sites" in graph["kvpass.policies.base"]   # under ``if TYPE_CHECKING:``
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
 

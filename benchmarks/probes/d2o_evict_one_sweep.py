@@ -16,9 +16,9 @@ import json
 from pathlib import Path
 
 import torch
+from kvpass.kernels.d2o_evict_one import d2o_evict_one_triton
 
 from benchmarks.bench.timing import time_fn
-from kvpass.kernels.d2o_evict_one import d2o_evict_one_triton
 
 
 def layer(b: int, c: int, seed: int) -> dict[str, torch.Tensor]:

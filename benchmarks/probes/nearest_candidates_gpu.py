@@ -40,8 +40,9 @@ def build(seed: int = 0):
 def count_hits(counts: list[int]):
     """Wrap the eviction ops the policy calls (one budget, and rows of their own budgets) to count hits and misses
     (host syncs: eager steps only); returns (the real ops, the wrappers)."""
-    import kvpass.policies.d2o as d2o_module  # noqa: F401
     from kvpass.kernels.d2o_evict_one import pick_one
+
+    import kvpass.policies.d2o as d2o_module  # noqa: F401
     from kvpass.kernels.decode_attention_nearest import fuses_at
 
     real = (torch.ops.kvpass.d2o_evict_one, torch.ops.kvpass.d2o_evict_one_ragged)

@@ -29,9 +29,9 @@ import math
 from pathlib import Path
 
 import torch
+from kvpass.kernels.d2o_evict_one import d2o_evict_one_triton, pick_one
 
 from benchmarks.bench.timing import time_fn
-from kvpass.kernels.d2o_evict_one import d2o_evict_one_triton, pick_one
 from kvpass.kernels.decode_attention import decode_attention_triton
 from kvpass.kernels.decode_attention_nearest import nearest_of_candidates_reference
 

@@ -73,6 +73,29 @@ def _f(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _plots(niah_cases: list[dict], lm_cases: list[dict], out_dir: Path, model: str) -> dict:
+    """The needle heatmaps (per policy, budget, mode and needle count: {key: path}) and the NLL and fidelity plots."""
+    heat = {}
+    for key, cs in report.group(niah_cases, "policy", "budget", "mode", "needles").items():
+        title = f"{model} {key[0]} budget {report.budget_label(key[1])} {key[2]}"
+        heat[key] = report.niah_heatmap(cs, out_dir / f"niah-{report.slug(model, *key[:3])}.png", title)
+    if lm_cases:
+        report.nll_plot(lm_cases, out_dir / f"ppl-{model}.png", f"{model}: cumulative NLL by position")
+        report.fidelity_plot(lm_cases, out_dir / f"fidelity-{model}.png", f"{model}: attention fidelity per layer")
+    return heat
+
+
+def _status(table: list[dict], niah_cases: list[dict], expected: dict, complete: bool) -> str:
+    """"complete", or what of the needle grid is stored."""
+    full_cells = sum(r["niah_query_aware_cases"] >= expected["niah_per_mode"] and (
+        r["policy"] == "transformers" or r["niah_query_agnostic_cases"] >= expected["niah_per_mode"]) for r in table)
+    stored = {mode: sum(c["mode"] == mode for c in niah_cases) for mode in ("query_aware", "query_agnostic")}
+    want = {mode: sum(r["policy"] != "transformers" for r in table) * expected["niah_per_mode"] for mode in stored}
+    return "complete" if complete else (
+        f"**PARTIAL**: {full_cells} of {len(table)} rows have every needle case; needle cases stored: "
+        + ", ".join(f"{stored[m]} of {want[m]} {m}" for m in stored) + " (per-row counts in brackets)")
+
+
 def write_leaderboard(args: argparse.Namespace, store, out_dir: Path, model: str) -> Path:
     from kvpass.eval.common import selected_cases
 
@@ -96,21 +119,8 @@ def write_leaderboard(args: argparse.Namespace, store, out_dir: Path, model: str
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"quality-{model}.json").write_text(json.dumps({"meta": meta, "rows": table}, indent=1), encoding="utf-8")
 
-    heat = {}
-    for key, cs in report.group(niah_cases, "policy", "budget", "mode", "needles").items():
-        title = f"{model} {key[0]} budget {report.budget_label(key[1])} {key[2]}"
-        heat[key] = report.niah_heatmap(cs, out_dir / f"niah-{report.slug(model, *key[:3])}.png", title)
-    if lm_cases:
-        report.nll_plot(lm_cases, out_dir / f"ppl-{model}.png", f"{model}: cumulative NLL by position")
-        report.fidelity_plot(lm_cases, out_dir / f"fidelity-{model}.png", f"{model}: attention fidelity per layer")
-
-    full_cells = sum(r["niah_query_aware_cases"] >= expected["niah_per_mode"] and (
-        r["policy"] == "transformers" or r["niah_query_agnostic_cases"] >= expected["niah_per_mode"]) for r in table)
-    stored = {mode: sum(c["mode"] == mode for c in niah_cases) for mode in ("query_aware", "query_agnostic")}
-    want = {mode: sum(r["policy"] != "transformers" for r in table) * expected["niah_per_mode"] for mode in stored}
-    status = "complete" if complete else (
-        f"**PARTIAL**: {full_cells} of {len(table)} rows have every needle case; needle cases stored: "
-        + ", ".join(f"{stored[m]} of {want[m]} {m}" for m in stored) + " (per-row counts in brackets)")
+    heat = _plots(niah_cases, lm_cases, out_dir, model)
+    status = _status(table, niah_cases, expected, complete)
     lines = [
         f"# Quality leaderboard: {model}",
         "",

@@ -4,9 +4,10 @@ One op per module, each with the plain-torch reference that defines it (``*_refe
 ``register_fake`` for compile/export, and, where it matters for speed, a Triton implementation
 registered for CUDA. Importing this package registers the ops under ``torch.ops.kvpass``.
 
-``REFERENCES`` maps every op's name to its reference, written out once here: export replaces each
-op of a graph by it (``reference_of``), so a new op is one file plus one line there (tests check that
-every registered ``torch.ops.kvpass`` op has an entry).
+``REFERENCES`` maps every op's name to its reference: export replaces each op of a graph by it
+(``reference_of``), so a new op is one file plus one line there (tests check that every registered
+``torch.ops.kvpass`` op has an entry). A policy's own ops (D2O's decode steps, registered in
+``kvpass.policies.d2o``) add theirs beside their registration (``add_references``).
 """
 
 from collections.abc import Callable
@@ -31,9 +32,6 @@ from kvpass.kernels.cluster_recall_attention import (
 from kvpass.kernels.cosine_kmeans_assign import cosine_kmeans_assign, cosine_kmeans_assign_reference
 from kvpass.kernels.cosine_kmeans_update import cosine_kmeans_update, cosine_kmeans_update_reference
 from kvpass.kernels.cosine_match import cosine_match, cosine_match_reference
-from kvpass.kernels.d2o_evict_many import d2o_evict_many, d2o_evict_many_reference
-from kvpass.kernels.d2o_evict_one import d2o_evict_one, d2o_evict_one_reference
-from kvpass.kernels.d2o_evict_one_ragged import d2o_evict_one_ragged, d2o_evict_one_ragged_reference
 from kvpass.kernels.decode_attention import decode_attention, decode_attention_reference
 from kvpass.kernels.decode_attention_nearest import (
     decode_attention_nearest,
@@ -71,9 +69,6 @@ REFERENCES: dict[str, Callable] = {
     "cosine_kmeans_assign": cosine_kmeans_assign_reference,
     "cosine_kmeans_update": cosine_kmeans_update_reference,
     "cosine_match": cosine_match_reference,
-    "d2o_evict_many": d2o_evict_many_reference,
-    "d2o_evict_one": d2o_evict_one_reference,
-    "d2o_evict_one_ragged": d2o_evict_one_ragged_reference,
     "decode_attention": decode_attention_reference,
     "decode_attention_nearest": decode_attention_nearest_reference,
     "ems_expansion_attention": ems_expansion_attention_reference,
@@ -91,6 +86,14 @@ REFERENCES: dict[str, Callable] = {
 }
 
 
+def add_references(references: dict[str, Callable]) -> None:
+    """Add a policy's own ops' references (op name -> function) where the policy registers its ops."""
+    clash = sorted(set(references) & set(REFERENCES))
+    if clash:
+        raise ValueError(f"ops already have references: {', '.join(clash)}")
+    REFERENCES.update(references)
+
+
 def reference_of(op: str | object) -> Callable:
     """The reference of a kvpass op, given as its name ("write_kv", "kvpass::write_kv") or as the op
     (``torch.ops.kvpass.write_kv`` or its ``.default`` overload). Raises ValueError for an op without one."""
@@ -104,7 +107,7 @@ def reference_of(op: str | object) -> Callable:
 
 
 __all__ = [
-    "REFERENCES", "reference_of",
+    "REFERENCES", "add_references", "reference_of",
     "await_compression", "await_compression_reference",
     "chunk_attention", "chunk_attention_reference",
     "chunk_attention_max", "chunk_attention_max_reference",
@@ -119,9 +122,6 @@ __all__ = [
     "cosine_kmeans_assign", "cosine_kmeans_assign_reference",
     "cosine_kmeans_update", "cosine_kmeans_update_reference",
     "cosine_match", "cosine_match_reference",
-    "d2o_evict_many", "d2o_evict_many_reference",
-    "d2o_evict_one", "d2o_evict_one_reference",
-    "d2o_evict_one_ragged", "d2o_evict_one_ragged_reference",
     "decode_attention", "decode_attention_reference",
     "decode_attention_nearest", "decode_attention_nearest_reference",
     "ems_expansion_attention", "ems_expansion_attention_reference",

@@ -1,5 +1,5 @@
 """The most attention each cached entry receives from a chunk of queries (KVzip's context-reconstruction score,
-docs/policies.md §6.12: the queries are those of the model repeating the context, kvpass/runtime/reconstruction.py).
+docs/policies.md §6.13: the queries are those of the model repeating the context, kvpass/runtime/reconstruction.py).
 
 With the logits and masks of ``chunk_attention`` (the cache's C slots first, then the chunk's T keys), for batch
 row b, KV head g and cache slot s:

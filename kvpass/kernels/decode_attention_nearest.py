@@ -1,6 +1,6 @@
 """Decode attention that also finds the nearest key of a few candidate slots, from the same read of K.
 
-D2O's one-in-one-out step (kvpass/kernels/d2o_evict_one.py, docs/policies.md §5.5-5.6) evicts the live entry e of
+D2O's one-in-one-out step (kvpass/policies/d2o/evict_one.py, docs/policies.md §5.5-5.6) evicts the live entry e of
 lowest accumulated score outside the sinks and the recent window, and merges it into its most cosine-similar other
 live key: a second read of every kept key, each step and layer. Which entry the next step evicts is known a step
 early, up to this step's scores: the step's eviction kernel names the M lowest-score entries that the next step may
@@ -21,8 +21,8 @@ the query tile's spare rows, which no output reads).
 The Triton kernel reads |k_j| from ``inv_norm`` [B, Hkv, C] fp32 (1 / max(|k_j|, eps), kept by the eviction op:
 computed where it scans a row, updated where it merges or moves), not from K: a slot whose entry is NaN there
 (the newest entry, written by this step) is left out, and the eviction compares e with the newest entry itself.
-Computing the norms from each K tile instead cost 2.2x the attention at batch 1 (session 32's form, reverted;
-benchmarks/results/d2o-nearest-in-attention-nvidia-h200/). The reference computes every norm from K (and so does not leave the newest
+Computing the norms from each K tile instead cost 2.2x the attention at batch 1 (an earlier form, reverted;
+benchmarks/results/d2o-nearest-in-attention-nvidia-h200/nearest-in-attention-timing-5858a05.json). The reference computes every norm from K (and so does not leave the newest
 out: the eviction's comparison gives the same answer). Below a batch of ``FUSE_FROM_BATCH`` the search costs the
 step more than the scan it saves (the attention is on the step's path, the scan beside it): there the op is the
 plain attention and the eviction never names candidates (``fuses_at``).
@@ -38,15 +38,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvpass.cache import LayerCache
 from kvpass.kernels._triton import HAS_TRITON, check_device
 from kvpass.kernels.decode_attention import decode_attention_reference, decode_attention_triton
 
-# A layer's state for the fused search, in the decode op's argument order after log_weight: the next step's
-# candidates and first target slot and the keys' inverse norms (written by the eviction), then this op's results.
+# The op's inputs after log_weight, as a layer's cache state names them (kvpass/policies/d2o/nearest.py makes them):
+# the next step's candidates and first target slot and the keys' inverse norms (written by the eviction), then this
+# op's results.
 NEAREST_INPUTS = ("nearest_next", "nearest_from", "nearest_inv_norm", "nearest_cand", "nearest_best",
                   "nearest_slot")
-CANDIDATES = 4            # M: on SmolLM2 the next evicted entry was among the 4 lowest in every one of 16,740 steps
 # The smallest batch whose Triton step searches in the attention: on an H200 at 32k, one layer (attention + eviction,
 # scanning -> fused) 42.8 -> 46.3 us at batch 1, 93.7 -> 77.8 at 4, 448.8 -> 328.6 at 32
 # (benchmarks/results/d2o-nearest-in-attention-nvidia-h200/nearest-in-attention-timing-5858a05.json).
@@ -57,35 +56,6 @@ _EPS = 1e-12
 def fuses_at(batch: int) -> bool:
     """Whether the Triton attention and eviction search the candidates' nearest keys at this batch size."""
     return batch >= FUSE_FROM_BATCH
-
-
-def add_nearest_state(cache: LayerCache, m: int = CANDIDATES) -> None:
-    """Give ``cache`` the empty state of the fused search: no candidates (-1), so the first eviction scans, and
-    no known norms (NaN: the first scan of a row computes them)."""
-    b, h, c = cache.k.shape[:3]
-    none = torch.full((b, h, m), -1, dtype=torch.long, device=cache.k.device)
-    cache.state.update(nearest_next=none, nearest_from=torch.zeros(b, h, dtype=torch.long, device=cache.k.device),
-                       nearest_inv_norm=torch.full((b, h, c), float("nan"), device=cache.k.device),
-                       nearest_cand=none.clone(), nearest_best=torch.full((b, h, m), float("-inf"), device=cache.k.device),
-                       nearest_slot=torch.zeros_like(none))
-
-
-def has_nearest_state(cache: LayerCache) -> bool:
-    return NEAREST_INPUTS[0] in cache.state
-
-
-def renew_nearest_state(cache: LayerCache) -> None:
-    """After a layer's buffers were made anew (another capacity: D2O's deferred prompt compression), its state of
-    the fused search made anew for them: no candidates, no known norms."""
-    if has_nearest_state(cache):
-        add_nearest_state(cache, cache.state["nearest_next"].shape[-1])
-
-
-def forget_candidates(cache: LayerCache) -> None:
-    """After a compression of another path (one that keeps no norms): the next step names no candidates, so the
-    eviction after it scans and computes the norms again."""
-    if has_nearest_state(cache):
-        cache.state["nearest_next"].fill_(-1)
 
 
 def nearest_of_candidates_reference(k: Tensor, log_weight: Tensor, candidates: Tensor, target_from: Tensor

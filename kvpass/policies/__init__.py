@@ -11,18 +11,20 @@ from kvpass.policies.d2o import D2O
 from kvpass.policies.ems import EMS
 from kvpass.policies.full import Full
 from kvpass.policies.h2o import H2O
+from kvpass.policies.keydiff import KeyDiff
 from kvpass.policies.knorm import Knorm
 from kvpass.policies.kvmerger import KVMerger
 from kvpass.policies.kvzip import KVzip
 from kvpass.policies.pyramidkv import PyramidKV
 from kvpass.policies.quest import Quest
 from kvpass.policies.snapkv import SnapKV
+from kvpass.policies.spec import parse_value, split_spec
 from kvpass.policies.streamingllm import StreamingLLM
 from kvpass.policies.tova import TOVA
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Full, StreamingLLM, D2O, H2O, SnapKV, PyramidKV, CaM,
                                                           Chelsea, KVMerger, EMS, ClusterKV, Quest, Knorm, TOVA,
-                                                          AdaKV, KVzip)}
+                                                          AdaKV, KeyDiff, KVzip)}
 # Chosen from the suite's leaderboard (benchmarks/results/quality-suite-smollm2.md, budget 0.2, query-aware,
 # among policies that really save memory): SnapKV with a pooling kernel of 31 answers 97.0% [94.4, 98.4] of
 # 300 cases against the full cache's 96.7%; with SnapKV's kernel of 7 it keeps only the first digits of a
@@ -63,35 +65,6 @@ def get_policy(name: str | Policy, **kwargs) -> Policy:
         raise
     except TypeError as err:                     # a dataclass field given a value its code cannot take
         raise InvalidValue(f"{name}: {err}", "policy_kwargs") from err
-
-
-def parse_value(text: str) -> object:
-    """A hyperparameter's text as a user writes it: an int, a float, true/false, else the string."""
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            continue
-    return text.lower() == "true" if text.lower() in ("true", "false") else text
-
-
-def split_spec(spec: str) -> tuple[str, dict[str, object]]:
-    """A policy spec, ``name`` or ``name[key=value,...]`` (e.g. ``d2o[scores=window,merge_bias=true]``:
-    how the evaluations name a configuration), -> (name, hyperparameters)."""
-    from kvpass.validation import refuse
-
-    name, _, rest = spec.partition("[")
-    if not rest:
-        return spec, {}
-    if not rest.endswith("]"):
-        raise refuse("policy.spec", got=spec)
-    kwargs: dict[str, object] = {}
-    for item in filter(None, rest[:-1].split(",")):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise refuse("policy.spec", got=spec)
-        kwargs[key.strip()] = parse_value(value.strip())
-    return name, kwargs
 
 
 def policy_from_spec(spec: str) -> Policy:

@@ -10,12 +10,19 @@ import torch
 
 from kvpass.cache import EMPTY, LayerCache, gather_slots, keep_slots
 from kvpass.policies.base import Policy, Stat, require
+from kvpass.policies.capabilities import GathersAcrossHeads
+from kvpass.policies.h2o import H2O
 from kvpass.policies.head_budgets import head_cap, select_kept_across_heads
+from kvpass.policies.pyramidkv import PyramidKV
 from kvpass.policies.selection import kept_slots
+from kvpass.policies.snapkv import SnapKV
+from kvpass.policies.spec import split_spec
+
+_INNER = {p.name: p for p in (H2O, SnapKV, PyramidKV)}      # the policies with a priority, by name
 
 
 @dataclass(frozen=True)
-class AdaKV(Policy):
+class AdaKV(Policy, GathersAcrossHeads):
     """Keep the inner policy's layer budget, split across the layer's KV heads by its scores: each head
     keeps its top ``floor = int(alpha * keep)`` entries, and the rest of the layer's ``Hkv * keep`` go to
     the top scores over all heads jointly (``head_budgets``), so heads whose attention is concentrated
@@ -44,10 +51,11 @@ class AdaKV(Policy):
     max_share: float | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.inner, str):
-            from kvpass.policies import get_policy  # the registry imports this module
-
-            object.__setattr__(self, "inner", get_policy(self.inner))
+        if isinstance(self.inner, str):                   # a spec of one of the scoring policies
+            name, kwargs = split_spec(self.inner)
+            require(name in _INNER, f"adakv: inner must be a scoring eviction policy with a priority (h2o, snapkv, "
+                                    f"pyramidkv), got {self.inner!r}")
+            object.__setattr__(self, "inner", _INNER[name](**kwargs))
         require(isinstance(self.inner, Policy) and callable(getattr(self.inner, "priority", None)),
                 f"adakv: inner must be a scoring eviction policy with a priority (h2o, snapkv, pyramidkv), "
                 f"got {self.inner!r}")

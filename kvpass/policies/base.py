@@ -1,10 +1,22 @@
-"""What a policy is: data (the paper's hyperparameters) plus three hooks the runtime reads.
+"""What a policy is: data (the paper's hyperparameters) plus three things the runtime reads.
 
-* ``stats``: the statistics the rewritten graphs must emit for it (prefill and decode);
-* ``compress``: a pure function from a layer's cache to a cache of ``keep`` live entries;
-* ``attention``: which decode attention variant the rewrite inserts.
+* ``stats``: the statistics the rewritten graphs must emit for it (prefill and decode; ``stat_options`` passes
+  the policy's options to their ops);
+* ``compress``: a pure function from a layer's cache to a cache of at most ``keep`` live entries per row: the
+  policy's definition, which every faster form is tested against;
+* ``attention``: which decode attention variant the rewrite inserts (``Attention.DENSE`` unless the policy
+  recalls: then ``decode_inputs`` names the cache tensors its op takes and ``prepare`` builds them).
 
-The runtime never asks which policy it holds; a new policy is a new file and a registry entry.
+Implementing these three gives a correct slow path: the runtime compresses a layer with ``compress`` and copies
+the result back, rows of budgets of their own each alone, layers one after another. Everything else here has a
+default that is right for a policy that does not override it: budgets (``min_budget``, ``layer_budgets``,
+``head_capacity``, ``full_kv_heads``, ``uncompressed_layers``, ``prompt_compression_deferred``), facts about the
+cache (``compresses``, ``ragged_rows``, ``rows_independent``, ``prefill_chunks``, ``host_resident``), decode-time
+upkeep (``maintenance_due``, ``maintain``, ``report``) and the model (``bind_model``, ``heads``). Faster or larger
+forms are optional capabilities a policy declares by deriving from them (``kvpass.policies.capabilities``:
+in place, ragged rows, gathers across heads under tensor parallelism, fused decode statistics); the runtime
+detects them there and never asks which policy it holds. A new policy is a new file and a registry entry
+(docs/adding-a-policy.md).
 """
 
 from __future__ import annotations
@@ -15,9 +27,7 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import TYPE_CHECKING, ClassVar
 
-from torch import Tensor
-
-from kvpass.cache import LayerCache, load_into
+from kvpass.cache import LayerCache
 from kvpass.head_group import SINGLE_PROCESS, HeadGroup
 
 if TYPE_CHECKING:
@@ -31,7 +41,7 @@ class Stat(Enum):
     WINDOW_SCORES = "window_scores"   # attention of the last prompt queries (observation window), prefill only
     HEAD_VARIANCE = "attn_var"        # per query head variance of the prefill column sums [B, Hq] (D2O §5.4)
     LAST_ATTENTION = "last_attn"      # attention of the newest query only: prompt last row, then each step (TOVA §6.10)
-    # the most attention an entry receives while the model repeats the context (KVzip §6.12): computed after the
+    # the most attention an entry receives while the model repeats the context (KVzip §6.13): computed after the
     # prefill by a pass of its own over the prompt's whole cache (kvpass/runtime/reconstruction.py), not by the
     # prefill graph; not updated by decode steps (their entries score 0)
     RECONSTRUCTION = "reconstruct"
@@ -80,8 +90,9 @@ def require(condition: bool, message: str) -> None:
 @dataclass(frozen=True)
 class Policy:
     """Base of every policy. Subclasses are frozen dataclasses whose fields are the paper's
-    hyperparameters with its defaults; ``interval`` is how many decode steps a layer may grow past its
-    budget before it is compressed again (so a layer holds between budget and budget + interval).
+    hyperparameters with its defaults; an ``interval`` field, where a policy has one (the runtime reads 1
+    otherwise), is how many decode steps a layer may grow past its budget before it is compressed again (so a
+    layer holds between budget and budget + interval).
 
     ``expand_kv_heads`` (every policy, keyword-only; docs/policies.md §0.5 "paper-faithful expanded mode",
     §4.10, §5.3): False (default) keeps the cache per KV head, statistics averaged over the G = Hq/Hkv
@@ -185,67 +196,10 @@ class Policy:
         return keep
 
     def compress(self, cache: LayerCache, keep: int) -> LayerCache:
-        """cache: one layer, capacity C, rows holding up to C entries. Returns a cache whose rows hold
-        at most ``head_capacity(keep, Hkv)`` live entries (``keep`` unless the policy splits budgets unevenly) (any capacity >= that), in sequence order."""
+        """cache: one layer, capacity C, rows holding up to C entries. Returns a cache whose rows hold at most
+        ``head_capacity(keep, Hkv)`` live entries (``keep`` unless the policy splits budgets unevenly; any capacity
+        >= that), in sequence order. Pure: ``cache`` is left as it is."""
         raise NotImplementedError
-
-    def compress_into(self, cache: LayerCache, keep: int) -> None:
-        """What the runtime calls: compress ``cache`` to ``keep`` live entries in its own buffers (same
-        capacity and addresses, so a CUDA-graphed step keeps them). Default: ``compress``, then the
-        result copied back (``load_into``). A policy may override it with an in-place form that keeps the
-        same entries and values as ``compress`` but may leave them in other slots (tests compare the
-        two as sets of entries)."""
-        load_into(cache, self.compress(cache, keep))
-
-    def compress_layers_into(self, jobs: Sequence[tuple[LayerCache, int | Tensor]]) -> None:
-        """Several layers' decode-time compressions, in order: ``compress_into(cache, keep)`` for an int ``keep``,
-        ``compress_rows_into(cache, keep)`` for a [B] int64 one. The runtime's call for the layers due at one step
-        of a policy that ``gathers_across_heads`` under tensor parallelism, so such a policy may gather once for
-        all of them (D2O: one all-gather a step instead of one a layer). Default: one after another."""
-        for cache, keep in jobs:
-            if isinstance(keep, Tensor):
-                self.compress_rows_into(cache, keep)
-            else:
-                self.compress_into(cache, keep)
-
-    def gathers_across_heads(self) -> bool:
-        """Whether ``compress_into`` / ``compress_rows_into`` ask ``self.heads`` for other KV heads' statistics
-        (collectives under tensor parallelism). Under tp the runtime compresses the layers of a policy that does one
-        after another, so every rank runs its collectives in one order; any other policy's layers run side by side
-        as in one process, and the runtime checks that their compressions called no collective
-        (``kvpass.runtime.session``). Default False: every head on its own."""
-        return False
-
-    def deferred_scores(self) -> int:
-        """The decode steps whose attention rows may wait for the layer's next compression: a policy that only
-        adds each step's row into ``col_sum`` (``Stat.COLUMN_SUM``) and reads it only when it compresses need not
-        have the decode attention compute it every step. The decode graph then keeps each step's query in a ring
-        of this many per layer (``kvpass::write_query``) and the runtime adds their rows at once before every
-        compression of the layer, and whenever the ring is full (``kvpass/runtime/recent_queries.py``): the
-        same ``col_sum`` up to rounding. Default 0: every step returns its row."""
-        return 0
-
-    def nearest_candidates(self) -> int:
-        """M > 0: the policy's decode-time compression of a layer seeks the nearest key of one of M candidate slots
-        that it names a step ahead, and the decode step's attention finds them from its own read of K
-        (``kvpass::decode_attention_nearest``, kvpass/kernels/decode_attention_nearest.py): the rewrite gives those
-        layers the op and the runtime their state. Default 0: no such search."""
-        return 0
-
-    def rows_in_one_call(self, budgets: Sequence[int], capacities: Sequence[int]) -> bool:
-        """Whether a layer whose batch row b has budget ``budgets[b]`` and is compressed when it holds
-        ``capacities[b]`` entries (its own budget + interval, or fewer for a short row) can be compressed
-        whole, whichever rows are due, by one call: ``compress_rows_into`` (or ``compress_into`` where every
-        row has one budget and the layer's capacity), each row that is due compressed exactly as alone and
-        every other row left unchanged. Then the runtime's decode step takes the layer in its own buffers
-        (CUDA-graphed) instead of compressing the due rows one budget at a time in copies of their own
-        capacity (``kvpass.runtime.layers.compress_rows_into``: eager, a host sync). Default False."""
-        return False
-
-    def compress_rows_into(self, cache: LayerCache, keep: Tensor) -> None:
-        """``compress_into`` with a budget per batch row, ``keep`` [B] int64 on the cache's device, for
-        layers ``rows_in_one_call`` accepts (the runtime calls it for no other)."""
-        raise NotImplementedError(f"{self.name}: no per-row budgets in one call (rows_in_one_call is False)")
 
     def prepare(self, cache: LayerCache, layer: int, budget: int) -> LayerCache:
         """Called once per full-attention layer after prefill (and after any compression): build the

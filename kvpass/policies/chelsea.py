@@ -14,6 +14,7 @@ import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
 from kvpass.cache import EMPTY, LayerCache, keep_slots, load_into, with_capacity
 from kvpass.policies.base import Policy, require
 from kvpass.policies.calibration import Calibration, load_calibration
+from kvpass.policies.capabilities import InPlace
 from kvpass.policies.selection import slot_places
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ class CSMPlan:
 
 
 @dataclass(frozen=True)
-class Chelsea(Policy):
+class Chelsea(Policy, InPlace):
     """Chunked Soft Matching (docs/policies.md §1, Llama-2-7B-32K schedule of §1.2).
 
     While a row holds more than ``keep`` entries: split the middle region [sinks, s - recent) into

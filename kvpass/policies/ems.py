@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
@@ -21,7 +21,10 @@ from kvpass.policies.ems_plan import (
     global_local_score,
     merge_into_centers,
     partition,
+    rope_inv_freq_of,
+    slot_scores,
     unit,
+    unrotate,
 )
 
 # The slot look-up table (§4.5), LayerCache.state, each [B, Hkv, S] with S = gamma * N_budget slots:
@@ -41,49 +44,6 @@ BUDGET = "ems_budget"        # N_budget of the layer for this batch row (0: no s
 KRAW = "ems_kraw"            # unit pre-RoPE key direction, merged like the key (Khat_raw of §4.5)
 
 DECODE_INPUTS = (ENTRY, KNORM, PROB)
-
-
-def unrotate(k: Tensor, position: Tensor, inv_freq: tuple[float, ...] | None) -> Tensor:
-    """k_raw = RoPE^{-1}(k, pos) (§4.9) for HF's rotate-half RoPE over the first 2 * len(inv_freq) dims
-    (the rest pass through; no frequencies: k unchanged). k: [B, Hkv, C, D]; position: [B, Hkv, C]."""
-    if not inv_freq:
-        return k
-    r = len(inv_freq)
-    freq = torch.tensor(inv_freq, dtype=torch.float32, device=k.device)
-    angle = position.clamp(min=0).float()[..., None] * freq                # fp32 angles, as HF computes them
-    acc = torch.promote_types(k.dtype, torch.float32)
-    cos, sin = angle.cos().to(acc), angle.sin().to(acc)
-    x = k.to(acc)
-    y1, y2 = x[..., :r], x[..., r:2 * r]
-    return torch.cat([y1 * cos + y2 * sin, y2 * cos - y1 * sin, x[..., 2 * r:]], dim=-1)
-
-
-def rope_inv_freq_of(model) -> tuple[float, ...]:
-    """The RoPE frequencies of ``model``'s full-attention layers, read from its rotary-embedding buffer
-    (``full_attention_inv_freq`` where layer types differ, else ``inv_freq``); () without RoPE."""
-    buffers = {name: t for name, t in model.named_buffers() if name.endswith("inv_freq") and "original" not in name}
-    for want in ("full_attention_inv_freq", "inv_freq"):
-        for name, t in buffers.items():
-            if name.split(".")[-1] == want:
-                return tuple(float(x) for x in t.detach().float().cpu())
-    return ()
-
-
-def slot_scores(glo: Tensor, loc: Tensor, pos: Tensor, tracked: Tensor, candidate: Tensor, pool: int) -> Tensor:
-    """s_hat of the candidate slots (§4.3 in decode, §4.8 step 4): s_GL = max(s_Glo * sum s_Loc / sum s_Glo,
-    s_Loc) with both sums over every tracked slot, then mean-pooled (kernel ``pool``, zero padding) over the
-    candidates sorted by position [OURS]. All [B, Hkv, S]; returns fp32 [B, Hkv, S], 0 off the candidates."""
-    g, lo = glo.masked_fill(~tracked, 0), loc.masked_fill(~tracked, 0)
-    # the sums in float64: a row's sum then does not depend on how many free slots its table has (a batch
-    # holds every row's table at the widest row's S; an fp32 sum's rounding depends on the length summed)
-    factor = (lo.double().sum(-1, keepdim=True) / g.double().sum(-1, keepdim=True).clamp(min=1e-30)).to(g.dtype)
-    gl = torch.maximum(g * factor, lo).masked_fill(~candidate, 0)
-    key = torch.where(candidate, pos, torch.iinfo(torch.int64).max)
-    order = torch.sort(key, dim=-1, stable=True).indices                   # candidates first, by position
-    b, h, s = gl.shape
-    pooled = F.avg_pool1d(torch.gather(gl, -1, order).reshape(b * h, 1, s).float(), pool, stride=1,
-                          padding=pool // 2).reshape(b, h, s)
-    return torch.empty_like(pooled).scatter_(-1, order, pooled).masked_fill(~candidate, 0)
 
 
 def _put(t: Tensor, idx: Tensor, value: Tensor, where: Tensor) -> Tensor:
@@ -302,9 +262,16 @@ class EMS(Policy):
         """One decode step's bookkeeping (§4.8 steps 1-5) after the step's attention (which wrote the new
         token as entry ``length - 1``, its probability into ``col_sum`` and the slots' into ``ems_prob``).
         Shapes unchanged; rows keep at most N_budget entries and S slots."""
-        st = cache.state
-        if ENTRY not in st:
+        if ENTRY not in cache.state:
             return cache
+        w = self._track_new_token(cache)
+        self._demote_centre(cache, w)
+        return self._limit_slots(cache, w)
+
+    def _track_new_token(self, cache: LayerCache) -> SimpleNamespace:
+        """Steps 1-3: the new token's local slot, the slots' scores, which entries are local; the step's working
+        tensors (the table with its new slot S, the scores ``s_hat``, ...)."""
+        st = cache.state
         b, hkv, c, d = cache.k.shape
         dev = cache.k.device
         n_win = self.local_window
@@ -351,7 +318,17 @@ class EMS(Policy):
         nonlocal_ = tracked & ~is_local
         s_glo = glo if self.scores == "global_local" else torch.zeros_like(glo)
         s_hat = slot_scores(s_glo, loc_past + loc_cur, pos, tracked, nonlocal_, self.pool_kernel)
+        return SimpleNamespace(b=b, hkv=hkv, c=c, d=d, dev=dev, n_win=n_win, n_slots=n_slots, row_slots=row_slots,
+                               live=live, n=n, entry=entry, knorm=knorm, pos=pos, founder=founder, glo=glo,
+                               loc_cur=loc_cur, loc_past=loc_past, c_loc=c_loc, meta=meta, is_local=is_local,
+                               nonlocal_=nonlocal_, s_hat=s_hat)
 
+    def _demote_centre(self, cache: LayerCache, w: SimpleNamespace) -> None:
+        """Step 4 on ``w``: the centre whose founding token has the lowest s_hat merged or evicted, its entry freed
+        (the later ones shifted down); sets w.k_out, v_out, position, length, alive, meta, entry."""
+        st = cache.state
+        b, hkv, c, dev, n, n_win = w.b, w.hkv, w.c, w.dev, w.n, w.n_win
+        live, entry, founder, nonlocal_, s_hat, meta = w.live, w.entry, w.founder, w.nonlocal_, w.s_hat, w.meta
         # step 4: demote the centre whose founding token has the lowest s_hat; merge it or evict it
         need = n > st[BUDGET]
         e_idx = torch.arange(c, device=dev)
@@ -399,7 +376,15 @@ class EMS(Policy):
                 for name, t in meta.items()}
         meta[Stat.COLUMN_SUM.value] = torch.zeros_like(meta[Stat.COLUMN_SUM.value])
         entry = torch.where(need[..., None] & (entry > c_star[..., None]), entry - 1, entry)
+        w.k_out, w.v_out, w.position, w.length, w.alive, w.meta, w.entry = k_out, v_out, position, length, alive, meta, entry
 
+    def _limit_slots(self, cache: LayerCache, w: SimpleNamespace) -> LayerCache:
+        """Step 5 on ``w``: a row over S slots deletes its lowest-scored deletable one; the table compacted back to S
+        slots; the step's cache."""
+        st = cache.state
+        entry, founder, is_local, s_hat, dev, n_slots = w.entry, w.founder, w.is_local, w.s_hat, w.dev, w.n_slots
+        row_slots, knorm, pos, glo, loc_past, loc_cur = w.row_slots, w.knorm, w.pos, w.glo, w.loc_past, w.loc_cur
+        c_loc, k_out, v_out, alive, length, position, meta = w.c_loc, w.k_out, w.v_out, w.alive, w.length, w.position, w.meta
         # step 5: slot overflow
         tracked = entry >= 0
         over = tracked.sum(-1) > row_slots

@@ -1,8 +1,8 @@
-"""EMS (Li et al. 2024) prefill evict-then-merge planning (docs/policies.md §4.3, §4.6 steps 2-6).
+"""EMS (Li et al. 2024) building blocks: the prefill evict-then-merge planning (docs/policies.md §4.3, §4.6 steps
+2-6), the keys without RoPE (§4.9) and the decode-time slot scores (§4.8).
 
-Building blocks of the prefill step of the EMS policy (``kvpass/policies/ems.py``, which adds the slot
-look-up table, the decode op of §4.7 and the decode bookkeeping of §4.8). Everything is vectorised
-over [B, Hkv] rows and works on ragged rows (live masks).
+The EMS policy (``kvpass/policies/ems.py``) adds the slot look-up table, the decode op of §4.7 and the decode
+bookkeeping of §4.8. Everything is vectorised over [B, Hkv] rows and works on ragged rows (live masks).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from kvpass.cache import gather_slots
@@ -122,3 +123,46 @@ def merge_into_centers(k: Tensor, v: Tensor, s_hat: Tensor, cls: Tensor, dest: T
             dim=-1, keepdim=True) + 1e-6)))
         merged_dirs = dsum / (dsum.norm(dim=-1, keepdim=True) + 1e-12)
     return CenterMerge(khat=khat, vent=vent, knorm=knorm, entry=entry, members=members, dirs=merged_dirs)
+
+
+def unrotate(k: Tensor, position: Tensor, inv_freq: tuple[float, ...] | None) -> Tensor:
+    """k_raw = RoPE^{-1}(k, pos) (§4.9) for HF's rotate-half RoPE over the first 2 * len(inv_freq) dims
+    (the rest pass through; no frequencies: k unchanged). k: [B, Hkv, C, D]; position: [B, Hkv, C]."""
+    if not inv_freq:
+        return k
+    r = len(inv_freq)
+    freq = torch.tensor(inv_freq, dtype=torch.float32, device=k.device)
+    angle = position.clamp(min=0).float()[..., None] * freq                # fp32 angles, as HF computes them
+    acc = torch.promote_types(k.dtype, torch.float32)
+    cos, sin = angle.cos().to(acc), angle.sin().to(acc)
+    x = k.to(acc)
+    y1, y2 = x[..., :r], x[..., r:2 * r]
+    return torch.cat([y1 * cos + y2 * sin, y2 * cos - y1 * sin, x[..., 2 * r:]], dim=-1)
+
+
+def rope_inv_freq_of(model) -> tuple[float, ...]:
+    """The RoPE frequencies of ``model``'s full-attention layers, read from its rotary-embedding buffer
+    (``full_attention_inv_freq`` where layer types differ, else ``inv_freq``); () without RoPE."""
+    buffers = {name: t for name, t in model.named_buffers() if name.endswith("inv_freq") and "original" not in name}
+    for want in ("full_attention_inv_freq", "inv_freq"):
+        for name, t in buffers.items():
+            if name.split(".")[-1] == want:
+                return tuple(float(x) for x in t.detach().float().cpu())
+    return ()
+
+
+def slot_scores(glo: Tensor, loc: Tensor, pos: Tensor, tracked: Tensor, candidate: Tensor, pool: int) -> Tensor:
+    """s_hat of the candidate slots (§4.3 in decode, §4.8 step 4): s_GL = max(s_Glo * sum s_Loc / sum s_Glo,
+    s_Loc) with both sums over every tracked slot, then mean-pooled (kernel ``pool``, zero padding) over the
+    candidates sorted by position [OURS]. All [B, Hkv, S]; returns fp32 [B, Hkv, S], 0 off the candidates."""
+    g, lo = glo.masked_fill(~tracked, 0), loc.masked_fill(~tracked, 0)
+    # the sums in float64: a row's sum then does not depend on how many free slots its table has (a batch
+    # holds every row's table at the widest row's S; an fp32 sum's rounding depends on the length summed)
+    factor = (lo.double().sum(-1, keepdim=True) / g.double().sum(-1, keepdim=True).clamp(min=1e-30)).to(g.dtype)
+    gl = torch.maximum(g * factor, lo).masked_fill(~candidate, 0)
+    key = torch.where(candidate, pos, torch.iinfo(torch.int64).max)
+    order = torch.sort(key, dim=-1, stable=True).indices                   # candidates first, by position
+    b, h, s = gl.shape
+    pooled = F.avg_pool1d(torch.gather(gl, -1, order).reshape(b * h, 1, s).float(), pool, stride=1,
+                          padding=pool // 2).reshape(b, h, s)
+    return torch.empty_like(pooled).scatter_(-1, order, pooled).masked_fill(~candidate, 0)

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from kvpass.cache import LayerCache, keep_slots
 from kvpass.policies.base import Policy, Stat, require
+from kvpass.policies.capabilities import RaggedRows
 from kvpass.policies.selection import (
     compress_into_top,
     compress_rows_into_top,
@@ -21,7 +22,7 @@ from kvpass.policies.selection import (
 
 
 @dataclass(frozen=True)
-class H2O(Policy):
+class H2O(Policy, RaggedRows):
     """Keep the newest ``floor(recent_ratio * keep)`` entries plus the heavy hitters: the largest
     accumulated attention ``col_sum`` (prefill column sums + every decode row, group mean §0.5) among
     the rest (§6.1). Follows D2O's H2O baseline, variant (a): the same budget in every layer, no

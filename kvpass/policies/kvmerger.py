@@ -50,7 +50,7 @@ class KVMerger(Policy):
     ``overflow`` says what goes when the protected entries and this round's merged entries (pivots) alone
     exceed ``keep`` (every prompt compression below a budget of about recent_ratio + heavy_ratio, where the
     protected entries are scaled to fill ``keep``): "tiered" (default) keeps protected entries first, then
-    pivots by accumulated attention, then singletons; "slot_order" (the behaviour before session 19, kept
+    pivots by accumulated attention, then singletons; "slot_order" (the earlier behaviour, kept
     for the stored results) ranks them all equal and drops the last in sequence order, i.e. the newest
     protected (recent) entries and the prompt's last tokens in every head, a bug (docs/quality.md,
     "Degeneration check": perplexity x620 at budget 0.1 on SmolLM2; x10 with "tiered").

@@ -1,5 +1,5 @@
 """KVzip (Kim et al. 2025, "Query-Agnostic KV Cache Compression with Context Reconstruction"; docs/policies.md
-§6.12)."""
+§6.13)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ class KVzip(Policy):
     """
 
     name: ClassVar[str] = "kvzip"
-    section: ClassVar[str] = "§6.12"
+    section: ClassVar[str] = "§6.13"
     summary: ClassVar[str] = "query-agnostic: the entries the model attends to while repeating the context"
     stats: ClassVar[frozenset[Stat]] = frozenset({Stat.RECONSTRUCTION})
     prefill_chunks: ClassVar[bool] = False     # the reconstruction attends over the whole prompt's cache

@@ -1,4 +1,4 @@
-"""KVzip's reconstruction scores predicted from each entry's own key and value (docs/policies.md §6.12, "predicted"):
+"""KVzip's reconstruction scores predicted from each entry's own key and value (docs/policies.md §6.13, "predicted"):
 a per-(layer, KV head) linear model, fitted once per model by ``kvpass calibrate kvzip``, so a context is scored
 with no pass beyond its prefill (in the spirit of KVzap, which fits a surrogate of KVzip's scores on hidden states).
 

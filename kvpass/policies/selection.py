@@ -182,7 +182,7 @@ def fill_evicted_rows(cache: LayerCache, candidates: Tensor, keep: Tensor, inter
 
 
 def rows_in_one_call_in_place(policy, owner: type, budgets: Sequence[int], capacities: Sequence[int]) -> bool:
-    """``Policy.rows_in_one_call`` of a policy that evicts in place (``fill_evicted_rows``) with ``owner``'s own
+    """``RaggedRows.rows_in_one_call`` of a policy that evicts in place (``fill_evicted_rows``) with ``owner``'s own
     ``compress`` (as ``fills_in_place``): rows of budgets of their own (more than one; rows of one budget keep
     ``compress_into``), each compressed when it holds its budget + ``policy.interval`` entries, or never (a
     capacity within its budget: a short row)."""

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from kvpass.cache import LayerCache, keep_slots
 from kvpass.policies.base import Policy, Stat, require
+from kvpass.policies.capabilities import RaggedRows
 from kvpass.policies.selection import (
     compress_into_top,
     compress_rows_into_top,
@@ -21,7 +22,7 @@ from kvpass.policies.selection import (
 
 
 @dataclass(frozen=True)
-class SnapKV(Policy):
+class SnapKV(Policy, RaggedRows):
     """Keep the observation window (the last ``window`` prompt tokens) plus the top ``keep - window``
     earlier positions by pooled window scores: the attention of the last ``window`` prompt queries,
     fp32 softmax, group mean (§0.5), ``pool``-pooled with ``kernel`` (``Stat.WINDOW_SCORES``, §6.3).

@@ -12,6 +12,7 @@ from torch import Tensor
 from kvpass.cache import LayerCache, keep_slots
 from kvpass.kernels.lowest_slots import lowest_slots
 from kvpass.policies.base import Policy, require
+from kvpass.policies.capabilities import RaggedRows
 from kvpass.policies.selection import (
     fill_evicted_rows,
     fill_evicted_slots,
@@ -21,7 +22,7 @@ from kvpass.policies.selection import (
 
 
 @dataclass(frozen=True)
-class StreamingLLM(Policy):
+class StreamingLLM(Policy, RaggedRows):
     """Keep the first ``sinks`` tokens and the most recent ``keep - sinks`` ones; drop the middle
     (docs/policies.md §6.2). No scores. Positions stay absolute (the spec's default; the original's
     in-cache position shift is not implemented).

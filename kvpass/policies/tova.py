@@ -9,13 +9,14 @@ from torch import Tensor
 
 from kvpass.cache import LayerCache, keep_slots
 from kvpass.policies.base import Policy, Stat, require
+from kvpass.policies.capabilities import GathersAcrossHeads
 from kvpass.policies.selection import kept_slots, select_kept
 
 SCORE_HEADS = ("layer", "group")
 
 
 @dataclass(frozen=True)
-class TOVA(Policy):
+class TOVA(Policy, GathersAcrossHeads):
     """Keep the ``keep`` entries the newest query attends to most (§6.10), re-scored at every
     compression. ``Stat.LAST_ATTENTION`` holds, per entry, the attention of the last query only (the
     prompt's last row after prefill, then each decode step's row, replacing the previous one), already

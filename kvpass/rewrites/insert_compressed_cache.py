@@ -8,19 +8,21 @@ prefill(input_ids [B, T], position_ids [B, T], pad [B])
     k_l, v_l: [B, Hkv, T, D] post-RoPE KV-head tensors; pad = left pads per row;
     stats: for each compressible layer, each statistic the policy asks for, [B, Hkv, T] fp32 (per slot)
     or [B, H] fp32 (per head, e.g. Stat.HEAD_VARIANCE).
-decode(input_ids [B, 1], position_ids [B, 1], then per layer: k_cache_l, v_cache_l, log_weight_l, slot_l,
-       position_l, and, for full-attention layers, the policy's ``decode_inputs`` of that layer)
+decode(input_ids [B, 1], position_ids [B, 1], then per layer the inputs its ``LayerInputs`` names, in the
+       order of kvpass/rewrites/decode_layout.py: k_cache_l, v_cache_l, log_weight_l, slot_l, position_l, and, for
+       full-attention layers, the policy's ``decode_inputs`` of that layer)
     -> (logits [B, 1, V], *scores)
     writes the step's K, V (and its position) into slot_l of the cache buffers in place, then attends over the cache with
     the policy's decode op (sliding-window layers always with the dense op: a ring is never recalled);
     scores: [B, Hkv, C_l] fp32 per compressible layer when the policy accumulates attention, except the layers
-    whose scores are deferred (``Policy.deferred_scores`` m > 0, ``deferred_scores`` below): their inputs end
-    with recent_query_l [B, Hq, m, D] and recent_position_l [B, m] int64, a ring the step writes its query and
-    position into (``kvpass::write_query``), and their attention returns no scores (the runtime computes the
-    kept queries' rows before the layer's next compression, kvpass/runtime/recent_queries.py).
-    Where the policy names candidate slots whose nearest keys its next compression seeks (``Policy.nearest_candidates``
-    M > 0: D2O's one-in-one-out step, ``nearest_layers`` below), a layer's inputs end with the five tensors of
-    ``NEAREST_INPUTS`` and it attends with ``kvpass::decode_attention_nearest``, which finds them from its read of K.
+    whose scores are deferred (``FusedDecodeStatistics.deferred_scores`` m > 0, ``deferred_score_layers`` below):
+    their inputs end with recent_query_l [B, Hq, m, D] and recent_position_l [B, m] int64, a ring the step writes
+    its query and position into (``kvpass::write_query``), and their attention returns no scores (the runtime
+    computes the kept queries' rows before the layer's next compression, kvpass/runtime/recent_queries.py).
+    Where the policy names candidate slots whose nearest keys its next compression seeks
+    (``FusedDecodeStatistics.nearest_candidates`` M > 0: D2O's one-in-one-out step, ``nearest_search_layers``
+    below), a layer's inputs end with the six tensors of ``NEAREST_INPUTS`` and it attends with
+    ``kvpass::decode_attention_nearest``, which finds them from its read of K.
     A layer some of whose KV heads keep every token (``Policy.full_kv_heads``, Chelsea's outlier heads)
     is split into two dense sub-groups (docs/policies.md §0.6 b): k_cache_l, v_cache_l, log_weight_l, slot_l,
     position_l (and the scores) cover its other heads, in order, [B, Hkv - F, C_l, ...], and the inputs
@@ -48,6 +50,7 @@ import kvpass.kernels  # noqa: F401  (registers torch.ops.kvpass)
 from kvpass.cache import LayerCache, entries_from_prompt
 from kvpass.kernels.decode_attention_nearest import NEAREST_INPUTS
 from kvpass.policies.base import Attention, Policy, Stat
+from kvpass.policies.capabilities import deferred_scores, nearest_candidates
 from kvpass.rewrites.attention_sites import (
     AttentionSite,
     expand_kv_heads,
@@ -55,6 +58,7 @@ from kvpass.rewrites.attention_sites import (
     per_model_kv_head,
     repeat_cached_kv,
 )
+from kvpass.rewrites.decode_layout import CACHE_INPUTS, FULL_INPUTS, RECENT_INPUTS, DecodeLayout, LayerInputs
 from kvpass.rewrites.shard_tensor_parallel import LOGITS_GATHER_OPS
 
 log = logging.getLogger(__name__)
@@ -98,6 +102,7 @@ class RewrittenGraphs:
     nearest_layers: tuple[int, ...] = ()           # layers whose attention also seeks the candidates' nearest keys
     full_heads: dict[int, tuple[int, ...]] = field(default_factory=dict)   # layer -> KV heads kept full
     fused_linears: bool = False                    # fuse_sibling_linears ran on both graphs
+    decode_layout: DecodeLayout | None = None      # the decode graph's inputs per site (None: prefill only)
 
     def split_prefill(self, outs) -> tuple[Tensor, list[Tensor], dict[int, dict[str, Tensor]]]:
         """The prefill graph's outputs -> (logits, [k_0, v_0, ..., k_{L-1}, v_{L-1}] each [B, Hkv, T, D],
@@ -309,15 +314,12 @@ def _split_attend(graph: Graph, site: AttentionSite, attend, cache: list[Node], 
     return _take(graph, order), results["compressed"]
 
 
-RECENT_INPUTS = ("recent_query", "recent_position")     # a deferred-score layer's ring (Policy.deferred_scores)
-
-
 def deferred_score_layers(sites: list[AttentionSite], policy: Policy, split: dict[int, tuple[int, ...]],
                           defer_scores: bool = True) -> frozenset[int]:
     """The layers whose decode step keeps its query instead of returning its scores: where ``defer_scores``,
-    the policy defers them (``Policy.deferred_scores`` > 0), its only decode statistic is the accumulated
-    ``col_sum`` (added, never replaced), the layer is compressed, full-attention, one dense group."""
-    if not (defer_scores and policy.compresses and policy.deferred_scores() > 0 and policy.attention is Attention.DENSE
+    the policy defers them (``FusedDecodeStatistics.deferred_scores`` > 0), its only decode statistic is the
+    accumulated ``col_sum`` (added, never replaced), the layer is compressed, full-attention, one dense group."""
+    if not (defer_scores and policy.compresses and deferred_scores(policy) > 0 and policy.attention is Attention.DENSE
             and policy.stats & DECODE_STATS == {Stat.COLUMN_SUM}):
         return frozenset()
     return frozenset(s.layer for s in sites if s.window is None and s.layer not in split)
@@ -326,69 +328,75 @@ def deferred_score_layers(sites: list[AttentionSite], policy: Policy, split: dic
 def nearest_search_layers(sites: list[AttentionSite], policy: Policy, split: dict[int, tuple[int, ...]],
                           deferred: frozenset[int], fuse_nearest: bool = True) -> frozenset[int]:
     """The layers whose decode attention also seeks the nearest keys of the policy's candidate slots: where
-    ``fuse_nearest`` and the policy names them (``Policy.nearest_candidates`` > 0), the layer is compressed,
-    full-attention, one dense group, its scores not deferred, and the policy has no decode inputs of its own."""
-    if not (fuse_nearest and policy.compresses and policy.nearest_candidates() > 0
+    ``fuse_nearest`` and the policy names them (``FusedDecodeStatistics.nearest_candidates`` > 0), the layer is
+    compressed, full-attention, one dense group, its scores not deferred, and the policy has no decode inputs."""
+    if not (fuse_nearest and policy.compresses and nearest_candidates(policy) > 0
             and policy.attention is Attention.DENSE and not policy.decode_inputs):
         return frozenset()
     return frozenset(s.layer for s in sites if s.window is None and s.layer not in split and s.layer not in deferred)
 
 
+def decode_layout(sites: list[AttentionSite], policy: Policy, split: dict[int, tuple[int, ...]],
+                  defer_scores: bool = True, fuse_nearest: bool = True) -> DecodeLayout:
+    """Each site's decode inputs (``kvpass.rewrites.decode_layout``)."""
+    deferred = deferred_score_layers(sites, policy, split, defer_scores)
+    nearest = nearest_search_layers(sites, policy, split, deferred, fuse_nearest)
+    return DecodeLayout(tuple(
+        LayerInputs(s.layer, tuple(policy.decode_inputs) if s.window is None else (), s.layer in split,
+                    s.layer in deferred, NEAREST_INPUTS if s.layer in nearest else ()) for s in sites))
+
+
 def build_decode(gm: GraphModule, sites: list[AttentionSite], policy: Policy,
                  full_heads: dict[int, tuple[int, ...]] | None = None, defer_scores: bool = True,
-                 fuse_nearest: bool = True) -> tuple[GraphModule, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """The decode-step graph; returns it, the layers whose scores it returns, those whose queries it keeps
-    (``deferred_score_layers``; ``defer_scores=False``: none, every step returns its scores) and those that seek
-    nearest keys (``nearest_search_layers``; ``fuse_nearest=False``: none)."""
+                 fuse_nearest: bool = True) -> tuple[GraphModule, tuple[int, ...], DecodeLayout]:
+    """The decode-step graph; returns it, the layers whose scores it returns and its inputs' layout
+    (``decode_layout``; ``defer_scores=False``: no layer defers its scores; ``fuse_nearest=False``: none seeks
+    nearest keys)."""
     if policy.attention not in DECODE_ATTENTION_OPS:
         raise NotImplementedError(f"decode attention variant {policy.attention.value} has no op yet")
     split = split_heads(full_heads or {}, sites)
     if split and policy.attention is not Attention.DENSE:
         raise NotImplementedError(f"full-cache heads need the dense decode attention; {policy.name} uses "
                                   f"{policy.attention.value}")
-    dense = DECODE_ATTENTION_OPS[Attention.DENSE]
     graph, env, out = copy_graph(gm)
-    base, policy_inputs = ("k_cache", "v_cache", "log_weight", "slot", "position"), tuple(policy.decode_inputs)
-    full_base = ("k_full", "v_full", "log_weight_full", "slot_full", "position_full")
     pos = [n for n in graph.nodes if n.op == "placeholder"][1]            # position_ids [B, 1]
-    deferred = deferred_score_layers(sites, policy, split, defer_scores)
-    nearest = nearest_search_layers(sites, policy, split, deferred, fuse_nearest)
-    names = [f"{what}_{s.layer}" for s in sites
-             for what in base + (policy_inputs if s.window is None else ()) + (full_base if s.layer in split else ())
-             + (RECENT_INPUTS if s.layer in deferred else ()) + (NEAREST_INPUTS if s.layer in nearest else ())]
-    inputs = iter(_add_inputs(graph, names))
+    layout = decode_layout(sites, policy, split, defer_scores, fuse_nearest)
+    inputs = iter(_add_inputs(graph, layout.placeholders()))
     scores, score_layers = [], []
-    for site in sites:
-        attend = dense if site.window is not None else DECODE_ATTENTION_OPS[policy.attention]
-        cache = [next(inputs) for _ in base]
-        extra = [next(inputs) for _ in policy_inputs] if site.window is None else []
+    for site, lay in zip(sites, layout.layers, strict=True):
+        cache = [next(inputs) for _ in CACHE_INPUTS]
+        extra = [next(inputs) for _ in lay.policy]
+        full_cache = [next(inputs) for _ in FULL_INPUTS] if lay.full else []
+        recent = [next(inputs) for _ in RECENT_INPUTS] if lay.recent else []
+        near = [next(inputs) for _ in lay.nearest]
+        want = (bool(policy.stats & DECODE_STATS) and site.window is None and policy.compresses and not lay.recent)
         target = env[site.output]
-        want = (bool(policy.stats & DECODE_STATS) and site.window is None and policy.compresses
-                and site.layer not in deferred)
         with graph.inserting_before(target):
             q, k, v = env[site.q], repeat_cached_kv(graph, site, env[site.k]), repeat_cached_kv(graph, site, env[site.v])
-            if policy.compresses and site.window is None:   # this layer's compression, forked at the step's start
-                graph.call_function(torch.ops.kvpass.await_compression.default, (cache[3], cache[0]))
-            if site.layer in split:
-                full_cache = [next(inputs) for _ in full_base]
-                attn, res = _split_attend(graph, site, attend, cache, extra, want, split[site.layer], full_cache,
-                                          q, k, v, pos)
-            else:
-                recent = [next(inputs) for _ in RECENT_INPUTS] if site.layer in deferred else None
-                if site.layer in nearest:     # next, from, cand, best, slot: the op's inputs after log_weight
-                    res = _write_and_attend(graph, site, ops.decode_attention_nearest.default, q, k, v, pos, cache,
-                                            [next(inputs) for _ in NEAREST_INPUTS], want)
-                else:
-                    res = _write_and_attend(graph, site, attend, q, k, v, pos, cache, extra, want)
-                attn = graph.call_function(operator.getitem, (res, 0))
-                if recent is not None:     # after the write: rope_into_write_kv folds rope(q) only where every
-                    graph.call_function(ops.write_query.default, (*recent, pos, q))     # reader follows it
+            attn, res = _attend_site(graph, site, policy, lay, cache, extra, full_cache, near, want, split, q, k, v, pos)
+            if recent:                 # after the write: rope_into_write_kv folds rope(q) only where every
+                graph.call_function(ops.write_query.default, (*recent, pos, q))          # reader follows it
             if want:
                 scores.append(graph.call_function(operator.getitem, (res, 1)))
                 score_layers.append(site.layer)
         target.replace_all_uses_with(attn)
-    return (_finish(graph, gm, [_logits_node(out)] + scores, "KVPassDecode"), tuple(score_layers),
-            tuple(s.layer for s in sites if s.layer in deferred), tuple(s.layer for s in sites if s.layer in nearest))
+    return _finish(graph, gm, [_logits_node(out)] + scores, "KVPassDecode"), tuple(score_layers), layout
+
+
+def _attend_site(graph: Graph, site: AttentionSite, policy: Policy, lay: LayerInputs, cache: list[Node],
+                 extra: list[Node], full_cache: list[Node], near: list[Node], want: bool,
+                 split: dict[int, tuple[int, ...]], q: Node, k: Node, v: Node, pos: Node) -> tuple[Node, Node]:
+    """One site's cache write and decode attention: (its output [B, Hq, 1, D], the op's result node)."""
+    attend = DECODE_ATTENTION_OPS[Attention.DENSE if site.window is not None else policy.attention]
+    if policy.compresses and site.window is None:   # this layer's compression, forked at the step's start
+        graph.call_function(torch.ops.kvpass.await_compression.default, (cache[3], cache[0]))
+    if lay.full:
+        return _split_attend(graph, site, attend, cache, extra, want, split[site.layer], full_cache, q, k, v, pos)
+    if near:                           # next, from, inv_norm, cand, best, slot: the op's inputs after log_weight
+        res = _write_and_attend(graph, site, ops.decode_attention_nearest.default, q, k, v, pos, cache, near, want)
+    else:
+        res = _write_and_attend(graph, site, attend, q, k, v, pos, cache, extra, want)
+    return graph.call_function(operator.getitem, (res, 0)), res
 
 
 def insert_compressed_cache(gm: GraphModule, sites: list[AttentionSite], policy: Policy,
@@ -404,10 +412,10 @@ def insert_compressed_cache(gm: GraphModule, sites: list[AttentionSite], policy:
     if policy.compresses:
         full_heads = expanded_head_indices(policy.full_kv_heads(per_model_kv_head(sites)), sites)
     prefill, stat_keys = build_prefill(gm, sites, policy)
-    decode, score_layers, deferred, nearest = build_decode(gm, sites, policy, full_heads, defer_scores, fuse_nearest)
+    decode, score_layers, layout = build_decode(gm, sites, policy, full_heads, defer_scores, fuse_nearest)
     log.info("insert_compressed_cache: rewrote %d attention sites (%s)%s%s", len(sites), policy.name,
              ", KV heads expanded per query head" if any(s.kv_repeat > 1 for s in sites) else "",
              f", full-cache KV heads {full_heads}" if full_heads else "")
     return RewrittenGraphs(prefill=prefill, decode=decode, sites=tuple(sites),
-                           prefill_stats=stat_keys, decode_scores=score_layers, deferred_scores=deferred,
-                           nearest_layers=nearest, full_heads=full_heads)
+                           prefill_stats=stat_keys, decode_scores=score_layers, deferred_scores=layout.deferred,
+                           nearest_layers=layout.nearest, full_heads=full_heads, decode_layout=layout)

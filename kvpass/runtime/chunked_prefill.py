@@ -8,7 +8,7 @@ at most about budget + chunk entries during prefill instead of the whole prompt.
                    the layer's cache and, causally, the chunk itself (``kvpass::chunk_attention``) ─▶ the
                    chunk's K, V and statistics appended to the cache; the cache's own statistics updated
     between chunks: each compressible layer whose rows hold more than their budget is compressed
-                   (``Policy.compress_into``, rows of one budget together), lengths read back once a chunk
+                   (in place where the policy can, rows of one budget together), lengths read back once a chunk
     after the last chunk: the caches go through the runtime's usual prompt compression, budgets, capacities
                    and ``prepare`` (``kvpass.runtime.layers.build_layers``), then decode as usual.
 
@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING
+import weakref
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -58,13 +59,27 @@ from kvpass.cache import (
     with_capacity,
 )
 from kvpass.policies.base import Stat
+from kvpass.policies.capabilities import compress_in_place
 from kvpass.rewrites.insert_compressed_cache import prompt_cache
+from kvpass.rewrites.pipeline import compile_chunk_step
+from kvpass.runtime.inputs import PrefillingModel, check_prefill_memory, prepare_inputs
 from kvpass.runtime.layers import PromptCaches, build_layers, check_min_budget, row_budgets, row_layer_budgets
 from kvpass.runtime.session import DecodeSession
 from kvpass.validation import check_memory, estimate_prefill_bytes, refuse
 
-if TYPE_CHECKING:
-    from kvpass.runtime.model import KVPassModel
+
+class ChunkingModel(PrefillingModel, Protocol):
+    """What the chunked prefill reads of a ``KVPassModel`` (kvpass/runtime/model.py, which imports this module)."""
+
+    fused_linears: bool
+
+    def prefill(self, input_ids: Tensor, attention_mask: Tensor | None = None, max_new_tokens: int = 0): ...
+
+    def start_from(self, prefill, layer_budgets: list[int] | None = None) -> DecodeSession: ...
+
+
+# model -> its chunk-step graph and keys, built on first use (the graph lives as long as the model)
+_CHUNK_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # statistics a chunk adds to what the cache holds; every other one replaces it (a window of the newest queries)
 ACCUMULATED = frozenset({Stat.COLUMN_SUM})
@@ -78,7 +93,7 @@ def check_prefill_chunk_value(chunk: object) -> None:
         raise refuse("prefill_chunk.range", got=chunk)
 
 
-def check_prefill_chunk(chunk: object, model: KVPassModel) -> None:
+def check_prefill_chunk(chunk: object, model: ChunkingModel) -> None:
     """Refuse a ``prefill_chunk`` that is not None or an int >= 1, or that the model's policy cannot use."""
     check_prefill_chunk_value(chunk)
     if chunk is None:
@@ -86,7 +101,7 @@ def check_prefill_chunk(chunk: object, model: KVPassModel) -> None:
     policy = model.policy
     if policy.compresses and Stat.RECONSTRUCTION in policy.stats:
         reason = (f"policy {policy.name}: it scores entries by the model repeating the whole prompt over the prompt's "
-                  "uncompressed cache (docs/policies.md §6.12)")
+                  "uncompressed cache (docs/policies.md §6.13)")
     elif not policy.prefill_chunks:
         reason = (f"policy {policy.name}: its first compression turns the cache into entries its decode attention "
                   "expands (Policy.prefill_chunks is False)")
@@ -146,20 +161,18 @@ def ring_of(cache: LayerCache, window: int) -> LayerCache:
     return ring
 
 
-def chunk_step_graph(model: KVPassModel):
+def chunk_step_graph(model: ChunkingModel):
     """(the chunk-step GraphModule, its statistics' (layer, Stat) keys) of ``model``, built on first use."""
-    if model._chunk_step is None:
-        from kvpass.rewrites.pipeline import compile_chunk_step
-
-        model._chunk_step = compile_chunk_step(model.captured, model.policy, model.graphs.sites, model.fused_linears)
-    return model._chunk_step
+    if model not in _CHUNK_STEPS:
+        _CHUNK_STEPS[model] = compile_chunk_step(model.captured, model.policy, model.graphs.sites, model.fused_linears)
+    return _CHUNK_STEPS[model]
 
 
 class _ChunkedPrefill:
     """The state of one chunked prefill: per attention site its cache, whether it is compressed, its rows'
     budgets and head capacities (compressed layers), its rows' live entries and its peak, on the host."""
 
-    def __init__(self, model: KVPassModel, pad: Tensor, total: int, tokens: int, chunk: int) -> None:
+    def __init__(self, model: ChunkingModel, pad: Tensor, total: int, tokens: int, chunk: int) -> None:
         self.model, self.policy, self.sites = model, model.policy, list(model.graphs.sites)
         self.pad, self.total, self.tokens, self.chunk = pad, total, tokens, chunk
         full_attention = [s.layer for s in self.sites if s.window is None]
@@ -288,11 +301,11 @@ class _ChunkedPrefill:
             for b in over:
                 groups.setdefault(self.budgets[i][b], []).append(b)
             if len(groups) == 1 and len(over) == len(self.entries[i]):
-                self.policy.compress_into(cache, next(iter(groups)))
+                compress_in_place(self.policy, cache, next(iter(groups)))
             else:
                 for keep, rows in groups.items():
                     part = take_rows(cache, rows)
-                    self.policy.compress_into(part, keep)
+                    compress_in_place(self.policy, part, keep)
                     put_rows_at(cache, part, rows)
             done.append(i)
             self.compressions += 1
@@ -327,7 +340,7 @@ def _rows_from(x: Tensor, rows: list[int], donor: int) -> Tensor:
     return out
 
 
-def _check_chunk_memory(model: KVPassModel, batch: int, chunk: int, tokens: int, total: int, slots: int) -> None:
+def _check_chunk_memory(model: ChunkingModel, batch: int, chunk: int, tokens: int, total: int, slots: int) -> None:
     """Refuse before the prefill when a chunk's prefill and the working caches (``slots`` per layer) need more
     device memory than is free (CUDA; ``validation.check_memory``)."""
     if model.device.type != "cuda" and model.free_bytes is None:
@@ -339,19 +352,19 @@ def _check_chunk_memory(model: KVPassModel, batch: int, chunk: int, tokens: int,
 
 
 @torch.no_grad()
-def start_chunked(model: KVPassModel, input_ids: Tensor, attention_mask: Tensor | None, max_new_tokens: int,
+def start_chunked(model: ChunkingModel, input_ids: Tensor, attention_mask: Tensor | None, max_new_tokens: int,
                   chunk: int, layer_budgets: list[int] | None = None) -> DecodeSession:
     """``KVPassModel.start`` with the prompt prefilled ``chunk`` tokens at a time (module docstring); a prompt of
     at most ``chunk`` tokens is prefilled in one piece. ``layer_budgets``: the compressed layers' budgets to use
     instead of the policy's choice (groups of rows prefilled apart, ``prefill_rows``)."""
     check_prefill_chunk(chunk, model)
-    ids, pad, pos = model._prepare(input_ids, attention_mask, max_new_tokens)
+    ids, pad, pos = prepare_inputs(model, input_ids, attention_mask, max_new_tokens)
     t = ids.shape[1]
     bounds = chunk_bounds(t, chunk)
     total = t + max_new_tokens
     budget = check_min_budget(model, total)
     if len(bounds) == 1:
-        model._check_memory(ids.shape[0], t, total)
+        check_prefill_memory(model, ids.shape[0], t, total)
         session = model.start_from(model.prefill(input_ids, attention_mask, max_new_tokens), layer_budgets)
         session.prefill_chunk = chunk
         return session

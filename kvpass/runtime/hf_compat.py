@@ -19,7 +19,7 @@ from kvpass.validation import refuse
 KVPASS_CONFIG = "kvpass_config.json"
 CONFIG_FORMAT = "kvpass-config/1"
 # settings of a KVPassModel a rebuild (``.to()``) carries over
-_SETTINGS = ("prefill_rows", "rows_in_one_call", "reuse_decode_buffers", "free_bytes", "reconstruction_prompt")
+_SETTINGS = ("prefill_rows", "reuse_decode_buffers", "free_bytes", "reconstruction_prompt")
 # forward() arguments transformers' causal LMs take that kvpass accepts only at their neutral value
 _NEUTRAL_FORWARD = {"past_key_values": (None,), "inputs_embeds": (None,), "position_ids": (None,),
                     "cache_position": (None,), "output_attentions": (None, False),

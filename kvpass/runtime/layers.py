@@ -29,8 +29,8 @@ from kvpass.cache import (
 )
 from kvpass.decode_step import StaticDecodeStep
 from kvpass.head_group import HeadGroup
-from kvpass.kernels.decode_attention_nearest import add_nearest_state
 from kvpass.policies.base import Policy
+from kvpass.policies.capabilities import compress_in_place, deferred_scores
 from kvpass.rewrites import RewrittenGraphs
 from kvpass.rewrites.insert_compressed_cache import prompt_cache
 from kvpass.runtime.recent_queries import add_recent_queries
@@ -45,7 +45,6 @@ class RuntimeModel(Protocol):
     graphs: RewrittenGraphs
     heads: HeadGroup
     decode_step: StaticDecodeStep
-    rows_in_one_call: bool
     compiled_decode: Callable | None      # the decode graph compiled (kvpass.compiled_decode.CompiledDecode)
 
     @property
@@ -110,11 +109,11 @@ class Layer:
 
     @property
     def one_budget(self) -> bool:
-        """Every row has the layer's budget and capacity (``Policy.compress_into`` fits the layer)."""
+        """Every row has the layer's budget and capacity (one in-place compression fits the layer)."""
         return len(set(self.row_budgets)) == 1 and all(cap == self.cache.capacity for cap in self.row_caps)
 
     def keep_rows(self) -> Tensor:
-        """``row_budgets`` as a [B] int64 tensor on the cache's device (``Policy.compress_rows_into``), made
+        """``row_budgets`` as a [B] int64 tensor on the cache's device (``RaggedRows.compress_rows_into``), made
         once for the session's budgets: it exists before a CUDA-graphed step is captured (the step calls
         this first) and keeps its address."""
         key = tuple(self.row_budgets)
@@ -199,27 +198,66 @@ def build_layers(model: RuntimeModel, kv: Sequence[Tensor] | None, stats: dict[i
     largest. ``layer_budgets`` (groups of rows prefilled apart, ``prefill_rows``) gives every row those, or
     (a list per row) each row its own. ``prompt`` (chunked prefill, kvpass/runtime/chunked_prefill.py): each
     site's cache of the prompt so far, used instead of building them from ``kv`` (None then)."""
-    layers: list[Layer] = []
     t = kv[0].shape[2] if prompt is None else prompt.tokens
-    new = total - t
     row_tokens = [t - p for p in pad.tolist()]                          # each row's prompt
-    row_total = [n + new for n in row_tokens]
-    prompt_len = max(row_tokens)
+    row_total = [n + total - t for n in row_tokens]
+    row_budget = prompt_row_budgets(model, total, row_total)          # refused here if below the minimum
+    layers = site_layers(model, kv, stats, pad, total, row_tokens, prompt)
+    compressed = [lay for lay in layers if lay.compressible]
+    deferred = model.policy.prompt_compression_deferred()
     compressions = 0
+    if compressed:
+        if layer_budgets and isinstance(layer_budgets[0], (list, tuple)):
+            per_row = [list(r) for r in layer_budgets]
+        elif layer_budgets:
+            per_row = [list(layer_budgets)] * len(row_tokens)
+        else:
+            per_row = row_layer_budgets(model, row_budget, [lay.cache for lay in compressed])
+        set_row_budgets(model, compressed, per_row, row_total if model.policy.ragged_rows else [total] * len(row_total))
+        due = [] if deferred else [lay for lay in compressed
+                                   if any(n > b for n, b in zip(lay.row_len, lay.row_budgets, strict=True))]
+        compress_prompt(model, due)
+        compressions += len(due)
+    for lay in layers:
+        if lay.window is None:
+            capacity = total if not lay.compressible else max(lay.row_caps)
+            if deferred and lay.compressible and lay.host_len > lay.budget:   # the prompt and the first step
+                capacity = min((t if prompt is None else lay.host_len) + 1, total)
+            lay.cache = with_capacity(lay.cache, max(capacity, lay.host_len))
+        if lay.full is not None:
+            lay.full = with_capacity(lay.full, total)
+    prepare_layers(model, layers, row_total, recall_budget)
+    return layers, compressions
+
+
+def prompt_row_budgets(model: RuntimeModel, total: int, row_total: list[int]) -> list[int]:
+    """Each row's token budget per compressed layer (``row_budgets``); where some KV heads keep every token
+    (§1.10), the other heads share what the full ones leave of the total."""
     full_heads = model.graphs.full_heads
-    row_budget = row_budgets(model, total, row_total) if model.policy.compresses else list(row_total)
-    if full_heads:              # §1.10: the other heads share what the full ones leave of the total
-        heads = sum(s.n_kv_heads for s in model.graphs.sites if s.window is None)
-        n_full = sum(map(len, full_heads.values()))
-        totals = row_total if model.policy.ragged_rows else [total] * len(row_total)
-        row_budget = [budget_with_full_heads(model.budget, n, heads, n_full) for n in totals]
-        if min(row_budget) < model.policy.min_budget():
-            raise ValueError(f"budget {model.budget!r} of {total} tokens leaves {min(row_budget)} entries per "
-                             f"compressed head after keeping {full_heads} full, below {model.policy.name}'s minimum "
-                             f"of {model.policy.min_budget()}; raise the budget")
+    if not model.policy.compresses:
+        return list(row_total)
+    row_budget = row_budgets(model, total, row_total)
+    if not full_heads:
+        return row_budget
+    heads = sum(s.n_kv_heads for s in model.graphs.sites if s.window is None)
+    n_full = sum(map(len, full_heads.values()))
+    totals = row_total if model.policy.ragged_rows else [total] * len(row_total)
+    row_budget = [budget_with_full_heads(model.budget, n, heads, n_full) for n in totals]
+    if min(row_budget) < model.policy.min_budget():
+        raise ValueError(f"budget {model.budget!r} of {total} tokens leaves {min(row_budget)} entries per "
+                         f"compressed head after keeping {full_heads} full, below {model.policy.name}'s minimum "
+                         f"of {model.policy.min_budget()}; raise the budget")
+    return row_budget
+
+
+def site_layers(model: RuntimeModel, kv: Sequence[Tensor] | None, stats: dict[int, dict[str, Tensor]], pad: Tensor,
+                total: int, row_tokens: list[int], prompt: PromptCaches | None) -> list[Layer]:
+    """One ``Layer`` per attention site, uncompressed: a ring for a sliding-window layer shorter than ``total``, the
+    prompt's cache otherwise (its full-cache KV heads apart, §0.6 b), each row's live entries counted."""
+    full_heads = model.graphs.full_heads
     full_attention = [s.layer for s in model.graphs.sites if s.window is None]
     kept_whole = {full_attention[i] for i in model.policy.uncompressed_layers(len(full_attention))}
-    deferred = model.policy.prompt_compression_deferred()
+    layers: list[Layer] = []
     for i, site in enumerate(model.graphs.sites):
         if prompt is None:
             k, v = kv[2 * site.layer], kv[2 * site.layer + 1]
@@ -228,7 +266,7 @@ def build_layers(model: RuntimeModel, kv: Sequence[Tensor] | None, stats: dict[i
             if prompt is not None:
                 prompt.caches[i] = None
             layers.append(Layer(ring, site.window, False, site.window, int(ring.length.max()), True))
-            layers[-1].peak = prompt_len if prompt is None else prompt.peaks[i]   # the prefill held the prompt
+            layers[-1].peak = max(row_tokens) if prompt is None else prompt.peaks[i]   # the prefill held the prompt
             continue
         if prompt is None:
             cache = prompt_cache(k, v, pad, stats.get(site.layer, {}))
@@ -247,35 +285,26 @@ def build_layers(model: RuntimeModel, kv: Sequence[Tensor] | None, stats: dict[i
         if compressible:
             lay.row_len = list(entries)
         layers.append(lay)
-    compressed = [lay for lay in layers if lay.compressible]
-    if compressed:
-        if layer_budgets and isinstance(layer_budgets[0], (list, tuple)):
-            per_row = [list(r) for r in layer_budgets]
-        elif layer_budgets:
-            per_row = [list(layer_budgets)] * len(row_tokens)
-        else:
-            per_row = row_layer_budgets(model, row_budget, [lay.cache for lay in compressed])
-        interval = getattr(model.policy, "interval", 1)
-        for i, lay in enumerate(compressed):
-            lay.row_budgets = [int(r[i]) for r in per_row]
-            lay.budget = max(lay.row_budgets)
-            totals = row_total if model.policy.ragged_rows else [total] * len(row_total)
-            heads = lay.cache.length.shape[1] * model.heads.world     # every rank's heads (tensor parallel)
-            lay.row_extra = [model.policy.head_capacity(b, heads) - b for b in lay.row_budgets]
-            lay.row_caps = [min(b + e + interval, n) for b, e, n in zip(lay.row_budgets, lay.row_extra, totals,
-                                                                        strict=True)]
-        due = [] if deferred else [lay for lay in compressed
-                                   if any(n > b for n, b in zip(lay.row_len, lay.row_budgets, strict=True))]
-        compress_prompt(model, due)
-        compressions += len(due)
-    for lay in layers:
-        if lay.window is None:
-            capacity = total if not lay.compressible else max(lay.row_caps)
-            if deferred and lay.compressible and lay.host_len > lay.budget:   # the prompt and the first step
-                capacity = min((kv[0].shape[2] if prompt is None else lay.host_len) + 1, total)
-            lay.cache = with_capacity(lay.cache, max(capacity, lay.host_len))
-        if lay.full is not None:
-            lay.full = with_capacity(lay.full, total)
+    return layers
+
+
+def set_row_budgets(model: RuntimeModel, compressed: list[Layer], per_row: list[list[int]], totals: list[int]) -> None:
+    """Each compressed layer's per-row budgets (``per_row[row][layer]``), head extras and capacities: budget +
+    extra + interval, at most the row's own prompt + new tokens (``totals``)."""
+    interval = getattr(model.policy, "interval", 1)
+    for i, lay in enumerate(compressed):
+        lay.row_budgets = [int(r[i]) for r in per_row]
+        lay.budget = max(lay.row_budgets)
+        heads = lay.cache.length.shape[1] * model.heads.world     # every rank's heads (tensor parallel)
+        lay.row_extra = [model.policy.head_capacity(b, heads) - b for b in lay.row_budgets]
+        lay.row_caps = [min(b + e + interval, n) for b, e, n in zip(lay.row_budgets, lay.row_extra, totals,
+                                                                    strict=True)]
+
+
+def prepare_layers(model: RuntimeModel, layers: list[Layer], row_total: list[int], recall_budget: int) -> None:
+    """``Policy.prepare`` of every full-attention layer with its budget (per row where the rows' differ: a [B]
+    tensor), host-resident tensors pinned on the host, and the decode graph's extra state (the deferred-score ring,
+    the fused nearest-key search's state) made for the layers that take it."""
     on_host = model.device.type != "cpu"
     row_recall = [budget_tokens(model.budget, n) for n in row_total]
     recall: int | Tensor = recall_budget
@@ -291,10 +320,9 @@ def build_layers(model: RuntimeModel, kv: Sequence[Tensor] | None, stats: dict[i
         for name in model.policy.host_resident if on_host else ():
             setattr(lay.cache, name, getattr(lay.cache, name).to("cpu").pin_memory())
         if site.layer in model.graphs.deferred_scores:
-            add_recent_queries(lay.cache, site.n_heads, model.policy.deferred_scores())
+            add_recent_queries(lay.cache, site.n_heads, deferred_scores(model.policy))
         if site.layer in model.graphs.nearest_layers:
-            add_nearest_state(lay.cache, model.policy.nearest_candidates())
-    return layers, compressions
+            lay.cache.state.update(model.policy.decode_state(lay.cache))
 
 
 def compress_prompt(model: RuntimeModel, layers: list[Layer]) -> None:
@@ -366,14 +394,14 @@ def compress_prompt_rows(model: RuntimeModel, lay: Layer) -> None:
 
 def compress_rows_into(model: RuntimeModel, lay: Layer, rows: list[int]) -> None:
     """Decode time, eager: the due ``rows`` of ``lay`` compressed each to its own budget in a copy of its
-    own capacity (rows of one budget and capacity together, ``Policy.compress_into`` as a batch of one
+    own capacity (rows of one budget and capacity together, compressed in place as a batch of one
     would run it), written back into the layer's buffers; then their lengths are read back (a sync)."""
     groups: dict[tuple[int, int], list[int]] = {}
     for b in rows:
         groups.setdefault((lay.row_budgets[b], lay.row_caps[b]), []).append(b)
     for (keep, cap), part_rows in groups.items():
         part = take_rows(lay.cache, part_rows, cap)
-        model.policy.compress_into(part, keep)
+        compress_in_place(model.policy, part, keep)
         put_rows_at(lay.cache, part, part_rows)
     lay.set_row_len(model.heads.max(lay.cache.length.amax(-1)).tolist())
     check_within_budget(model, lay)

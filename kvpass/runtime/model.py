@@ -16,7 +16,6 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from kvpass.budget import budget_tokens, check_budget
 from kvpass.decode_step import StaticDecodeStep
-from kvpass.errors import OutOfDeviceMemory
 from kvpass.head_group import SINGLE_PROCESS, HeadGroup
 from kvpass.policies.base import Policy
 from kvpass.rewrites import CapturedModel, RewrittenGraphs, compile_model
@@ -26,14 +25,13 @@ from kvpass.runtime.decode_buffers import DecodeBuffers
 from kvpass.runtime.decode_loop import decode_tokens
 from kvpass.runtime.generation_args import UNSET, GenerationArgs, resolve_generation_args
 from kvpass.runtime.hf_compat import TransformersCompat
+from kvpass.runtime.inputs import check_prefill_memory, prepare_inputs
 from kvpass.runtime.layers import build_layers, check_min_budget
 from kvpass.runtime.reconstruction import add_after_prefill_stats
 from kvpass.runtime.session import DecodeSession, GenerationReport, stack_sessions
 from kvpass.validation import (
     MEMORY_ADVICE,
     as_input_ids,
-    check_memory,
-    estimate_prefill_bytes,
     in_use,
     left_pads,
     refuse,
@@ -115,15 +113,9 @@ class KVPassModel(TransformersCompat, nn.Module):
         # per-layer budgets (D2O, PyramidKV) are then those of the first group's largest [OURS]: the one
         # place where a row's budgets depend on its batch-mates (the stacked buffers need one layout).
         self.prefill_rows: int | None = None
-        # Decode-time compression of a layer whose rows have budgets of their own (D2O's per-row layer budgets):
-        # True takes the whole layer in one call where the policy can (``Policy.rows_in_one_call``), in the
-        # CUDA-graphed step; False compresses the due rows one budget at a time in copies (eager, a host sync
-        # a layer): the old path, kept for benchmarks/ragged_decode_gpu.py's before/after. Same tokens.
-        self.rows_in_one_call = True
         # Prompt tokens prefilled at a time (None: the whole prompt), each layer compressed back to its budget
         # between chunks, so prefill holds about budget + chunk entries per layer (kvpass/runtime/chunked_prefill.py).
         self.prefill_chunk: int | None = None
-        self._chunk_step = None                    # the chunk-step graph, built on first use (chunked_prefill)
         self._reconstruction_step = None           # the context reconstruction's step, on first use (reconstruction)
         # the repeat request's token ids for policies that score by reconstructing the context (``kvpass.apply``'s
         # tokenizer; kvpass/runtime/reconstruction.py)
@@ -179,17 +171,7 @@ class KVPassModel(TransformersCompat, nn.Module):
 
     # ---------------------------------------------------------------- generate
     def _prepare(self, input_ids, attention_mask, max_new_tokens) -> tuple[Tensor, Tensor, Tensor]:
-        """ids [B, T], left pads [B], positions [B, T] after every input check (``kvpass.validation``)."""
-        ids = as_input_ids(input_ids, self.device, self.vocab_size)
-        mask, pad = left_pads(attention_mask, ids)
-        longest = int(ids.shape[1] - pad.min())
-        ctx = self.captured.context_length
-        if longest > ctx:
-            raise refuse("input_ids.context", got=longest, context=ctx)
-        if longest + max_new_tokens > ctx:
-            raise refuse("max_new_tokens.context", prompt=longest, got=max_new_tokens, context=ctx)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        return ids, pad, pos
+        return prepare_inputs(self, input_ids, attention_mask, max_new_tokens)      # kvpass/runtime/inputs.py
 
     @property
     def compile_report(self) -> dict:
@@ -300,23 +282,7 @@ class KVPassModel(TransformersCompat, nn.Module):
             self._lock.release()
 
     def _check_memory(self, batch: int, tokens: int, total: int) -> None:
-        """Refuse before the prefill when its estimated memory (``validation.estimate_prefill_bytes``) exceeds
-        what is free on the device (CUDA; ``validation.free_device_bytes``), after freeing the buffers ``generate``
-        kept (``release_decode_buffers``) if they are what is in the way."""
-        if self.device.type != "cuda" and self.free_bytes is None:
-            return
-        kv_width = sum(s.n_kv_heads * s.head_dim for s in self.graphs.sites)
-        slots = total if not self.policy.compresses else budget_tokens(self.budget, total) + getattr(
-            self.policy, "interval", 1)
-        need = estimate_prefill_bytes(self.config, batch, tokens, total, slots, next(self.model.parameters()).dtype,
-                                      kv_width)
-        try:
-            check_memory(need, self.device, batch, tokens, self.free_bytes)
-        except OutOfDeviceMemory:
-            if not self.decode_buffers.held:
-                raise
-            self.release_decode_buffers()
-            check_memory(need, self.device, batch, tokens, self.free_bytes)
+        check_prefill_memory(self, batch, tokens, total)                            # kvpass/runtime/inputs.py
 
     def release_decode_buffers(self) -> None:
         """Free the cache buffers ``generate`` keeps between calls and the decode step's CUDA graphs recorded over

@@ -1,7 +1,7 @@
 """Deferred scores: a layer's ring of recent decode queries, and their attention rows added at once.
 
 Where the decode graph keeps each step's query instead of returning its scores (``RewrittenGraphs.deferred_scores``;
-``Policy.deferred_scores`` = m, D2O with ``interval`` m > 1), the layer's cache carries in its state
+``FusedDecodeStatistics.deferred_scores`` = m, D2O with ``interval`` m > 1), the layer's cache carries in its state
 
     recent_query    [B, Hq, m, D]  (the cache's dtype)  the steps' post-RoPE queries, at slot position mod m
     recent_position [B, m] int64                        their positions (-1: empty)
@@ -20,7 +20,7 @@ import torch
 from kvpass.cache import LayerCache
 from kvpass.policies.base import Stat
 from kvpass.rewrites.attention_sites import AttentionSite
-from kvpass.rewrites.insert_compressed_cache import RECENT_INPUTS
+from kvpass.rewrites.decode_layout import RECENT_INPUTS
 
 RECENT_QUERY, RECENT_POSITION = RECENT_INPUTS
 

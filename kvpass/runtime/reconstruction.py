@@ -1,4 +1,4 @@
-"""KVzip's context reconstruction (docs/policies.md §6.12): after the prefill, the model is asked to repeat the
+"""KVzip's context reconstruction (docs/policies.md §6.13): after the prefill, the model is asked to repeat the
 prompt, chunk by chunk, over the prompt's whole cache, and every cached entry is scored by the most attention it
 receives while it does (``Stat.RECONSTRUCTION``). The score asks which entries the model needs to reproduce the
 context, so it does not depend on a question: the query-agnostic score.

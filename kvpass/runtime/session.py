@@ -22,7 +22,12 @@ from kvpass.cache import (
     with_capacity,
 )
 from kvpass.decode_step import fork_side_by_side, join_pending
-from kvpass.kernels.decode_attention_nearest import NEAREST_INPUTS, has_nearest_state, renew_nearest_state
+from kvpass.policies.capabilities import (
+    compress_layers_into,
+    gathers_across_heads,
+    nearest_candidates,
+    rows_in_one_call,
+)
 from kvpass.rewrites.attention_sites import AttentionSite
 from kvpass.rewrites.insert_compressed_cache import DECODE_STATS
 from kvpass.runtime.layers import (
@@ -32,7 +37,7 @@ from kvpass.runtime.layers import (
     compress_rows_into,
     recorded_params,
 )
-from kvpass.runtime.recent_queries import RECENT_INPUTS, add_recent_rows, has_recent_queries, recent_capacity
+from kvpass.runtime.recent_queries import add_recent_rows, has_recent_queries, recent_capacity
 from kvpass.sampling import next_token
 
 
@@ -187,7 +192,7 @@ class DecodeSession:
         self.logits = self._device_step(tokens, due_in_step)
         for i in due:
             # the policy contract: a compressed row holds at most `budget` entries (checked when eager); a row
-            # that was not due is left as it is (``Policy.rows_in_one_call``: it may hold more, below its capacity)
+            # that was not due is left as it is (``RaggedRows.rows_in_one_call``: it may hold more, below its capacity)
             lay = self.layers[i]
             lay.set_row_len([min(n, b) if r in due_rows[i] else n
                              for r, (n, b) in enumerate(zip(lay.row_len, lay.row_budgets, strict=True))])
@@ -218,12 +223,10 @@ class DecodeSession:
 
     def _rows_in_one_call(self, lay: Layer) -> bool:
         """Whether the layer's rows, of budgets of their own, are compressed by one call of the policy
-        (``Policy.rows_in_one_call``: every due row as alone, the others unchanged) rather than one budget at
+        (``RaggedRows.rows_in_one_call``: every due row as alone, the others unchanged) rather than one budget at
         a time in copies (``kvpass.runtime.layers.compress_rows_into``). Makes the per-row budget tensor now, before
-        a CUDA-graphed step could capture it. ``KVPassModel.rows_in_one_call = False`` turns it off (the
-        benchmark's before/after)."""
-        if not (self.owner.rows_in_one_call and not any(lay.row_extra)
-                and self.policy.rows_in_one_call(lay.row_budgets, lay.row_caps)):
+        a CUDA-graphed step could capture it."""
+        if any(lay.row_extra) or not rows_in_one_call(self.policy, lay.row_budgets, lay.row_caps):
             return False
         if self._per_row_due(lay):
             lay.keep_rows()
@@ -238,8 +241,8 @@ class DecodeSession:
 
     def _gathers_over_ranks(self) -> bool:
         """Tensor parallel with a policy whose compression gathers across heads: its layers compress in one call,
-        one after another, every rank's collectives in one order (``Policy.gathers_across_heads``)."""
-        return self.owner.heads.world > 1 and self.policy.gathers_across_heads()
+        one after another, every rank's collectives in one order (``GathersAcrossHeads``)."""
+        return self.owner.heads.world > 1 and gathers_across_heads(self.policy)
 
     def _compress_layer(self, lay: Layer) -> None:
         """The whole layer in its own buffers (``_compress_job``: ``compress_rows_into`` at each row's own budget,
@@ -248,13 +251,14 @@ class DecodeSession:
         ``compress_layers`` runs side by side) is held to it: a collective asked for is refused here, at its first
         compression, where side by side it could meet the other ranks' collectives out of order."""
         asked = self.owner.heads.collectives
-        self.policy.compress_layers_into([self._compress_job(lay)])
-        if self.owner.heads.collectives != asked and not self.policy.gathers_across_heads():
+        compress_layers_into(self.policy, [self._compress_job(lay)])
+        if self.owner.heads.collectives != asked and not gathers_across_heads(self.policy):
             raise RuntimeError(f"{self.policy.name}: its compression asked the other ranks for heads' statistics, but "
-                               "its gathers_across_heads() is False; declare it True (kvpass/policies/base.py)")
+                               "it does not declare GathersAcrossHeads with gathers_across_heads() True "
+                               "(kvpass/policies/capabilities.py)")
 
     def _compress_job(self, lay: Layer) -> tuple[LayerCache, int | Tensor]:
-        """(cache, keep) of ``Policy.compress_layers_into`` for the whole layer: the rows' own budgets ([B] int64)
+        """(cache, keep) of ``compress_layers_into`` for the whole layer: the rows' own budgets ([B] int64)
         where ``_per_row_due`` and ``_rows_in_one_call``, else the layer's budget."""
         if self._per_row_due(lay) and self._rows_in_one_call(lay):
             return lay.cache, lay.keep_rows()
@@ -287,7 +291,8 @@ class DecodeSession:
                 out = out if out is not None else empty_rows(part, self.batch)
                 put_rows_at(out, part, rows)
             lay.cache = out
-            renew_nearest_state(lay.cache)        # its norms span the prompt's buffers
+            if nearest_candidates(self.policy) and site.layer in self.owner.graphs.nearest_layers:
+                lay.cache.state.update(self.policy.decode_state(lay.cache))    # made anew for the new buffers
             lay.set_row_len(self.owner.heads.max(lay.cache.length.amax(-1)).tolist())
             check_within_budget(self.owner, lay)
             self.compressions += 1
@@ -323,17 +328,6 @@ class DecodeSession:
                 self.step(tok)
         return torch.stack(tokens, dim=1), (tuple(step_logits) if output_logits else None)
 
-    def _decode_inputs(self, lay: Layer, slot: Tensor) -> list[Tensor]:
-        cache = lay.cache
-        if lay.sliding:                           # sliding-window layers always use the dense op
-            return [cache.k, cache.v, cache.log_weight, slot, cache.position]
-        extra = [cache.slot_meta[n] if n in cache.slot_meta else cache.state[n] for n in self.policy.decode_inputs]
-        full = ([] if lay.full is None else
-                [lay.full.k, lay.full.v, lay.full.log_weight, lay.full.length, lay.full.position])
-        recent = [cache.state[n] for n in RECENT_INPUTS] if has_recent_queries(cache) else []
-        near = [cache.state[n] for n in NEAREST_INPUTS] if has_nearest_state(cache) else []
-        return [cache.k, cache.v, cache.log_weight, slot, cache.position, *extra, *full, *recent, *near]
-
     def _device_step(self, tokens: Tensor, compress: tuple[int, ...] = ()) -> Tensor:
         """The device work of one step: compression of the layers ``compress`` names, slots, the decode
         graph (writes K, V, attends), score accumulation, lengths and positions. tokens: [B] -> logits
@@ -347,7 +341,8 @@ class DecodeSession:
             # just before it) and before ``_advance`` adds 1; a copy would be a memcpy node a layer in the graph
             slots = [self._slot(lay, pos) for lay in layers]
             self.compress_layers(compress, join=False)
-            flat = [x for lay, slot in zip(layers, slots, strict=True) for x in self._decode_inputs(lay, slot)]
+            flat = [x for inputs, lay, slot in zip(graphs.decode_layout.layers, layers, slots, strict=True)
+                    for x in inputs.tensors(lay.cache, lay.full, slot)]
             outs = decode(tokens[:, None], pos, *flat)
             join_pending()
             if graphs.decode_scores:              # one multi-tensor launch per statistic, for every layer
@@ -377,7 +372,7 @@ class DecodeSession:
         collectives in one order."""
         if self._gathers_over_ranks():
             # tensor parallel: the policy's collectives in one order, in one call (it may gather once for all)
-            self.policy.compress_layers_into([self._compress_job(self.layers[i]) for i in indices])
+            compress_layers_into(self.policy, [self._compress_job(self.layers[i]) for i in indices])
             return
         calls = [functools.partial(self._compress_layer, self.layers[i]) for i in indices]
         if calls and self.logits.is_cuda and not join:

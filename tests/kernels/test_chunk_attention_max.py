@@ -54,8 +54,8 @@ def _loop(q, k, pad, kc, lw, position, pos, window, softcap):
                     x = softcap * math.tanh(x / softcap) if softcap else x
                     keys.append(x)
                     allowed.append(int(pad[bi]) <= j <= i and (window is None or i - j < window))
-                m = max(x for x, ok in zip(keys, allowed) if ok)
-                z = sum(math.exp(x - m) for x, ok in zip(keys, allowed) if ok)
+                m = max(x for x, ok in zip(keys, allowed, strict=True) if ok)
+                z = sum(math.exp(x - m) for x, ok in zip(keys, allowed, strict=True) if ok)
                 for s in range(c):
                     if allowed[s]:
                         out[bi, g, s] = max(out[bi, g, s], math.exp(keys[s] - m) / z)

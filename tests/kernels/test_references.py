@@ -27,8 +27,20 @@ def test_every_registered_op_has_a_reference():
 
 @pytest.mark.parametrize("name", sorted(REFERENCES))
 def test_reference_is_the_op_files_own(name):
-    module = importlib.import_module(f"kvpass.kernels.{name}")
-    assert REFERENCES[name] is getattr(module, f"{name}_reference")
+    """A kernel op's reference is its file's ``<op>_reference``; a policy's own op (registered beside the policy,
+    ``add_references``) names its reference the same way in the module that registers the op."""
+    fn = REFERENCES[name]
+    module = importlib.import_module(fn.__module__)
+    assert fn.__name__ == f"{name}_reference" and getattr(module, fn.__name__) is fn
+    assert fn.__module__ in (f"kvpass.kernels.{name}",) or fn.__module__.startswith("kvpass.policies."), fn.__module__
+
+
+def test_policy_ops_add_their_references_once():
+    import kvpass.policies  # noqa: F401  (registers D2O's ops)
+
+    assert {"d2o_evict_one", "d2o_evict_many"} <= set(REFERENCES)
+    with pytest.raises(ValueError, match="already have references: d2o_evict_one"):
+        kvpass.kernels.add_references({"d2o_evict_one": REFERENCES["d2o_evict_one"]})
 
 
 def test_reference_of_accepts_the_op_and_rejects_others():

@@ -370,8 +370,8 @@ def test_decode_compression_runs_the_policy_bound_to_the_model(monkeypatch):
     km = kvpass.apply(tiny_model("llama"), policy="ems", budget=12, **SMALL)
     assert km.policy.rope_inv_freq is not None
     seen = []
-    compress_into = EMS.compress_into
-    monkeypatch.setattr(EMS, "compress_into", lambda self, cache, keep: seen.append(self.rope_inv_freq)
-                        or compress_into(self, cache, keep))
+    compress = EMS.compress
+    monkeypatch.setattr(EMS, "compress", lambda self, cache, keep: seen.append(self.rope_inv_freq)
+                        or compress(self, cache, keep))
     km.generate(prompt(2, 40), max_new_tokens=8, do_sample=False)
     assert seen and all(f == km.policy.rope_inv_freq for f in seen)

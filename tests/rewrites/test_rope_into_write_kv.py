@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import kvpass
+from kvpass.policies.capabilities import deferred_scores
 from kvpass.rewrites.rope_into_write_kv import rope_into_write_kv
 from tests.conftest import TINY_CONFIGS
 
@@ -41,7 +42,7 @@ def test_rotations_fold_into_the_write_and_logits_stay(name, policy, dtype):
     readers = {torch.ops.kvpass.decode_attention.default, torch.ops.kvpass.decode_attention_nearest.default,
                torch.ops.kvpass.write_query.default}
     assert all(u.target in readers for n in fused for u in n.users)
-    assert _count(decode, torch.ops.kvpass.write_query.default) == (writes if kv.policy.deferred_scores() else 0)
+    assert _count(decode, torch.ops.kvpass.write_query.default) == (writes if deferred_scores(kv.policy) else 0)
     kv.decode_step.reset()
     torch.testing.assert_close(kv.start(ids, max_new_tokens=8).feed(fed), want, rtol=0, atol=0)
 

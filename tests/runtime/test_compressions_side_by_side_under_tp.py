@@ -1,5 +1,5 @@
 """Under tensor parallelism the runtime compresses a layer after another only for policies whose compression
-gathers statistics across heads (``Policy.gathers_across_heads``); every other policy's layers run side by side
+gathers statistics across heads (``GathersAcrossHeads``); every other policy's layers run side by side
 as in one process, which is safe only if their compression calls no collective. The runtime checks it: a
 policy that gathers but declares it does not is refused at its first compression, not left to hang on a GPU.
 (Every registered policy is also run at tp=2 and 4 over gloo in tests/rewrites/test_shard_tensor_parallel.py,
@@ -14,6 +14,7 @@ import torch
 import kvpass
 from kvpass.head_group import HeadGroup
 from kvpass.policies import POLICIES, get_policy
+from kvpass.policies.capabilities import gathers_across_heads
 from tests.conftest import tiny_model
 
 
@@ -62,8 +63,8 @@ def test_a_policy_that_gathers_but_says_not_is_refused_at_its_first_compression(
 
 
 def test_the_declared_policies_compress() -> None:
-    assert get_policy("tova").gathers_across_heads() and get_policy("d2o").gathers_across_heads()
-    assert not get_policy("tova", score_heads="group").gathers_across_heads()
+    assert gathers_across_heads(get_policy("tova")) and gathers_across_heads(get_policy("d2o"))
+    assert not gathers_across_heads(get_policy("tova", score_heads="group"))
     _decode("tova")                                         # one after another, gathering
     _decode("tova", score_heads="group")                    # side by side, no collective
 
@@ -75,5 +76,5 @@ DECODE_COMPRESSING = sorted(n for n in set(POLICIES) - {"d2o", "adakv", "tova"}
 
 @pytest.mark.parametrize("name", DECODE_COMPRESSING)
 def test_every_other_policy_compresses_without_a_collective(name: str) -> None:
-    assert not get_policy(name).gathers_across_heads()
+    assert not gathers_across_heads(get_policy(name))
     _decode(name)

@@ -74,7 +74,7 @@ def test_questions_are_answered_as_alone_and_the_cache_is_left_as_it_was(policy)
 def test_a_compressed_context_differs_from_the_full_one():
     """The check above can fail: a small budget does change the answers (the tokens of the full cache differ)."""
     model = tiny_model("llama")
-    context, (q, mask) = _ids(80, seed=3), _questions([6], seed=30)
+    context, (q, _) = _ids(80, seed=3), _questions([6], seed=30)
     full = kvpass.apply(model, policy="full")
     small = kvpass.apply(model, policy="streamingllm", budget=0.1)
     a = full.generate(q, context=full.compress_context(context), max_new_tokens=12, do_sample=False, eos_token_id=None)

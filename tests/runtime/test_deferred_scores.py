@@ -1,6 +1,6 @@
-"""Deferred scores (``Policy.deferred_scores``, kvpass/runtime/recent_queries.py): D2O with ``interval`` > 1 keeps
-each decode step's query and adds the rows at the next compression. Same tokens, logits and accumulated scores
-as every step returning its row (``defer_scores=False``): equal and padded rows, rows that wait longer than the
+"""Deferred scores (``FusedDecodeStatistics.deferred_scores``, kvpass/runtime/recent_queries.py): D2O with
+``interval`` > 1 keeps each decode step's query and adds the rows at the next compression. Same tokens, logits and
+accumulated scores as every step returning its row (the capability turned off): equal and padded rows, rows that wait longer than the
 ring (a prompt under its budget), per-query-head caches; the graph keeps queries instead of returning scores,
 and the exporters still get a graph that returns them."""
 
@@ -12,6 +12,7 @@ import torch
 import kvpass.runtime.session as session_module
 from kvpass.export.onnx_export import per_step_graphs
 from kvpass.policies.base import Stat
+from kvpass.policies.d2o import D2O
 from kvpass.runtime.recent_queries import RECENT_POSITION, add_recent_rows
 from tests.conftest import padded_batch
 from tests.policies.policy_helpers import apply_cached
@@ -20,9 +21,11 @@ from tests.runtime.test_rows_independent import _greedy
 COL = Stat.COLUMN_SUM.value
 
 
-def _pair(budget, **options):
+def _pair(budget, monkeypatch, **options):
     deferred = apply_cached("llama", "d2o", budget, interval=3, **options)
-    per_step = apply_cached("llama", "d2o", budget, interval=3, defer_scores=False, **options)
+    with monkeypatch.context() as m:                 # every step returns its row
+        m.setattr(D2O, "deferred_scores", lambda self: 0)
+        per_step = apply_cached("llama", "d2o", budget, interval=3, **options)
     return deferred, per_step
 
 
@@ -45,7 +48,7 @@ def _count_row_additions(monkeypatch) -> list[int]:
 def test_same_tokens_and_logits_as_per_step_scores(monkeypatch, lengths, budget, options):
     """``under-budget``: a budget of 28 tokens keeps the 17-token row's prompt whole, so it waits 14 steps (more
     than the ring's 3) before its first compression: its rows are added when the ring is full."""
-    deferred, per_step = _pair(budget, **options)
+    deferred, per_step = _pair(budget, monkeypatch, **options)
     sites = [s.layer for s in deferred.graphs.sites]
     assert deferred.graphs.deferred_scores == tuple(sites) and deferred.graphs.decode_scores == ()
     assert per_step.graphs.deferred_scores == () and per_step.graphs.decode_scores == tuple(sites)
@@ -64,7 +67,7 @@ def test_same_accumulated_scores_as_per_step(monkeypatch, lengths, budget):
     """After any number of steps, the deferred ``col_sum`` plus the waiting queries' rows equals the per-step
     one (every compression in between chose the same entries). ``never-due``: prompts under a 28-token budget,
     no compression in 10 steps: the rows are added when the ring is full (every 3 steps)."""
-    deferred, per_step = _pair(budget)
+    deferred, per_step = _pair(budget, monkeypatch)
     added = _count_row_additions(monkeypatch)
     ids, mask = padded_batch(lengths, seed=5)
     a = deferred.start(ids, mask, max_new_tokens=16)
@@ -85,8 +88,8 @@ def test_same_accumulated_scores_as_per_step(monkeypatch, lengths, budget):
         torch.testing.assert_close(lay_a.cache.slot_meta[COL], lay_b.cache.slot_meta[COL], rtol=1e-5, atol=1e-5)
 
 
-def test_the_decode_graph_keeps_queries_and_the_exporters_get_scores():
-    deferred, _ = _pair(0.4)
+def test_the_decode_graph_keeps_queries_and_the_exporters_get_scores(monkeypatch):
+    deferred, _ = _pair(0.4, monkeypatch)
     targets = [n.target for n in deferred.graphs.decode.graph.nodes if n.op == "call_function"]
     n_layers = len(deferred.graphs.sites)
     assert targets.count(torch.ops.kvpass.write_query.default) == n_layers

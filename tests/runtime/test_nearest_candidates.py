@@ -1,8 +1,8 @@
-"""D2O's fused nearest-key search end to end (``Policy.nearest_candidates``, kvpass/kernels/decode_attention_nearest.py):
-the decode graph attends with ``decode_attention_nearest`` where the paper's one-in-one-out step runs, the runtime
-keeps the layers' state, and generation is token for token what it is without (``fuse_nearest=False``), here with
-the Triton eviction (under the interpreter, as on CUDA) taking the attention's results where it can; the exporters
-get the plain attention."""
+"""D2O's fused nearest-key search end to end (``FusedDecodeStatistics.nearest_candidates``,
+kvpass/kernels/decode_attention_nearest.py): the decode graph attends with ``decode_attention_nearest`` where the
+paper's one-in-one-out step runs, the runtime keeps the layers' state, and generation is token for token what it is
+without the search (the capability turned off: every step scans), here with the Triton eviction (under the
+interpreter, as on CUDA) taking the attention's results where it can; the exporters get the plain attention."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ import importlib
 import pytest
 import torch
 
-import kvpass.policies.d2o as d2o_module
 from kvpass.export.onnx_export import per_step_graphs
-from kvpass.kernels.d2o_evict_one import d2o_evict_one_triton, pick_one
-from kvpass.kernels.d2o_evict_one_ragged import d2o_evict_one_ragged_triton
+from kvpass.head_group import SINGLE_PROCESS
 from kvpass.kernels.decode_attention_nearest import fuses_at
+from kvpass.policies.d2o import D2O
+from kvpass.policies.d2o.evict_one import evict_one_triton
+from kvpass.policies.d2o.in_place import StepTensors, evicted_slots
+from kvpass.policies.d2o.merge import StepOptions
 from tests.conftest import padded_batch
 from tests.policies.policy_helpers import apply_cached
 from tests.runtime.test_rows_independent import _greedy
@@ -29,11 +31,18 @@ def _attention_ops(kv) -> list:
             if n.op == "call_function" and "decode_attention" in str(n.target)]
 
 
-def test_the_paper_step_attends_with_the_search_and_the_rest_do_not():
+def scanning(monkeypatch, *args, **kwargs):
+    """``apply_cached(*args, **kwargs)`` with D2O's fused search turned off: every step scans."""
+    with monkeypatch.context() as m:
+        m.setattr(D2O, "nearest_candidates", lambda self: 0)
+        return apply_cached(*args, **kwargs)
+
+
+def test_the_paper_step_attends_with_the_search_and_the_rest_do_not(monkeypatch):
     kv = apply_cached("llama", "d2o", 0.4)
     layers = tuple(s.layer for s in kv.graphs.sites)
     assert kv.graphs.nearest_layers == layers and _attention_ops(kv) == [NEAREST_OP] * len(layers)
-    for other in (apply_cached("llama", "d2o", 0.4, fuse_nearest=False), apply_cached("llama", "d2o", 0.4, interval=3),
+    for other in (scanning(monkeypatch, "llama", "d2o", 0.4), apply_cached("llama", "d2o", 0.4, interval=3),
                   apply_cached("llama", "d2o", 0.4, merge_protect=0.5), apply_cached("llama", "h2o", 0.4)):
         assert other.graphs.nearest_layers == () and NEAREST_OP not in _attention_ops(other)
     exported = per_step_graphs(kv)
@@ -45,28 +54,20 @@ def _triton_eviction(monkeypatch) -> list[int]:
     rows whose entry was among the attention's candidates, and the others."""
     counts = [0, 0]
 
-    def count(k, v, col_sum, position, length, nearest, keep, sinks, recent) -> None:
+    def op(k, v, score, position, log_weight, length, tau, tau_set, others, nearest, split, beta, variant, min_cos,
+           bias):
+        t = StepTensors(k, v, score, position, log_weight, length, tau, tau_set, others)
         if nearest and fuses_at(k.shape[0]):
-            e = pick_one(k, v, col_sum, position, length, keep, sinks, recent).e
-            evicts = length > (keep[:, None] if isinstance(keep, torch.Tensor) else keep)
-            hit = (nearest[3] == e).any(-1)[evicts]
+            keep, _, sinks, recent, _ = split.unbind(0)
+            e, valid, _, _ = evicted_slots(t, keep, keep + 1, 1, sinks, recent, SINGLE_PROCESS)
+            hit = (nearest[3] == e).any(-1)[valid[..., 0]]
             counts[0] += int(hit.sum())
             counts[1] += int((~hit).sum())
+        evict_one_triton(t, nearest, split, StepOptions(beta=beta, variant=variant, min_cos=min_cos, bias=bias),
+                         splits=2, block_c=8, block_scan=16)
 
-    def op(k, v, col_sum, position, log_weight, length, tau, tau_set, others, nearest, keep, sinks, recent, *rest):
-        count(k, v, col_sum, position, length, nearest, keep, sinks, recent)
-        d2o_evict_one_triton(k, v, col_sum, position, log_weight, length, tau, tau_set, others, nearest, keep, sinks,
-                             recent, *rest, splits=2, block_c=8, block_scan=16)
-
-    def ragged(k, v, col_sum, position, log_weight, length, tau, tau_set, others, nearest, keep, sinks, recent,
-               target_from, *rest):                 # rows of their own budgets: a batch of several prompts
-        count(k, v, col_sum, position, length, nearest, keep, sinks, recent)
-        d2o_evict_one_ragged_triton(k, v, col_sum, position, log_weight, length, tau, tau_set, others, keep, sinks,
-                                    recent, target_from, *rest, nearest=nearest, splits=2, block_c=8, block_scan=16)
-
-    monkeypatch.setattr(d2o_module.D2O, "_triton_step", lambda self, cache: self._in_place_op_applies())
+    monkeypatch.setattr(D2O, "_on_kernels", lambda self, cache: self._kernel_options())
     monkeypatch.setattr(torch.ops.kvpass, "d2o_evict_one", op)
-    monkeypatch.setattr(torch.ops.kvpass, "d2o_evict_one_ragged", ragged)
     return counts
 
 
@@ -75,7 +76,7 @@ def _triton_eviction(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("lengths, fuse_from, options", [
     ([40], 1, {}), ([33], 1, {}),          # one row: one budget, the in-place step of compress_into
     ([40], None, {}),                      # the default FUSE_FROM_BATCH: batch 1 scans, names nothing
-    ([40, 33, 37, 29], None, {}),          # batch 4 fuses; rows of their own budgets: the ragged op
+    ([40, 33, 37, 29], None, {}),          # batch 4 fuses; rows of their own budgets in one call
     ([40, 33], 1, {"first_compression": "decode"}),      # new buffers after the first step: new norms
     ([40, 33], 1, {"prefill_chunk": 16})])                # compressed between the prompt's chunks
 def test_same_tokens_and_logits_as_the_scanning_step(monkeypatch, lengths, fuse_from, options):
@@ -84,7 +85,7 @@ def test_same_tokens_and_logits_as_the_scanning_step(monkeypatch, lengths, fuse_
         monkeypatch.setattr(nearest_module, "FUSE_FROM_BATCH", fuse_from)
     counts = _triton_eviction(monkeypatch)
     fused = apply_cached("llama", "d2o", 0.4, **options)
-    plain = apply_cached("llama", "d2o", 0.4, fuse_nearest=False, **options)
+    plain = scanning(monkeypatch, "llama", "d2o", 0.4, **options)
     ids, mask = padded_batch(lengths, seed=5)
     tokens, logits = _greedy(fused, ids, mask)
     if not nearest_module.fuses_at(len(lengths)):      # batch 1 < FUSE_FROM_BATCH: nothing named, every step scans

@@ -1,4 +1,4 @@
-"""KVzip's context reconstruction (kvpass/runtime/reconstruction.py, docs/policies.md §6.12) and the ``kvzip`` policy:
+"""KVzip's context reconstruction (kvpass/runtime/reconstruction.py, docs/policies.md §6.13) and the ``kvzip`` policy:
 the scores against the attention plain transformers computes on the prompt followed by its repetition, rows as if
 alone, the span scope against the full one, and the layer budgets' global rule."""
 

@@ -1,5 +1,5 @@
 """Decode-time compression of a layer whose batch rows have budgets of their own (D2O's per-row layer
-budgets) in one call of the policy (``Policy.rows_in_one_call`` / ``compress_rows_into``), in the
+budgets) in one call of the policy (``RaggedRows.rows_in_one_call`` / ``compress_rows_into``), in the
 layer's own buffers, instead of one budget at a time in copies (``kvpass.runtime.layers.compress_rows_into``: eager,
 a host sync a layer, outside the CUDA-graphed step). Same tokens as the per-row path and as each row alone."""
 
@@ -13,6 +13,13 @@ from kvpass.policies.d2o import D2O
 from tests.conftest import padded_batch
 from tests.policies.policy_helpers import apply_cached
 from tests.runtime.test_rows_independent import NEW, _greedy
+
+
+def _per_row_path(monkeypatch, kv):
+    """The policy's rows-in-one-call capability turned off (every due row compressed alone); returns the method."""
+    one_call = type(kv.policy).rows_in_one_call
+    monkeypatch.setattr(type(kv.policy), "rows_in_one_call", lambda self, budgets, capacities: False)
+    return one_call
 
 
 def _count(monkeypatch, cls, name: str) -> list[int]:
@@ -35,7 +42,7 @@ def _count(monkeypatch, cls, name: str) -> list[int]:
 def test_d2o_rows_of_their_own_budgets_compress_in_one_call(monkeypatch, lengths, options):
     """Rows whose layer budgets differ (their own attention variance, their own prompt length): no decode
     step goes through the per-row path, every compression is one ``compress_rows_into`` per layer; the
-    tokens and logits equal the per-row path's (``rows_in_one_call = False``) and each row's alone."""
+    tokens and logits equal the per-row path's (the capability turned off) and each row's alone."""
     kv = apply_cached("llama", "d2o", 0.4, interval=1, **options)      # one compression per step
     ids, mask = padded_batch(lengths, seed=2)
     session = kv.start(ids, mask, max_new_tokens=NEW)
@@ -46,12 +53,12 @@ def test_d2o_rows_of_their_own_budgets_compress_in_one_call(monkeypatch, lengths
     tokens, logits = _greedy(kv, ids, mask)
     assert per_row == [] and len(in_one) >= len(compressed) * (NEW - 2)
     in_one.clear()
-    monkeypatch.setattr(kv, "rows_in_one_call", False)
+    one_call = _per_row_path(monkeypatch, kv)
     old_tokens, old_logits = _greedy(kv, ids, mask)
     assert in_one == [] and len(per_row) >= len(compressed) * (NEW - 2)
     assert torch.equal(tokens, old_tokens)
     torch.testing.assert_close(logits, old_logits, rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(kv, "rows_in_one_call", True)
+    monkeypatch.setattr(type(kv.policy), "rows_in_one_call", one_call)
     for row, n in enumerate(lengths):
         alone_tokens, alone_logits = _greedy(kv, ids[row:row + 1, ids.shape[1] - n:], None)
         assert torch.equal(tokens[row:row + 1], alone_tokens), row
@@ -69,9 +76,9 @@ def test_interval_above_one_compresses_in_one_call(monkeypatch, lengths):
     in_one = _count(monkeypatch, D2O, "compress_rows_into")
     tokens, _ = _greedy(kv, ids, mask)
     assert per_row == [] and in_one
-    monkeypatch.setattr(kv, "rows_in_one_call", False)
+    one_call = _per_row_path(monkeypatch, kv)
     assert torch.equal(tokens, _greedy(kv, ids, mask)[0]) and per_row
-    monkeypatch.setattr(kv, "rows_in_one_call", True)
+    monkeypatch.setattr(type(kv.policy), "rows_in_one_call", one_call)
     for row, n in enumerate(lengths):
         assert torch.equal(tokens[row:row + 1], _greedy(kv, ids[row:row + 1, ids.shape[1] - n:], None)[0]), row
 
@@ -87,7 +94,7 @@ def test_rows_in_one_call_accepts_one_in_one_out_and_full_intervals():
     assert not D2O(interval=2).rows_in_one_call([20, 18], [21, 20])   # a row due below budget + interval
     assert D2O(interval=2, merge_protect=0.5, merge_weighting="score").rows_in_one_call([20, 18], [22, 20])
     keep = torch.tensor([20, 7, 4, 1])
-    sinks, important, recent = d2o.split_rows(keep)
+    sinks, important, recent = d2o.split(keep)
     for b, k in enumerate(keep.tolist()):
         assert (int(sinks[b]), int(important[b]), int(recent[b])) == d2o.split(k)
 
@@ -107,12 +114,12 @@ def test_in_place_policies_compress_rows_of_their_own_budgets_in_one_call(monkey
     tokens, logits = _greedy(kv, ids, mask)
     assert per_row == [] and in_one
     in_one.clear()
-    monkeypatch.setattr(kv, "rows_in_one_call", False)
+    one_call = _per_row_path(monkeypatch, kv)
     old_tokens, old_logits = _greedy(kv, ids, mask)
     assert in_one == [] and per_row
     assert torch.equal(tokens, old_tokens)
     torch.testing.assert_close(logits, old_logits, rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(kv, "rows_in_one_call", True)
+    monkeypatch.setattr(type(kv.policy), "rows_in_one_call", one_call)
     for row, n in enumerate(lengths):
         assert torch.equal(tokens[row:row + 1], _greedy(kv, ids[row:row + 1, ids.shape[1] - n:], None)[0]), row
 

@@ -1,37 +1,21 @@
-"""D2O's merge chains: m evictions in one call merged as the one-in-one-out step would merge them (docs/policies.md
-§5.6; docs/quality.md, "D2O with `interval` > 1").
+"""D2O's merge chains (docs/policies.md §5.6): m evictions in one call merged as the one-in-one-out step would.
 
-With ``interval`` m > 1 a decode compression evicts up to m entries at once (``d2o_evict_many``). The paper's step
-evicts one entry a step, and each merges into its most similar *live* key, which is often the entry next to it
-that a later step evicts in turn: the evicted mass travels along such chains to an entry that stays. Evicting
-the m together, only the kept entries are targets, so each evicted entry lands in a kept one, more often one far
-from it in the text: on the quality suite (essay cloze, 512 tokens, query-agnostic) interval 16 merged 43% of its
-entries within 8 positions against 76% for the paper's step and lost 5 of the step's 11 answers (of 32); with chains
-it lost 3 (benchmarks/results/d2o-merge-chains-smollm2-cpu/).
+The paper's step evicts one entry a step into its most similar *live* key, often a neighbour that a later step
+evicts in turn, so evicted mass travels along chains to an entry that stays. With ``interval`` m > 1 the m evicted
+together could only land in kept entries; with chains (``merge_chains``) an evicted entry may merge into a later
+evicted one (essay cloze at 512 tokens, interval 16: 5 of 11 answers lost without, 3 with; benchmarks/results/d2o-merge-chains-smollm2-cpu/).
 
-Per (b, g) row, with the evicted entries e_0 .. e_{m-1} in ascending position (the order both evict-many paths
-use, that in which entries leave the recent window; D2O's general path takes the last m of a row's evicted entries,
-``chain_window``), the valid ones E:
+Per (b, g) row, the evicted entries e_0 .. e_{m-1} in ascending position, the valid ones E:
 
-    s_ij       = cos(k_{e_i}, k_{e_j}) for j > i, both valid             (fp32; fp64 for fp64 keys)
-    best_i     = max_j s_ij, parent_i = its first argmax                 (-inf, 0 where no j)
-    chained_i  = best_i > u_i                                            (u_i: the best kept similarity)
-    u_i       <- max(u_i, best_i)                                        (the threshold and decision see it)
+    s_ij = cos(k_{e_i}, k_{e_j}) for j > i, both valid;  best_i = max_j s_ij, parent_i = its first argmax
+    chained_i = best_i > u_i (u_i: the best kept similarity);  u_i <- max(u_i, best_i)
 
-Then, after the threshold's decisions (merged_i, weights w_i), every entry j folds in the entries merged into it,
-children before parents (a child's index is below its parent's, so the system is triangular):
+After the threshold's decisions (merged_i, w_i), every entry folds in its linked children (link = chained & merged),
+children first: x'_j = (w_self_j x_j + sum_i w_i x'_i) / (w_self_j + sum_i w_i) ("code": / (1 + #children)),
+sizes n'_j = n_j + sum_i n'_i. X' = (I - B)^-1 diag(a) X with B strictly lower triangular: log2(m) batched
+matmuls, no loop and no host sync. A linked entry merges nowhere else.
 
-    x'_j = (w_self_j x_j + sum_{i: parent_i = j, link_i} w_i x'_i) / (w_self_j + sum_i w_i)    ("paper", "score")
-    x'_j = (x_j + sum_i w_i x'_i) / (1 + #children)                                           ("code")
-    n'_j = n_j + sum_i n'_i                                          (merge_bias: sizes, n = exp(log_weight))
-
-with link_i = chained_i & merged_i. As X' = diag(a) X + B X' with B strictly lower triangular,
-X' = (I - B)^-1 diag(a) X = (I + B)(I + B^2)(I + B^4) ... diag(a) X: log2(m) small batched matmuls, no loop over
-the entries and no host sync (a CUDA graph captures it). A linked entry then merges nowhere else; the others merge
-their folded x' into their kept targets as before.
-
-Shapes: k_e, v_e [B, Hkv, m, D]; u, valid, merged, w_e [B, Hkv, m]; w_self a float or [B, Hkv, m] (the evicted
-entries' own weights under merge_weighting="score"); sizes [B, Hkv, m] fp32.
+Shapes: k_e, v_e [B, Hkv, m, D]; u, valid, merged, w_e [B, Hkv, m]; w_self a float or [B, Hkv, m]; sizes fp32.
 """
 
 from __future__ import annotations

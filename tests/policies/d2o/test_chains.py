@@ -1,7 +1,6 @@
-"""D2O's merge chains (``kvpass.kernels.d2o_merge_chains``): the fold against a child-by-child loop in float64 on
-fresh random forests, the parents against a brute-force search, and the evict-many step on a layer small enough to
-work out by hand (both the plain-torch step and the Triton kernels, through the interpreter on CPU), with chains and
-without."""
+"""D2O's merge chains (``kvpass.policies.d2o.chains``): the fold against a child-by-child loop in float64 on fresh
+random forests, the parents against a brute-force search, and a layer small enough to work out by hand through the
+reference, the plain-torch step and the Triton kernels (through the interpreter on CPU), with chains and without."""
 
 from __future__ import annotations
 
@@ -10,16 +9,14 @@ import math
 import pytest
 import torch
 
-from kvpass.cache import gather_slots
-from kvpass.kernels.d2o_evict_many import evict_many_in_place, evict_many_triton, split_tensor
-from kvpass.kernels.d2o_evict_one import NO_FLOOR
-from kvpass.kernels.d2o_merge_chains import (
-    chain_parents,
-    chain_similarities,
-    chain_window,
-    fold_chains,
-    put,
-)
+from kvpass.cache import LayerCache, gather_slots
+from kvpass.policies.d2o import TAU, TAU_SET
+from kvpass.policies.d2o.chains import chain_parents, chain_similarities, chain_window, fold_chains, put
+from kvpass.policies.d2o.evict_many import evict_many_triton
+from kvpass.policies.d2o.evict_one import split_tensor
+from kvpass.policies.d2o.in_place import StepTensors, evict_in_place
+from kvpass.policies.d2o.merge import StepOptions
+from kvpass.policies.d2o.reference import compress_reference
 
 
 def random_forest(b: int, h: int, m: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,38 +82,45 @@ def test_parents_are_the_most_similar_later_valid_entries() -> None:
     assert torch.equal(chained, valid & (best > 0.5)) and torch.equal(u2, torch.maximum(u, best))
 
 
-def two_neighbours() -> list:
+def two_neighbours() -> StepTensors:
     """One (b, g) row of 3 entries: a kept one t at position 0 (high score) and two evicted neighbours at
     positions 1 and 2 with the same key k_n (cos(k_n, k_t) = 0.6), values v0, v1; the threshold already set at -1."""
     k = torch.tensor([[0.6, 0.8], [1.0, 0.0], [1.0, 0.0]]).view(1, 1, 3, 2)
     v = torch.tensor([[1.0, 0.0], [0.0, 2.0], [4.0, 0.0]]).view(1, 1, 3, 2)
-    return [k, v, torch.tensor([[[5.0, 0.1, 0.2]]]), torch.tensor([[[0, 1, 2]]]), torch.zeros(1, 1, 3),
-            torch.tensor([[3]]), torch.tensor([-1.0]), torch.tensor([True]), []]
+    return StepTensors(k, v, torch.tensor([[[5.0, 0.1, 0.2]]]), torch.tensor([[[0, 1, 2]]]), torch.zeros(1, 1, 3),
+                       torch.tensor([[3]]), torch.tensor([-1.0]), torch.tensor([True]), [])
 
 
 @pytest.mark.parametrize("chains", [True, False])
-@pytest.mark.parametrize("step", ["torch", "triton"])
-def test_neighbours_merge_into_each_other_then_on(chains: bool, step: str, triton_device: str) -> None:
+@pytest.mark.parametrize("form", ["reference", "torch", "triton"])
+def test_neighbours_merge_into_each_other_then_on(chains: bool, form: str, triton_device: str) -> None:
     """With chains the first neighbour (u = 1 to the second) merges into the second, and the pair into t: tau =
     0.7 * mean(1, 0.6) + 0.3 * (-1), v_pair = (e v1 + e v0) / 2e, v_t = (e v_t + e^0.6 v_pair) / (e + e^0.6).
     Without, both merge into t: tau = 0.7 * 0.6 + 0.3 * (-1), v_t = (e v_t + e^0.6 (v0 + v1)) / (e + 2 e^0.6)."""
-    layer = two_neighbours()
-    v0, v1, vt = (layer[1][0, 0, i].clone() for i in (1, 2, 0))
-    if step == "torch":
-        evict_many_in_place(*layer, 1, 2, 2, 0, 0, 0, 0.7, "paper", NO_FLOOR, chains=chains)
+    t = two_neighbours()
+    v0, v1, vt = (t.v[0, 0, i].clone() for i in (1, 2, 0))
+    opts = StepOptions(beta=0.7, variant="paper", chains=2 if chains else 0)
+    if form == "reference":
+        cache = LayerCache(t.k, t.v, t.log_weight, t.length, t.position, {"col_sum": t.score},
+                           {TAU: t.tau, TAU_SET: t.tau_set})
+        out = compress_reference(cache, "col_sum", 1, 0, 0, 0, opts)
+        got_v, got_len, got_pos, got_tau = out.v, out.length, out.position, out.state[TAU]
     else:
-        dev = torch.device(triton_device)
-        layer = [t.to(dev) for t in layer[:8]] + [[]]
-        evict_many_triton(*layer, split_tensor(1, dev, 1, 2, 0, 0, 0), 2, 0.7, "paper", NO_FLOOR, False, chains)
-        layer = [t.cpu() for t in layer[:8]] + [[]]
+        if form == "torch":
+            evict_in_place(t, 1, 2, 2, 0, 0, 0, opts)
+        else:
+            dev = torch.device(triton_device)
+            t = StepTensors(*(x.to(dev) for x in t[:8]), [])
+            evict_many_triton(t, split_tensor(1, dev, 1, 2, 0, 0, 0), 2, opts)
+        got_v, got_len, got_pos, got_tau = t.v.cpu(), t.length.cpu(), t.position.cpu(), t.tau.cpu()
     a = math.exp(0.6)
     if chains:
         tau, want = 0.7 * 0.8 - 0.3, (math.e * vt + a * (v0 + v1) / 2) / (math.e + a)
     else:
         tau, want = 0.7 * 0.6 - 0.3, (math.e * vt + a * (v0 + v1)) / (math.e + 2 * a)
-    assert int(layer[5]) == 1 and int(layer[3][0, 0, 0]) == 0
-    torch.testing.assert_close(layer[1][0, 0, 0], want.float(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(layer[6], torch.tensor([tau]), rtol=1e-5, atol=1e-6)
+    assert int(got_len) == 1 and int(got_pos[0, 0, 0]) == 0
+    torch.testing.assert_close(got_v[0, 0, 0], want.float(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_tau, torch.tensor([tau]), rtol=1e-5, atol=1e-6)
 
 
 def test_window_takes_the_last_valid_entries_and_put_writes_only_those() -> None:

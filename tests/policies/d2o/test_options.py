@@ -125,7 +125,7 @@ def _check(got: LayerCache, want: dict, what: str) -> None:
 @pytest.mark.parametrize("option", sorted(OPTIONS))
 def test_options_match_the_reference_over_steps(option: str, variant: str) -> None:
     """A prompt-time compression (general path) then one-in-one-out steps through ``compress_into`` (the
-    in-place op), and the pure fast path, on fresh random ragged rows: same tokens, K, V, log-weights, tau."""
+    in-place step), and the reference (``compress``), on fresh random ragged rows: same tokens, K, V, log-weights, tau."""
     policy = D2O(d2o_variant=variant, **OPTIONS[option])
     keep = 10
     cache = random_cache([[21, 17, 12], [9, 21, 16]], 21, d=6, seed=hash(option) % 1000)
@@ -154,10 +154,10 @@ def test_options_match_the_reference_over_steps(option: str, variant: str) -> No
         cache.length += 1
         cache.slot_meta["col_sum"] += torch.rand(b, h, c, generator=gen) * cache.live
         step_want, taus = reference(_sequence_order(cache), keep, policy, taus)
-        pure = policy._compress_one(cache, keep)                          # the fast path, pure
-        policy.compress_into(cache, keep)                                 # the in-place op's reference
+        pure = policy.compress(_sequence_order(cache), keep)              # the reference (in sequence order)
+        policy.compress_into(cache, keep)                                 # the in-place step
         _check(cache, step_want, f"step {step} in place")
-        _check(pure, step_want, f"step {step} pure")
+        _check(pure, step_want, f"step {step} reference")
         assert [float(t) for t in cache.state[TAU]] == pytest.approx(_unset_as_zero(taus), abs=1e-6)
 
 
