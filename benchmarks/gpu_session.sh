@@ -48,7 +48,9 @@ put)
   for d in .assets/c_*/; do
     [ -d "$d" ] || continue
     for f in "$d"*; do
-      name=$(basename "$f"); mkdir -p "$models/${name%.*}.parts"; cp "$f" "$models/${name%.*}.parts/$name"
+      name=$(basename "$f"); dst="$models/${name%.*}.parts/$name"
+      [ -f "$dst" ] && [ "$(stat -c %s "$dst")" = "$(stat -c %s "$f")" ] && continue     # put by an earlier call
+      mkdir -p "$models/${name%.*}.parts"; cp "$f" "$dst.tmp" && mv "$dst.tmp" "$dst"
       echo "put $name ($(stat -c %s "$f") bytes)"
     done
   done
