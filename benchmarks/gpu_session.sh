@@ -62,7 +62,7 @@ env)
   while read -r sum file; do
     name=${file%.gguf}
     want=$(awk -v n="$name" '$1 == n {print $2}' "$models/sha256.parts" 2>/dev/null)
-    have=$(ls "$models/$name.parts" 2>/dev/null | wc -l)
+    have=$(ls "$models/$name.parts/$name".?? 2>/dev/null | wc -l)
     if [ ! -f "$models/$file" ] && [ -n "$want" ] && [ "$have" = "$want" ]; then
       cat "$models/$name.parts/$name".?? > "$models/$file.tmp" && mv "$models/$file.tmp" "$models/$file"
     fi
