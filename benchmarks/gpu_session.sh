@@ -72,7 +72,8 @@ env)
       touch "$models/$file.ok"
     fi
     echo "export KVPASS_GGUF_$(echo "$name" | tr 'a-z' 'A-Z' | tr -c 'A-Z0-9\n' '_')=$models/$file"
-  done < "$models/sha256" ;;
+  done < "$models/sha256"
+  true ;;
 start)
   plan=$1; seconds=$2
   mkdir -p "$run"
