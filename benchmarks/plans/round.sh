@@ -56,7 +56,7 @@ SMOL_ROWS=${SMOL_ROWS:-"full snapkv[kernel=31] kvzip kvzip[scores=predicted] kvz
 QWEN_ROWS=${QWEN_ROWS:-"full snapkv[kernel=31] kvzip kvzip[scores=predicted] streamingllm snapkv keydiff d2o d2o[scores=window,window_kernel=31,merge_protect=0.5] ems[scores=window,pool_kernel=31]"}
 if wait_for KVPASS_GGUF_SMOLLM2; then
   # shellcheck disable=SC2086
-  suite smollm2 qagn 3 -- --cases 100 --batch 8 --policies $SMOL_ROWS --budgets 0.2 --modes query_agnostic \
+  suite smollm2 qagn 3 -- --cases 100 --batch 8 --policies $SMOL_ROWS --budgets 0.1 0.2 0.5 --modes query_agnostic \
     --no-reference
   suite smollm2 kvzip-qa 1 -- --cases 100 --batch 8 --policies kvzip "kvzip[scores=predicted]" --budgets 0.1 0.2 0.5 \
     --modes query_aware --no-reference
