@@ -129,7 +129,7 @@ def _progress(total: int, enabled: bool):
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from kvpass.models import load_model
+    from kvpass.models import load_model, model_label
     from kvpass.validation import check_option
 
     if args.policy == "kvzip":
@@ -150,7 +150,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                  f"at most the model's context of {context} tokens")
     sequences = calibration_sequences(tokenizer, args.samples, args.length)
     t0 = time.perf_counter()
-    cal = calibrate(model, sequences, name=Path(args.model).stem if Path(args.model).exists() else args.model,
+    cal = calibrate(model, sequences, name=model_label(args.model),
                     policy=policy, threshold=args.threshold, ratio=args.ratio, forced_layers=args.force_layer)
     out = Path(args.out) if args.out else Path("calibrations") / f"{cal.model}.json"
     cal.save(out)
@@ -168,7 +168,7 @@ def _calibrate_kvzip(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from kvpass.calibrate_kvzip import fit_surrogate
-    from kvpass.models import load_model
+    from kvpass.models import load_model, model_label
 
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model, device=args.device)
@@ -176,7 +176,7 @@ def _calibrate_kvzip(args: argparse.Namespace) -> int:
     sequences = calibration_sequences(tokenizer, args.samples, args.length)
     t0 = time.perf_counter()
     surrogate = fit_surrogate(model, tokenizer, sequences)
-    name = Path(args.model).stem if Path(args.model).exists() else args.model
+    name = model_label(args.model)
     out = surrogate.save(Path(args.out) if args.out else Path("calibrations") / f"kvzip-{name}.json")
     print(f"{len(sequences)} x {args.length} tokens in {time.perf_counter() - t0:.0f} s; wrote {out}; use it with "
           f"--policy 'kvzip[scores=predicted,surrogate={out}]'")

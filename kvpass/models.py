@@ -110,6 +110,12 @@ CHUNKED = {
 }
 
 
+def model_label(name_or_path: str) -> str:
+    """The name results are filed under: a known model's name as given (``qwen2.5-1.5b``; a path's stem would cut
+    it at its dot), else the file or directory's stem."""
+    return name_or_path if name_or_path in KNOWN_MODELS else Path(name_or_path).stem
+
+
 def asset_cache() -> Path:
     """Where assembled model files live: ``$KVPASS_CACHE`` or ``~/.cache/kvpass``."""
     return Path(os.environ.get("KVPASS_CACHE") or Path.home() / ".cache" / "kvpass")

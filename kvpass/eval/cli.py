@@ -12,6 +12,7 @@ from pathlib import Path
 from kvpass.budget import parse_budget
 from kvpass.eval.cli_options import _shard, check_policies_and_budgets
 from kvpass.eval.suite_cli import _suite_grid, add_suite_parser  # noqa: F401  (_suite_grid: benchmarks/suite_gpu.sh)
+from kvpass.models import model_label
 
 QUICK = {"lengths": [512, 1024], "depths": [0.0, 0.5, 1.0], "prefix": 512, "steps": 64, "segments": 1, "probes": 2}
 
@@ -84,7 +85,7 @@ def _spawn(args: argparse.Namespace, store_path: Path) -> None:
 def _store(args: argparse.Namespace, command: str):
     from kvpass.eval.store import Store, shard_path
 
-    path = Path(args.store or Path(args.out_dir) / f"{command}-{Path(args.model).stem}-cases.json.gz")
+    path = Path(args.store or Path(args.out_dir) / f"{command}-{model_label(args.model)}-cases.json.gz")
     write = shard_path(path, args.shard[0]) if args.shard else None
     if getattr(args, "part", "all") != "all":
         write = shard_path(path, f"-{args.part}{'' if not args.shard else args.shard[0]}")
@@ -171,7 +172,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             run_lm(args, store, loaded)
         if args.shard is not None or part != "all":
             return 0
-    out, model = Path(args.out_dir), Path(args.model).stem
+    out, model = Path(args.out_dir), model_label(args.model)
     if command == "niah":
         md, _ = report.niah_outputs(selected_cases(store, args, "niah"), out, model)
         print(md.read_text(encoding="utf-8"))

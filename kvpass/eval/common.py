@@ -7,10 +7,11 @@ import os
 import time
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 from torch import nn
+
+from kvpass.models import model_label
 
 SPLIT = "\u2063KVPASS-SPLIT\u2063"        # marks where the context ends inside a rendered chat template
 
@@ -121,4 +122,4 @@ def selected_cases(store, args, kind: str) -> list[dict]:
     budgets = set(args.budgets) | {None}
     return [c for c in store.cases.values() if c["kind"] == kind and c["policy"] in wanted and c["budget"] in budgets
             and (c["budget"] is not None or c["policy"] == "transformers" or not uses_budget(c["policy"]))
-            and Path(c["model"]).stem == Path(args.model).stem]
+            and model_label(c["model"]) == model_label(args.model)]

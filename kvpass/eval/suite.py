@@ -4,8 +4,9 @@ for policies x budgets x modes, batched with no padding, resumable, with a time 
 * Cases: ``cases(tokenizer, families, lengths, n)`` -> seeds 0..n-1 of every (family, length); every
   case of a length has exactly that many context tokens.
 * Modes (as ``niah``): ``query_aware`` (context + question prefilled and compressed together),
-  ``query_agnostic`` (context compressed alone, the question fed through decode steps), and the
-  plain transformers ``reference``, which ``full`` must equal case for case.
+  ``query_agnostic`` (the context compressed alone to its own budget, then the question prefilled over it and
+  never compressed), ``query_agnostic_bounded`` (the question fed through decode steps that keep compressing), and
+  the plain transformers ``reference``, which ``full`` must equal case for case.
 * ``run``: per batch of cases with equal (context, question, answer) token counts and per mode, one
   prefill shared by every (policy, budget) (``shared``), one decode session per cell (every policy budgets each row as if alone, EMS
   for rows of equal length, as every suite batch is: tests/runtime/test_rows_independent.py); stops cleanly at ``deadline``.

