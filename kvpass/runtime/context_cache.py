@@ -25,7 +25,6 @@ import torch
 from torch import Tensor
 
 from kvpass.cache import LayerCache, gather_slots, put_slots, take_rows, with_capacity
-from kvpass.kernels.decode_attention_nearest import renew_nearest_state
 from kvpass.runtime.chunked_prefill import append_chunk
 from kvpass.runtime.layers import Layer
 from kvpass.runtime.session import DecodeSession
@@ -78,7 +77,7 @@ def _row_index(context: ContextCache, batch: int) -> list[int]:
     return list(range(batch))
 
 
-def _question_layer(lay: Layer, rows: list[int], extra: int) -> Layer:
+def _question_layer(model: KVPassModel, layer: int, lay: Layer, rows: list[int], extra: int) -> Layer:
     """A copy of a context layer for the question rows ``rows``, with ``extra`` free slots past its live entries
     (a ring keeps its window), never compressed."""
     if lay.full is not None:
@@ -86,7 +85,8 @@ def _question_layer(lay: Layer, rows: list[int], extra: int) -> Layer:
     cache = take_rows(lay.cache, rows)
     if lay.window is None:
         cache = with_capacity(cache, lay.host_len + extra)
-        renew_nearest_state(cache)         # D2O's fused-search state is sized by the buffers (never used: no eviction)
+        if layer in model.graphs.nearest_layers:      # the decode graph's state sized by the buffers (D2O's search)
+            cache.state.update(model.policy.decode_state(cache))
     return Layer(cache, lay.window, False, lay.budget, lay.host_len, lay.sliding, None, peak=lay.host_len)
 
 
@@ -140,7 +140,8 @@ def ask(model: KVPassModel, context: ContextCache, question_ids: Tensor, attenti
         raise refuse("max_new_tokens.context", prompt=longest - max_new_tokens, got=max_new_tokens,
                      context=model.captured.context_length)
     began = time.perf_counter()
-    layers = [_question_layer(lay, rows, t + max_new_tokens) for lay in context.session.layers]
+    layers = [_question_layer(model, site.layer, lay, rows, t + max_new_tokens)
+              for site, lay in zip(model.graphs.sites, context.session.layers, strict=True)]
     first = context.session.pos[rows]                                         # [B, 1]: the next position per row
     pos = first + (torch.arange(t, device=ids.device)[None, :] - pad[:, None]).clamp(min=0)
     gm, _ = chunk_step_graph(model)
