@@ -29,12 +29,13 @@ run=/tmp/kvpass-run
 verb=${1:-}; shift || true
 case $verb in
 split)
-  rm -rf .assets/c_* .assets/sha256 && mkdir -p .assets
+  rm -rf .assets/c_* .assets/sha256 .assets/sha256.parts && mkdir -p .assets
   for name in "$@"; do
     src=$(.venv/bin/python -c "import kvpass.models as m; print(m.gguf_path('$name'))") || exit 1
     cp "$src" ".assets/$name.gguf"
     (cd .assets && sha256sum "$name.gguf" >> sha256 && split -b "${CHUNK:-52M}" -d -a 2 "$name.gguf" "$name." \
       && rm "$name.gguf")
+    echo "$name $(ls .assets/"$name".?? | wc -l)" >> .assets/sha256.parts
     for f in .assets/"$name".??; do mkdir -p ".assets/c_${f##*/}" && mv "$f" ".assets/c_${f##*/}/"; done
   done
   ls .assets ;;
@@ -47,18 +48,22 @@ put)
   for d in .assets/c_*/; do
     [ -d "$d" ] || continue
     for f in "$d"*; do
-      name=$(basename "$f"); mkdir -p "$models/${name%.*}.parts"; cp "$f" "$models/${name%.*}.parts/$name"
+      name=$(basename "$f"); dst="$models/${name%.*}.parts/$name"
+      [ -f "$dst" ] && [ "$(stat -c %s "$dst")" = "$(stat -c %s "$f")" ] && continue     # put by an earlier call
+      mkdir -p "$models/${name%.*}.parts"; cp "$f" "$dst.tmp" && mv "$dst.tmp" "$dst"
       echo "put $name ($(stat -c %s "$f") bytes)"
     done
   done
-  [ -f .assets/sha256 ] && cp .assets/sha256 "$models/sha256"
+  [ -f .assets/sha256 ] && cp .assets/sha256 .assets/sha256.parts "$models/"
   du -sh "$models"/*.parts 2>/dev/null ;;
 env)
   # the exports for every model whose joined file matches its sha256 (joined here on first use)
   [ -f "$models/sha256" ] || { echo "no $models/sha256: carry .assets/sha256 with a put" >&2; exit 1; }
   while read -r sum file; do
     name=${file%.gguf}
-    if [ ! -f "$models/$file" ] && [ -d "$models/$name.parts" ]; then
+    want=$(awk -v n="$name" '$1 == n {print $2}' "$models/sha256.parts" 2>/dev/null)
+    have=$(ls "$models/$name.parts/$name".?? 2>/dev/null | wc -l)
+    if [ ! -f "$models/$file" ] && [ -n "$want" ] && [ "$have" = "$want" ]; then
       cat "$models/$name.parts/$name".?? > "$models/$file.tmp" && mv "$models/$file.tmp" "$models/$file"
     fi
     [ -f "$models/$file" ] || continue
@@ -67,7 +72,8 @@ env)
       touch "$models/$file.ok"
     fi
     echo "export KVPASS_GGUF_$(echo "$name" | tr 'a-z' 'A-Z' | tr -c 'A-Z0-9\n' '_')=$models/$file"
-  done < "$models/sha256" ;;
+  done < "$models/sha256"
+  true ;;
 start)
   plan=$1; seconds=$2
   mkdir -p "$run"

@@ -19,19 +19,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from kvpass.cache import LayerCache, gather_slots, put_slots, take_rows, with_capacity
-from kvpass.runtime.chunked_prefill import append_chunk
+from kvpass.runtime.chunked_prefill import ChunkingModel, append_chunk
 from kvpass.runtime.layers import Layer
 from kvpass.runtime.session import DecodeSession
 from kvpass.validation import as_input_ids, left_pads, refuse
-
-if TYPE_CHECKING:
-    from kvpass.runtime.model import KVPassModel
 
 
 @dataclass
@@ -59,7 +55,7 @@ class ContextCache:
 
 
 @torch.no_grad()
-def compress_context(model: KVPassModel, input_ids: Tensor, attention_mask: Tensor | None = None) -> ContextCache:
+def compress_context(model: ChunkingModel, input_ids: Tensor, attention_mask: Tensor | None = None) -> ContextCache:
     """Prefill ``input_ids`` [B, T] (left-padded with ``attention_mask``) and compress every layer to its budget for
     the context's own tokens (the module's budget rule), once. ``model.prefill_chunk`` applies."""
     ids = as_input_ids(input_ids, model.device, model.vocab_size)
@@ -77,7 +73,7 @@ def _row_index(context: ContextCache, batch: int) -> list[int]:
     return list(range(batch))
 
 
-def _question_layer(model: KVPassModel, layer: int, lay: Layer, rows: list[int], extra: int) -> Layer:
+def _question_layer(model: ChunkingModel, layer: int, lay: Layer, rows: list[int], extra: int) -> Layer:
     """A copy of a context layer for the question rows ``rows``, with ``extra`` free slots past its live entries
     (a ring keeps its window), never compressed."""
     if lay.full is not None:
@@ -120,7 +116,7 @@ def _append(cache: LayerCache, k: Tensor, v: Tensor, pad: Tensor, pos: Tensor, w
 
 
 @torch.no_grad()
-def ask(model: KVPassModel, context: ContextCache, question_ids: Tensor, attention_mask: Tensor | None,
+def ask(model: ChunkingModel, context: ContextCache, question_ids: Tensor, attention_mask: Tensor | None,
         max_new_tokens: int) -> DecodeSession:
     """The session that answers ``question_ids`` [B, Tq] (left-padded with ``attention_mask``) from copies of
     ``context``'s compressed cache: the questions prefilled over it in one chunk step and appended (module

@@ -21,16 +21,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from kvpass.cache import EMPTY, LayerCache, entries_from_prompt, keep_slots
 from kvpass.policies.base import Stat
-
-if TYPE_CHECKING:
-    from kvpass.runtime.model import KVPassModel
+from kvpass.runtime.chunked_prefill import ChunkingModel
 
 FIRST = "\n\nRepeat the previous context exactly."
 LATER = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -84,7 +81,7 @@ def _repeat_inputs(rows: list[list[int]], a: int, chunk: int, tail: int, prompt:
     return ids, pos, pad
 
 
-def reconstruction_step(model: KVPassModel):
+def reconstruction_step(model: ChunkingModel):
     """(the reconstruction step GraphModule, its statistics' (layer, Stat) keys), built on first use."""
     if getattr(model, "_reconstruction_step", None) is None:
         from kvpass.rewrites.chunk_step import RECONSTRUCTION_STAT_OPS
@@ -128,7 +125,7 @@ def _span_caches(caches: list[LayerCache], a: int, chunk: int, tail: int, sinks:
 
 
 @torch.no_grad()
-def reconstruction_scores(model: KVPassModel, ids: Tensor, pad: Tensor, kv: list[Tensor],
+def reconstruction_scores(model: ChunkingModel, ids: Tensor, pad: Tensor, kv: list[Tensor],
                           prompt: ReconstructionPrompt, chunk: int = 2048, tail: int = 8, scope: str = "span",
                           sinks: int = 4) -> dict[int, Tensor]:
     """{layer: [B, Hkv, T] fp32} for every full-attention layer: each prompt entry's most attention over the repeat
@@ -165,7 +162,7 @@ def reconstruction_scores(model: KVPassModel, ids: Tensor, pad: Tensor, kv: list
             for layer, score in top.items() if layer in {k[0] for k in keys}}
 
 
-def add_after_prefill_stats(model: KVPassModel, asker, ids: Tensor, pad: Tensor, kv: list[Tensor],
+def add_after_prefill_stats(model: ChunkingModel, asker, ids: Tensor, pad: Tensor, kv: list[Tensor],
                             stats: dict[int, dict[str, Tensor]]) -> None:
     """Add to ``stats`` (the prefill's {layer: {name: [B, Hkv, T]}}) the statistics ``asker`` (a policy, or the
     statistics union of a shared prefill) wants that the prefill graph does not compute (``Stat.after_prefill``)."""

@@ -23,7 +23,7 @@ def test_chunked_cells_run_apart_and_full_still_equals_transformers(loaded, toke
     store = Store(tmp_path / "chunked.json")
     assert suite.run(loaded, items, cells, store, batch=4, prefill_chunk=32) is True
     records = list(store.cases.values())
-    assert len(records) == 4 * 5
+    assert len(records) == 4 * (1 + 2 * len(suite.MODES))
     for a in agreement(records).values():
         assert a == {"cases": 4, "same_tokens": 4, "same_score": 4}
     kvpass_records = [r for r in records if r["mode"] != "reference"]
@@ -31,7 +31,7 @@ def test_chunked_cells_run_apart_and_full_still_equals_transformers(loaded, toke
     assert all("prefill_chunk" not in r for r in records if r["mode"] == "reference")
     # an unchunked run into the same store adds its own records: no key is shared with the chunked ones
     assert suite.run(loaded, items, cells, store, batch=4) is True
-    assert len(store) == 4 * 5 + 4 * 4
+    assert len(store) == 4 * (1 + 2 * len(suite.MODES)) + 4 * 2 * len(suite.MODES)
 
 
 def test_cli_prefill_chunk_writes_its_own_store_and_report(loaded, monkeypatch, tmp_path):

@@ -34,7 +34,7 @@ def test_full_equals_transformers_in_both_modes(finished):
     from kvpass.eval.suite_report import agreement
 
     records = list(finished.cases.values())
-    assert len(records) == 4 * 5                  # 4 cases x (reference + 2 policies x 2 modes)
+    assert len(records) == 4 * (1 + 2 * len(suite.MODES))     # 4 cases x (reference + 2 policies x each mode)
     agree = agreement(records)
     assert set(agree) == set(suite.MODES)
     for a in agree.values():
@@ -57,7 +57,7 @@ def test_resume_and_time_limit(loaded, items, finished, tmp_path, monkeypatch):
     # a past deadline: nothing new runs, the run reports it stopped early
     more = suite.cells(["h2o"], [0.5], list(suite.MODES), reference=False)
     assert suite.run(loaded, items, more, store, deadline=time.monotonic() - 1) is False
-    assert len(Store(store.path)) == 20
+    assert len(Store(store.path)) == 4 * (1 + 2 * len(suite.MODES))
 
 
 def test_out_of_memory_retries_the_batch_in_halves(loaded, items, finished, tmp_path, monkeypatch):
@@ -78,8 +78,9 @@ def test_out_of_memory_retries_the_batch_in_halves(loaded, items, finished, tmp_
     store = Store(tmp_path / "oom.json")
     cells = suite.cells(["full", "streamingllm"], [0.5], list(suite.MODES), reference=False)
     assert suite.run(loaded, items, cells, store, batch=4) is True
-    assert max(sizes) > 1 and sizes.count(1) == 4 * 4      # batches of 2 (two families), then 4 rows x 4 cells alone
-    assert len(store) == 16
+    cells_n = 2 * len(suite.MODES)
+    assert max(sizes) > 1 and sizes.count(1) == 4 * cells_n   # batches of 2 (two families), then 4 rows x each cell alone
+    assert len(store) == 4 * cells_n
     for key, r in store.cases.items():
         assert r["output_ids"] == finished.cases[key]["output_ids"]
     # a single row that runs out is not hidden
