@@ -66,7 +66,7 @@ def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float
         prefill attention runs on the prompt in the model's dtype and the prompt cache is encoded once built;
         compressions decode a layer to the model's dtype, run the policy and encode what it wrote (kept entries keep
         their codes). fp8 needs a CUDA GPU of compute capability 8.9 or later (int8 runs anywhere); refused with
-        tensor parallelism, compressed contexts and export. docs/quantized-cache.md.
+        tensor parallelism, compressed contexts and export. docs/quantization.md.
     policy_kwargs: the policy's hyperparameters (e.g. ``sinks=4`` for streamingllm).
 
     Bad arguments are refused before any work (``kvpass.validation.RULES``, docs/errors.md): a KVPassError

@@ -1,4 +1,4 @@
-"""Quantized cache entries (``kvpass.apply(..., kv_dtype="int8" | "fp8_e4m3")``, docs/quantized-cache.md): the formats
+"""Quantized cache entries (``kvpass.apply(..., kv_dtype="int8" | "fp8_e4m3")``, docs/quantization.md): the formats
 (``formats``), a layer cache of 8-bit codes and per-(token, head) scales (``cache``), and any policy over it
 (``policy``: ``QuantizedEntries``, imported from there). The decode graph's ops are ``kvpass.kernels``'
 ``write_kv_quantized``, ``decode_attention_quantized`` and ``dequantize_kv``."""

@@ -36,7 +36,7 @@ class QuantizedEntries(InPlace, Policy):
     inner policy's hyperparameters read through (``wrapper.interval`` is the inner's)."""
 
     name: ClassVar[str] = "quantized"
-    section: ClassVar[str] = "docs/quantized-cache.md"
+    section: ClassVar[str] = "docs/quantization.md"
     summary: ClassVar[str] = "any policy over 8-bit cache entries"
     inner: Policy
     kv_dtype: str
