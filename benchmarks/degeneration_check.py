@@ -179,16 +179,17 @@ def greedy(session, new_tokens: int, eos_ids: torch.Tensor) -> list[list[int]]:
 
 
 def run_cells(model, ids: torch.Tensor, prefix: int, cells: Sequence[tuple[str, float]], gen_tokens: int,
-              eos_ids: torch.Tensor, log=print, decode=None, saved=None) -> list[dict]:
+              eos_ids: torch.Tensor, log=print, decode=None, saved=None, kv_dtype: str | None = None) -> list[dict]:
     """ids: [B, prefix + steps] on the model's device. For every (spec, budget) of ``cells`` (``full`` first,
     budget-less): NLL [B, steps] and greedy outputs. One prefill per group of policies whose statistics
     agree (``kvpass.eval.shared``; every budget of a group shares it), shared by (a) and (b). ``saved``:
-    called with the records so far after each cell. -> raw records (no ratios yet)."""
+    called with the records so far after each cell; ``kv_dtype``: every cell's cache entries (``kvpass.apply``'s,
+    ``full``'s too: its ratios are then to the quantized full cache). -> raw records (no ratios yet)."""
     from kvpass.errors import KVPassError
     from kvpass.eval.shared import Models, stat_groups
 
     steps = ids.shape[1] - prefix
-    models = Models(model)
+    models = Models(model, kv_dtype=kv_dtype)
     built: dict[tuple[str, float | None], object] = {}
     records = []
     for spec, budget in cells:
@@ -331,6 +332,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--budgets", type=float, nargs="+", default=list(BUDGETS))
     p.add_argument("--policies", nargs="+", help="specs (default: configs())")
     p.add_argument("--json", default="benchmarks/results/degeneration-smollm2-cpu.json")
+    p.add_argument("--kv-dtype", choices=["int8", "fp8_e4m3"], default=None,
+                   help="every cell's cache entries, full's too (default: the model's dtype); use its own --json")
     p.add_argument("--markdown-only", action="store_true", help="rewrite the .md from the JSON, run nothing")
     args = p.parse_args(argv)
     out = Path(args.json)
@@ -348,12 +351,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = {"model": args.model, "device": (torch.cuda.get_device_name(loaded.device)
                                             if loaded.device.type == "cuda" else "cpu"),
             "prompts": args.prompts, "prefix": args.prefix, "steps": args.steps, "gen_tokens": args.gen_tokens,
+            "kv_dtype": args.kv_dtype,
             "torch": torch.__version__, "python": platform.python_version(),
             "thresholds": THRESHOLDS, "command": "python benchmarks/degeneration_check.py " + " ".join(
                 sys.argv[1:] if argv is None else argv)}
     old = json.loads(out.read_text()) if out.exists() else None
     same = old is not None and all(old["meta"].get(k) == meta[k] for k in ("model", "prompts", "prefix", "steps",
-                                                                           "gen_tokens", "device"))
+                                                                           "gen_tokens", "device", "kv_dtype"))
     raw = old["raw"] if same else []
     done = {(r["policy"], r["budget"]) for r in raw}
     specs = args.policies or configs()
@@ -377,7 +381,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cells:
         run_cells(loaded.model, ids, args.prefix, cells, args.gen_tokens, eos_ids,
                   log=lambda s: print(s, flush=True),
-                  decode=lambda t: loaded.tokenizer.decode(t, skip_special_tokens=True), saved=save)
+                  decode=lambda t: loaded.tokenizer.decode(t, skip_special_tokens=True), saved=save,
+                  kv_dtype=args.kv_dtype)
     bad = [(r["policy"], r["budget"]) for r in json.loads(out.read_text())["rows"] if r.get("degenerate")]
     print("degenerate cells:", bad or "none", flush=True)
     return 0

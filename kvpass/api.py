@@ -8,12 +8,13 @@ from torch import nn
 
 from kvpass.budget import check_budget
 from kvpass.policies import DEFAULT_POLICY, Policy, Stat, get_policy
+from kvpass.quantization.policy import QuantizedEntries, with_kv_dtype
 from kvpass.rewrites import CapturedModel, capture_model, compile_model, sharded_for
 from kvpass.runtime import KVPassModel
 from kvpass.runtime.chunked_prefill import check_prefill_chunk, check_prefill_chunk_value
 from kvpass.runtime.reconstruction import ReconstructionPrompt
 from kvpass.tensor_parallel import resolve_shard
-from kvpass.validation import check_budget_for_model, check_model, check_optional_bool, refuse
+from kvpass.validation import check_budget_for_model, check_kv_dtype, check_model, check_optional_bool, refuse
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +22,7 @@ log = logging.getLogger(__name__)
 def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float | int = 0.2, *,
           fuse_linears: bool | None = None, tp: int | None = None, device_mesh=None, prefill_chunk: int | None = None,
           captured: CapturedModel | None = None, compile: bool | None = None, tokenizer=None,
-          **policy_kwargs) -> KVPassModel:
+          kv_dtype: str | None = None, **policy_kwargs) -> KVPassModel:
     """Rewrite a transformers causal LM to decode over a compressed KV cache.
 
     model: any ``*ForCausalLM`` whose attention kvpass can find (SDPA or eager). It is traced, not
@@ -59,6 +60,13 @@ def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float
         ``scores=reconstruct``, kvpass/runtime/reconstruction.py: the repeat request is text in the model's chat
         template); without it they repeat the context's tokens with no request (a warning says so); unused by the
         others.
+    kv_dtype: the format the cache stores its K, V entries in, for every policy: ``"fp8_e4m3"`` or ``"int8"``, 8-bit
+        codes with one scale per (token, KV head) in the model's dtype (about half the bytes of a bf16 cache at head
+        dim 128), or None (default): the model's dtype. Decode attention reads the codes directly (Triton on CUDA);
+        prefill attention runs on the prompt in the model's dtype and the prompt cache is encoded once built;
+        compressions decode a layer to the model's dtype, run the policy and encode what it wrote (kept entries keep
+        their codes). fp8 needs a CUDA GPU of compute capability 8.9 or later (int8 runs anywhere); refused with
+        tensor parallelism, compressed contexts and export. docs/quantization.md.
     policy_kwargs: the policy's hyperparameters (e.g. ``sinks=4`` for streamingllm).
 
     Bad arguments are refused before any work (``kvpass.validation.RULES``, docs/errors.md): a KVPassError
@@ -75,12 +83,18 @@ def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float
                     chosen.name)
     check_optional_bool("fuse_linears.type", fuse_linears)
     check_optional_bool("compile.type", compile)
+    if isinstance(chosen, QuantizedEntries):          # a wrapped policy: its format, unless kv_dtype names another
+        kv_dtype, chosen = kv_dtype or chosen.kv_dtype, chosen.inner
+    check_kv_dtype(kv_dtype, next(model.parameters()).device)
     if chosen.compresses and isinstance(budget, int) and budget < chosen.min_budget():
         raise refuse("budget.minimum", got=budget, source="", policy=chosen.name, minimum=chosen.min_budget())
     context = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
     if isinstance(context, int):
         check_budget_for_model(budget, context)
     shard, heads = resolve_shard(tp, device_mesh, next(model.parameters()).device)
+    if kv_dtype is not None and shard is not None and shard.world > 1:
+        raise refuse("kv_dtype.unsupported", got=kv_dtype, what=f"tensor parallelism (tp={shard.world})",
+                     advice="run it in one process, or with kv_dtype=None")
     check_prefill_chunk_value(prefill_chunk)
     sharded = sharded_for(model)
     if sharded is not None and getattr(captured, "shard", None) is None:
@@ -95,13 +109,15 @@ def apply(model: nn.Module, policy: str | Policy = DEFAULT_POLICY, budget: float
                                                                        getattr(shard, "world", 1)):
         raise refuse("captured.model", got=f"{captured.model_type}, tp={getattr(captured.shard, 'world', 1)}",
                      model=model.config.model_type, tp=getattr(shard, "world", 1))
-    graphs = compile_model(captured, chosen, fuse_linears=fuse_linears)
-    out = KVPassModel(model, chosen, budget, captured, graphs, heads=heads)
+    graphs = compile_model(captured, with_kv_dtype(chosen, kv_dtype), fuse_linears=fuse_linears)
+    out = KVPassModel(model, chosen, budget, captured, graphs, heads=heads, kv_dtype=kv_dtype)
     check_prefill_chunk(prefill_chunk, out)            # what the policy and layout allow
     out.prefill_chunk = prefill_chunk
     if tokenizer is not None:
         out.reconstruction_prompt = ReconstructionPrompt.from_tokenizer(tokenizer)
     out.apply_options = {"fuse_linears": fuse_linears, "compile": compile}   # a rebuild's (.to(), from_pretrained)
+    if kv_dtype is not None:
+        out.apply_options["kv_dtype"] = kv_dtype
     enabled = compile if compile is not None else out.device.type == "cuda"
     if enabled:
         from kvpass.compiled_decode import CompiledDecode

@@ -21,6 +21,20 @@ ENTRY_FIELDS = ("k", "v", "log_weight", "length", "position")
 EMPTY_SLOT = {"k": 0.0, "v": 0.0, "log_weight": EMPTY, "position": -1}
 
 
+def bits(t: Tensor) -> Tensor:
+    """A float8 tensor (a quantized cache's codes, kvpass/quantization) as a uint8 view of its bytes, for the indexing
+    ops some devices do not implement for float8 (index_copy_ on the CPU); any other tensor itself."""
+    return t.view(torch.uint8) if t.dtype in _FLOAT8 else t
+
+
+def _as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """The inverse of ``bits``: t itself where it already is ``dtype`` (no op added to a traced graph)."""
+    return t if t.dtype == dtype else t.view(dtype)
+
+
+_FLOAT8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+
+
 @dataclass
 class LayerCache:
     """k, v: [B, Hkv, C, D] (model dtype); log_weight: [B, Hkv, C] fp32 (additive logit bias: 0 for a
@@ -75,7 +89,8 @@ def gather_slots(t: Tensor, idx: Tensor) -> Tensor:
     ``gather`` with an index expanded over the trailing dimensions (slow on CPU)."""
     b, h, c = t.shape[:3]
     rest = t.shape[3:]
-    return t.reshape(b * h * c, *rest).index_select(0, _flat_slots(idx, b, h, c)).view(b, h, idx.shape[2], *rest)
+    out = bits(t).reshape(b * h * c, *rest).index_select(0, _flat_slots(idx, b, h, c)).view(b, h, idx.shape[2], *rest)
+    return _as_dtype(out, t.dtype)
 
 
 def put_slots(t: Tensor, idx: Tensor, values: Tensor) -> None:
@@ -83,7 +98,7 @@ def put_slots(t: Tensor, idx: Tensor, values: Tensor) -> None:
     contiguous; idx: [B, Hkv, K] (distinct within a row); values: [B, Hkv, K, ...]."""
     b, h, c = t.shape[:3]
     rest = t.shape[3:]
-    t.view(b * h * c, *rest).index_copy_(0, _flat_slots(idx, b, h, c), values.reshape(-1, *rest))
+    bits(t).view(b * h * c, *rest).index_copy_(0, _flat_slots(idx, b, h, c), bits(values).reshape(-1, *rest))
 
 
 def _flat_slots(idx: Tensor, b: int, h: int, c: int) -> Tensor:
@@ -274,7 +289,7 @@ def take_rows(cache: LayerCache, rows: Sequence[int], capacity: int | None = Non
     idx = torch.as_tensor(list(rows), dtype=torch.long, device=cache.k.device)
 
     def slots(t: Tensor) -> Tensor:
-        return t.index_select(0, idx)[:, :, :cap].contiguous()
+        return _as_dtype(bits(t).index_select(0, idx)[:, :, :cap].contiguous(), t.dtype)
 
     return LayerCache(k=slots(cache.k), v=slots(cache.v), log_weight=slots(cache.log_weight),
                       length=cache.length.index_select(0, idx), position=slots(cache.position),
@@ -296,7 +311,8 @@ def put_rows_at(dst: LayerCache, src: LayerCache, rows: Sequence[int]) -> None:
     src = with_capacity(src, dst.capacity, check=False) if src.capacity < dst.capacity else src
     idx = torch.as_tensor(list(rows), dtype=torch.long, device=dst.k.device)
     for name in ENTRY_FIELDS:
-        getattr(dst, name).index_copy_(0, idx, getattr(src, name).to(getattr(dst, name).dtype))
+        d = getattr(dst, name)
+        bits(d).index_copy_(0, idx, bits(getattr(src, name).to(d.dtype)))
     for name, t in src.slot_meta.items():
         if name not in dst.slot_meta:
             dst.slot_meta[name] = t.new_zeros((b, *t.shape[1:]))

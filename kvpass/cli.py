@@ -164,7 +164,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"rewriting {model.config.num_hidden_layers} layers for {policy.name} (tracing the model) ...",
               file=sys.stderr, flush=True)
     kv_model = kvpass.apply(model, policy=args.policy, budget=args.budget, tp=args.tp,
-                            compile={"auto": None, "on": True, "off": False}[args.compile], **policy_kwargs)
+                            compile={"auto": None, "on": True, "off": False}[args.compile], kv_dtype=args.kv_dtype,
+                            **policy_kwargs)
     print(f"rewrote {len(kv_model.graphs.sites)} attention sites in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     sampling = dict(do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p) \
         if args.sample else dict(do_sample=False)
@@ -219,6 +220,8 @@ def _print_report(args: argparse.Namespace, kv_model, text: str, answer: str | N
               f"{min(r.layer_budgets.values())} entries")
     if r.compiled:
         print(f"compiled decode:   {r.compilations} compilation(s), {r.compile_seconds:.1f} s (once per model)")
+    if r.kv_dtype is not None:
+        print(f"cache entries:     {r.kv_dtype} codes + a scale per (token, KV head) ({kv_model.dtype} scales)")
     print(f"prompt tokens:     {r.prompt_tokens}")
     print(_cache_line(r, kv_model, args.max_new_tokens))
     print(f"time:              prefill {r.prefill_seconds:.2f} s, {r.new_tokens} tokens at "
@@ -262,6 +265,9 @@ def _generate_parser(sub) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--tp", type=int, default=None,
                    help="tensor parallel over N processes: run under `torchrun --nproc-per-node N -m kvpass.cli`")
+    p.add_argument("--kv-dtype", choices=("int8", "fp8_e4m3"), default=None,
+                   help="store the cache's K, V as 8-bit codes with a scale per (token, KV head) (default: the "
+                        "model's dtype; fp8_e4m3 needs CUDA compute capability 8.9+; docs/quantization.md)")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                    help="decode with Inductor's compiled graph: auto (default) on CUDA only, as kvpass.apply; a "
                         "one-off generate pays the compilation (docs/compiled-decode.md)")

@@ -49,6 +49,7 @@ from torch.fx import GraphModule
 from kvpass.budget import check_budget
 from kvpass.compiled_decode import COMPILE_COUNTS, INDUCTOR_MODES, CompiledDecode, inductor  # noqa: F401 (COMPILE_COUNTS: re-exported)
 from kvpass.policies import DEFAULT_POLICY, get_policy
+from kvpass.quantization.formats import KV_FORMATS
 from kvpass.rewrites.sym_ops_to_builtins import replace_sym_ops_with_builtins
 
 log = logging.getLogger(__name__)
@@ -63,12 +64,14 @@ class CompileOptions:
 
     policy: a registered policy name (default ``kvpass.DEFAULT_POLICY``, the same as ``kvpass.apply``);
     budget: float fraction or int tokens (``kvpass.budget``); policy_kwargs: the policy's
-    hyperparameters; mode: the Inductor mode for the graphs."""
+    hyperparameters; mode: the Inductor mode for the graphs; kv_dtype: the cache entries' format ("int8",
+    "fp8_e4m3"; None: the model's dtype), as ``kvpass.apply``'s."""
 
     policy: str = DEFAULT_POLICY
     budget: float | int = 0.2
     policy_kwargs: dict = field(default_factory=dict)
     mode: str = "default"
+    kv_dtype: str | None = None
 
     @classmethod
     def parse(cls, options: dict | None) -> CompileOptions:
@@ -79,9 +82,10 @@ class CompileOptions:
         if options is not None and not isinstance(options, dict):
             raise refuse("options.type", got=options)
         options = dict(options or {})
-        unknown = set(options) - {"policy", "budget", "policy_kwargs", "mode"}
+        unknown = set(options) - {"policy", "budget", "policy_kwargs", "mode", "kv_dtype"}
         if unknown:
-            raise refuse("options.key", got=", ".join(sorted(unknown)), names="policy, budget, policy_kwargs, mode")
+            raise refuse("options.key", got=", ".join(sorted(unknown)),
+                         names="policy, budget, policy_kwargs, mode, kv_dtype")
         opts = cls(**options)
         if not isinstance(opts.policy, str):
             raise refuse("options.value", name="policy", got=opts.policy, allowed="a policy name")
@@ -92,6 +96,8 @@ class CompileOptions:
             check_budget(opts.budget)
         except (TypeError, ValueError) as err:   # torch.compile reports backend errors as ValueErrors alike
             raise InvalidValue(f"options['budget']: {err}", "options") from err
+        if opts.kv_dtype is not None and opts.kv_dtype not in KV_FORMATS:
+            raise refuse("kv_dtype.value", got=opts.kv_dtype)
         if opts.mode not in INDUCTOR_MODES:
             raise refuse("options.value", name="mode", got=opts.mode, allowed=", ".join(INDUCTOR_MODES))
         return opts
@@ -186,7 +192,8 @@ def compiled_model(compiled: nn.Module):
         name = getattr(wrapper, "compiler_name", "unknown")
         raise refuse("compiled.backend", got=name)
     opts = CompileOptions.parse(wrapper.kwargs.get("options"))
-    model = apply(compiled._orig_mod, policy=opts.policy, budget=opts.budget, compile=False, **opts.policy_kwargs)
+    model = apply(compiled._orig_mod, policy=opts.policy, budget=opts.budget, compile=False, kv_dtype=opts.kv_dtype,
+                  **opts.policy_kwargs)
     compile_graphs(model, opts)
     _MODELS[compiled] = model
     return model

@@ -271,7 +271,7 @@ def run(loaded: Loaded, specs: Sequence[NeedleSpec], cell_list: Sequence[Cell], 
 
 def run_batches(loaded: Loaded, groups: Sequence[Sequence], cell_list: Sequence[Cell], todo: set, store: Store,
                 bar, ident: Callable, new_tokens: Callable, record: Callable,
-                deadline: float | None = None, prefill_chunk: int | None = None) -> bool:
+                deadline: float | None = None, prefill_chunk: int | None = None, kv_dtype: str | None = None) -> bool:
     """The evaluation loop of ``niah.run`` and ``suite.run``: score every (``ident(case)``, cell) pair of
     ``todo`` (removed as it is stored: ``store.add_many`` of ``record(cell, case, tokens, size, seconds)``),
     batch by batch (``groups``: cases of equal token counts) and mode, the transformers reference of every
@@ -284,7 +284,8 @@ def run_batches(loaded: Loaded, groups: Sequence[Sequence], cell_list: Sequence[
     row as if alone: tests/runtime/test_rows_independent.py). The reference is one batched ``generate``.
     A case's ``seconds``: its cell's time over its rows plus the prefill's time over the (row, cell)
     pairs it served. ``prefill_chunk``: each kvpass cell instead prefills its own rows, in chunks of that
-    many tokens (kvpass/runtime/chunked_prefill.py)."""
+    many tokens (kvpass/runtime/chunked_prefill.py). ``kv_dtype``: every kvpass cell's cache entries
+    (``kvpass.apply``'s; None: the model's dtype); the prefill is the model's dtype either way."""
     def late() -> bool:
         return deadline is not None and time.monotonic() > deadline
 
@@ -299,7 +300,7 @@ def run_batches(loaded: Loaded, groups: Sequence[Sequence], cell_list: Sequence[
             return False
         try:
             models, finished = _run_group(loaded, group, mode, mode_cells, models, todo, store, bar, ident, new_tokens,
-                                record, late, prefill_chunk)
+                                record, late, prefill_chunk, kv_dtype)
         except torch.cuda.OutOfMemoryError:
             # GPU memory shared with other processes ran out: retry what is left of this batch in two halves
             # (the store keeps every finished cell; todo lists what is left), a single row re-raises
@@ -318,7 +319,7 @@ def run_batches(loaded: Loaded, groups: Sequence[Sequence], cell_list: Sequence[
 
 def _run_group(loaded: Loaded, group: Sequence, mode: str, mode_cells: Sequence[Cell], models, todo: set,
                store: Store, bar, ident: Callable, new_tokens: Callable, record: Callable, late: Callable,
-               prefill_chunk: int | None) -> tuple[object, bool]:
+               prefill_chunk: int | None, kv_dtype: str | None = None) -> tuple[object, bool]:
     """``run_batches``' work for one batch and mode: returns (the ``Models``, made on first use, or None while
     only the reference has run; False where ``late()`` stopped it midway)."""
     from kvpass.eval.shared import Models, stat_groups
@@ -334,7 +335,7 @@ def _run_group(loaded: Loaded, group: Sequence, mode: str, mode_cells: Sequence[
         todo.difference_update((ident(case), mode_cells[0]) for case in rows)
         bar.update(len(rows))
         return models, True
-    models = models or Models(loaded.model, loaded.tokenizer)
+    models = models or Models(loaded.model, loaded.tokenizer, kv_dtype)
     chosen = {c: models.get(c.policy, c.budget).policy for c in mode_cells}   # a cell's policy: a name or a spec
     if prefill_chunk is not None:                     # each cell prefills (in chunks) on its own
         for cell in mode_cells:

@@ -78,8 +78,9 @@ class Models:
     """One capture of ``model`` for every policy: per (policy, budget) a ``kvpass.apply`` of it (``full``: one
     for every budget), and per group of policies a shared prefill graph (``prefill_graphs``)."""
 
-    def __init__(self, model: nn.Module, tokenizer=None) -> None:
+    def __init__(self, model: nn.Module, tokenizer=None, kv_dtype: str | None = None) -> None:
         self.model, self.tokenizer = model, tokenizer      # the tokenizer: policies that reconstruct the context
+        self.kv_dtype = kv_dtype                           # every model's cache entries (kvpass.apply's kv_dtype)
         self.captured = capture_model(model)
         self._built: dict[tuple[str, object], KVPassModel] = {}
         self._prefills: dict[tuple, RewrittenGraphs] = {}
@@ -91,7 +92,8 @@ class Models:
             # eager decode (compile=False): a grid builds a model per (policy, budget) and decodes few tokens
             # each, so a compilation each would cost more than it saves, and stored results stay comparable
             self._built[key] = apply(self.model, chosen, key[1] if key[1] is not None else 1.0,
-                                     captured=self.captured, compile=False, tokenizer=self.tokenizer)
+                                     captured=self.captured, compile=False, tokenizer=self.tokenizer,
+                                     kv_dtype=self.kv_dtype)
         return self._built[key]
 
     def prefill_graphs(self, union: StatUnion) -> RewrittenGraphs:

@@ -69,12 +69,23 @@ def batches(items: Sequence[SuiteCase], size: int) -> list[list[SuiteCase]]:
     return sorted(out, key=len, reverse=True)
 
 
-def key_of(model: str, cell: Cell, case: SuiteCase, prefill_chunk: int | None = None) -> str:
-    """The case's key; a kvpass cell prefilled in chunks (``prefill_chunk``) has its own."""
-    chunked = {"prefill_chunk": prefill_chunk} if prefill_chunk is not None and cell.policy != REFERENCE else {}
+def cell_options(cell: Cell, prefill_chunk: int | None = None, kv_dtype: str | None = None) -> dict:
+    """The run options a kvpass cell's record and key carry where they are not the default: ``prefill_chunk``
+    (prefilled in chunks) and ``kv_dtype`` (8-bit cache entries); none for the reference, nor at the defaults, so
+    the keys of stores written before either option existed are unchanged."""
+    if cell.policy == REFERENCE:
+        return {}
+    return {name: value for name, value in (("prefill_chunk", prefill_chunk), ("kv_dtype", kv_dtype))
+            if value is not None}
+
+
+def key_of(model: str, cell: Cell, case: SuiteCase, prefill_chunk: int | None = None,
+           kv_dtype: str | None = None) -> str:
+    """The case's key; a kvpass cell prefilled in chunks (``prefill_chunk``) or over 8-bit entries (``kv_dtype``)
+    has its own."""
     return case_key(kind=KIND, model=model, policy=cell.policy, budget=cell.budget, mode=cell.mode,
                     family=case.family, length=case.length, seed=case.seed, max_new_tokens=case.max_new_tokens,
-                    **chunked)
+                    **cell_options(cell, prefill_chunk, kv_dtype))
 
 
 def case_fields(model: str, case: SuiteCase) -> dict:
@@ -95,11 +106,10 @@ def export(model: str, items: Sequence[SuiteCase], path: str | Path) -> Path:
 
 
 def _record(loaded: Loaded, cell: Cell, case: SuiteCase, tokens: list[int], size, seconds: float,
-            prefill_chunk: int | None = None) -> dict:
+            prefill_chunk: int | None = None, kv_dtype: str | None = None) -> dict:
     output = loaded.tokenizer.decode(tokens, skip_special_tokens=True).strip()
-    chunked = {"prefill_chunk": prefill_chunk} if prefill_chunk is not None and cell.policy != REFERENCE else {}
-    return {"key": key_of(loaded.name, cell, case, prefill_chunk), "kind": KIND, **case_fields(loaded.name, case),
-            **chunked,
+    return {"key": key_of(loaded.name, cell, case, prefill_chunk, kv_dtype), "kind": KIND,
+            **case_fields(loaded.name, case), **cell_options(cell, prefill_chunk, kv_dtype),
             "policy": cell.policy, "budget": cell.budget, "mode": cell.mode,
             "context_tokens": len(case.context_ids), "question_tokens": len(case.question_ids),
             "output": output, "output_ids": tokens, "correct": score(output, case.answers, case.scoring),
@@ -109,7 +119,8 @@ def _record(loaded: Loaded, cell: Cell, case: SuiteCase, tokens: list[int], size
 
 
 def run(loaded: Loaded, items: Sequence[SuiteCase], cell_list: Sequence[Cell], store: Store, batch: int = 16,
-        deadline: float | None = None, desc: str = "suite", prefill_chunk: int | None = None) -> bool:
+        deadline: float | None = None, desc: str = "suite", prefill_chunk: int | None = None,
+        kv_dtype: str | None = None) -> bool:
     """Score every (case, cell) not yet in ``store``; True when all are stored, False when
     ``deadline`` (a ``time.monotonic()`` value) passed first (the store holds every finished batch).
 
@@ -117,17 +128,19 @@ def run(loaded: Loaded, items: Sequence[SuiteCase], cell_list: Sequence[Cell], s
     alone) and scored by ``niah.run_batches``, the loop the needle evaluation runs too: per batch and mode
     one prefill serves every (policy, budget) cell, the transformers reference runs last. ``prefill_chunk``:
     every kvpass cell prefills its own prompt in chunks of that many tokens, compressed between chunks
-    (kvpass/runtime/chunked_prefill.py), instead of sharing one prefill; its records carry it (and their keys)."""
+    (kvpass/runtime/chunked_prefill.py), instead of sharing one prefill; its records carry it (and their keys).
+    ``kv_dtype``: every kvpass cell's cache entries ("int8", "fp8_e4m3"; ``kvpass.apply``'s), carried likewise."""
     todo = {(c.ident, cell) for c in items for cell in cell_list
-            if key_of(loaded.name, cell, c, prefill_chunk) not in store}
+            if key_of(loaded.name, cell, c, prefill_chunk, kv_dtype) not in store}
     bar = tqdm(total=len(todo), desc=desc, unit="case", dynamic_ncols=True)
     groups = batches([c for c in items if any((c.ident, cell) in todo for cell in cell_list)], batch)
     try:
         return run_batches(loaded, groups, cell_list, todo, store, bar, ident=lambda case: case.ident,
                            new_tokens=lambda group: group[0].max_new_tokens,
                            record=lambda cell, case, tokens, size, seconds: _record(loaded, cell, case, tokens,
-                                                                                    size, seconds, prefill_chunk),
-                           deadline=deadline, prefill_chunk=prefill_chunk)
+                                                                                    size, seconds, prefill_chunk,
+                                                                                    kv_dtype),
+                           deadline=deadline, prefill_chunk=prefill_chunk, kv_dtype=kv_dtype)
     finally:
         bar.close()
 

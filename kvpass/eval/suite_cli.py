@@ -53,6 +53,10 @@ def _suite_run_options(p: argparse.ArgumentParser, calibrate: bool) -> None:
                        help="prefill every kvpass cell's prompt this many tokens at a time, compressed between "
                             "chunks (kvpass/runtime/chunked_prefill.py); its own store and report, "
                             "quality-suite-<model>-chunk<TOKENS>.*")
+        p.add_argument("--kv-dtype", choices=["int8", "fp8_e4m3"], default=None,
+                       help="every kvpass cell's cache entries as 8-bit codes with a scale per (token, KV head) "
+                            "(default: the model's dtype; docs/quantization.md); its records and keys carry it, its "
+                            "report is quality-suite-<model>-<KV_DTYPE>.*")
     p.add_argument("--modes", nargs="+", default=["query_aware", "query_agnostic"],
                    choices=["query_aware", "query_agnostic", "query_agnostic_bounded"])
     p.add_argument("--batch", type=int, default=16, help="rows per session (results do not depend on it)")
@@ -114,9 +118,10 @@ def _suite_stores(args: argparse.Namespace):
 
 
 def _chunk_suffix(args: argparse.Namespace) -> str:
-    """'-chunk<N>' for a run with --prefill-chunk N (its store and report files), else ''."""
-    chunk = getattr(args, "prefill_chunk", None)
-    return f"-chunk{chunk}" if chunk is not None else ""
+    """'-chunk<N>' for a run with --prefill-chunk N, '-<kv_dtype>' for one with --kv-dtype (its store and report
+    files), else ''."""
+    chunk, kv_dtype = getattr(args, "prefill_chunk", None), getattr(args, "kv_dtype", None)
+    return (f"-chunk{chunk}" if chunk is not None else "") + (f"-{kv_dtype}" if kv_dtype is not None else "")
 
 
 def _suite_records(args: argparse.Namespace, stores, policies: list[str] | None, budgets: list | None) -> list[dict]:
@@ -143,6 +148,8 @@ def _suite_records(args: argparse.Namespace, stores, policies: list[str] | None,
                 continue
             if c["mode"] != "reference" and c.get("prefill_chunk") != getattr(args, "prefill_chunk", None):
                 continue                          # chunked and unchunked records never share a report
+            if not peer and c["mode"] != "reference" and c.get("kv_dtype") != getattr(args, "kv_dtype", None):
+                continue                          # nor do records of other cache entry formats
             seen.setdefault(c["key"], c)
     return list(seen.values())
 
@@ -192,7 +199,8 @@ def cmd_suite(args: argparse.Namespace) -> int:
             items = [c for k, c in enumerate(items) if k % args.shard[1] == args.shard[0]]
         deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
         finished = suite.run(loaded, items, suite.cells(policies, budgets, args.modes, reference=reference), store,
-                             batch=args.batch, deadline=deadline, prefill_chunk=getattr(args, "prefill_chunk", None))
+                             batch=args.batch, deadline=deadline, prefill_chunk=getattr(args, "prefill_chunk", None),
+                             kv_dtype=getattr(args, "kv_dtype", None))
         if not finished:
             print(f"time limit reached: {len(store)} cases stored in {store.path}")
     model = model_label(args.model)

@@ -51,6 +51,7 @@ from kvpass.policies.base import Policy
 from kvpass.rewrites import RewrittenGraphs, compile_model
 from kvpass.rewrites.functional_graphs import functional_decode, functional_prefill
 from kvpass.runtime import KVPassModel
+from kvpass.validation import refuse
 
 log = logging.getLogger(__name__)
 METADATA = "kvpass_export.json"
@@ -102,6 +103,9 @@ def _validate(model: KVPassModel, max_length: int, check: str, example_length: i
     if not isinstance(model, KVPassModel):
         raise InvalidValue(f"model: kvpass.export.onnx needs a KVPassModel (from kvpass.apply), got {type(model).__name__}",
                            "model")
+    if getattr(model, "kv_dtype", None) is not None:
+        raise refuse("kv_dtype.unsupported", got=model.kv_dtype, what="export (its graphs' 8-bit cache ops have no "
+                     "ONNX form)", advice="export the model applied with kv_dtype=None")
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
         raise InvalidValue(f"max_length must be an int >= 2 (prompt + new tokens), got {max_length!r}", "max_length")
     if max_length > model.captured.context_length:

@@ -37,6 +37,11 @@ from kvpass.kernels.decode_attention_nearest import (
     decode_attention_nearest,
     decode_attention_nearest_reference,
 )
+from kvpass.kernels.decode_attention_quantized import (
+    decode_attention_quantized,
+    decode_attention_quantized_reference,
+)
+from kvpass.kernels.dequantize_kv import dequantize_kv, dequantize_kv_reference
 from kvpass.kernels.ems_expansion_attention import ems_expansion_attention, ems_expansion_attention_reference
 from kvpass.kernels.gemv import gemv, gemv_reference
 from kvpass.kernels.lowest_slots import lowest_slots, lowest_slots_reference
@@ -51,6 +56,7 @@ from kvpass.kernels.recent_query_column_sums import (
 )
 from kvpass.kernels.rope_write_kv import rope_write_kv, rope_write_kv_reference
 from kvpass.kernels.write_kv import write_kv, write_kv_reference
+from kvpass.kernels.write_kv_quantized import write_kv_quantized, write_kv_quantized_reference
 from kvpass.kernels.write_query import write_query, write_query_reference
 
 # op name (``torch.ops.kvpass.<name>``) -> the plain-torch function that defines it.
@@ -71,6 +77,8 @@ REFERENCES: dict[str, Callable] = {
     "cosine_match": cosine_match_reference,
     "decode_attention": decode_attention_reference,
     "decode_attention_nearest": decode_attention_nearest_reference,
+    "decode_attention_quantized": decode_attention_quantized_reference,
+    "dequantize_kv": dequantize_kv_reference,
     "ems_expansion_attention": ems_expansion_attention_reference,
     "gemv": gemv_reference,
     "lowest_slots": lowest_slots_reference,
@@ -82,6 +90,7 @@ REFERENCES: dict[str, Callable] = {
     "recent_query_column_sums": recent_query_column_sums_reference,
     "rope_write_kv": rope_write_kv_reference,
     "write_kv": write_kv_reference,
+    "write_kv_quantized": write_kv_quantized_reference,
     "write_query": write_query_reference,
 }
 
@@ -124,6 +133,8 @@ __all__ = [
     "cosine_match", "cosine_match_reference",
     "decode_attention", "decode_attention_reference",
     "decode_attention_nearest", "decode_attention_nearest_reference",
+    "decode_attention_quantized", "decode_attention_quantized_reference",
+    "dequantize_kv", "dequantize_kv_reference",
     "ems_expansion_attention", "ems_expansion_attention_reference",
     "gemv", "gemv_reference",
     "lowest_slots", "lowest_slots_reference",
@@ -135,5 +146,6 @@ __all__ = [
     "recent_query_column_sums", "recent_query_column_sums_reference",
     "rope_write_kv", "rope_write_kv_reference",
     "write_kv", "write_kv_reference",
+    "write_kv_quantized", "write_kv_quantized_reference",
     "write_query", "write_query_reference",
 ]

@@ -51,6 +51,7 @@ from kvpass.cache import LayerCache, entries_from_prompt
 from kvpass.kernels.decode_attention_nearest import NEAREST_INPUTS
 from kvpass.policies.base import Attention, Policy, Stat
 from kvpass.policies.capabilities import deferred_scores, nearest_candidates
+from kvpass.quantization.policy import kv_dtype_of
 from kvpass.rewrites.attention_sites import (
     AttentionSite,
     expand_kv_heads,
@@ -58,7 +59,14 @@ from kvpass.rewrites.attention_sites import (
     per_model_kv_head,
     repeat_cached_kv,
 )
-from kvpass.rewrites.decode_layout import CACHE_INPUTS, FULL_INPUTS, RECENT_INPUTS, DecodeLayout, LayerInputs
+from kvpass.rewrites.decode_layout import (
+    CACHE_INPUTS,
+    FULL_INPUTS,
+    RECENT_INPUTS,
+    SCALE_INPUTS,
+    DecodeLayout,
+    LayerInputs,
+)
 from kvpass.rewrites.shard_tensor_parallel import LOGITS_GATHER_OPS
 
 log = logging.getLogger(__name__)
@@ -280,22 +288,35 @@ def _take(graph: Graph, pieces: list[tuple[Node, int, int]]) -> Node:
 
 
 def _write_and_attend(graph: Graph, site: AttentionSite, attend, q: Node, k: Node, v: Node, pos: Node,
-                      cache: list[Node], extra: list[Node], want: bool) -> Node:
+                      cache: list[Node], extra: list[Node], want: bool, scales: list[Node] = ()) -> Node:
     """write_kv of the step's k, v [B, H, 1, D] and position ``pos`` [B, 1] into ``cache`` = (k_cache, v_cache,
-    log_weight, slot, position), then the decode op over it; returns the op's (output, scores) node."""
-    graph.call_function(ops.write_kv.default, (*cache, pos, k, v))
-    return graph.call_function(attend, (q, *cache[:3], *extra),
-                               {"scale": site.scale, "softcap": site.softcap, "want_scores": want})
+    log_weight, slot, position), then the decode op over it; returns the op's (output, scores) node. With ``scales``
+    (k_scale, v_scale of a quantized cache, kvpass/quantization) the entry is encoded as it is written
+    (``write_kv_quantized``) and the dense op reads the codes (``decode_attention_quantized``); another op reads K, V
+    decoded to the model's dtype for the step (``dequantize_kv``)."""
+    options = {"scale": site.scale, "softcap": site.softcap, "want_scores": want}
+    if not scales:
+        graph.call_function(ops.write_kv.default, (*cache, pos, k, v))
+        return graph.call_function(attend, (q, *cache[:3], *extra), options)
+    k_cache, v_cache, log_weight, slot, position = cache
+    graph.call_function(ops.write_kv_quantized.default, (k_cache, v_cache, *scales, log_weight, slot, position, pos, k, v))
+    if attend == DECODE_ATTENTION_OPS[Attention.DENSE] and not extra:
+        return graph.call_function(ops.decode_attention_quantized.default, (q, k_cache, v_cache, *scales, log_weight),
+                                   options)
+    k_plain, v_plain = (graph.call_function(ops.dequantize_kv.default, (x, s))
+                        for x, s in zip((k_cache, v_cache), scales, strict=True))
+    return graph.call_function(attend, (q, k_plain, v_plain, log_weight, *extra), options)
 
 
 def _split_attend(graph: Graph, site: AttentionSite, attend, cache: list[Node], extra: list[Node], want: bool,
-                  full: tuple[int, ...], full_cache: list[Node], q: Node, k: Node, v: Node, pos: Node
-                  ) -> tuple[Node, Node]:
+                  full: tuple[int, ...], full_cache: list[Node], q: Node, k: Node, v: Node, pos: Node,
+                  scales: list[Node] = ()) -> tuple[Node, Node]:
     """The split-group decode attention of one layer (§0.6 b): the new K, V [B, Hkv, 1, D] go to
     their group's buffers, each group attends with its query heads (KV head g owns query heads
     g*G..g*G+G-1) and the outputs [B, G * heads of the group, 1, D] are put back into query-head order
     [B, Hq, 1, D]. The compressed group uses ``attend`` with the policy's ``extra`` inputs, the full one
-    the dense op. Returns (output, the compressed group's op result)."""
+    the dense op (the compressed group's ``scales`` where its cache is quantized; the full group stays in the
+    model's dtype). Returns (output, the compressed group's op result)."""
     g_size = site.group
     groups = {"compressed": [h for h in range(site.n_kv_heads) if h not in full], "full": list(full)}
     results = {}
@@ -303,8 +324,9 @@ def _split_attend(graph: Graph, site: AttentionSite, attend, cache: list[Node], 
         q_g = _take(graph, [(q, h * g_size, (h + 1) * g_size) for h in heads])
         k_g, v_g = (_take(graph, [(x, h, h + 1) for h in heads]) for x in (k, v))
         op, args = (attend, extra) if name == "compressed" else (DECODE_ATTENTION_OPS[Attention.DENSE], [])
-        results[name] = _write_and_attend(graph, site, op, q_g, k_g, v_g, pos, cache if name == "compressed" else full_cache,
-                                          args, want and name == "compressed")
+        compressed = name == "compressed"
+        results[name] = _write_and_attend(graph, site, op, q_g, k_g, v_g, pos, cache if compressed else full_cache,
+                                          args, want and compressed, scales if compressed else ())
     outs = {name: graph.call_function(operator.getitem, (res, 0)) for name, res in results.items()}
     order = []
     for h in range(site.n_kv_heads):
@@ -341,9 +363,10 @@ def decode_layout(sites: list[AttentionSite], policy: Policy, split: dict[int, t
     """Each site's decode inputs (``kvpass.rewrites.decode_layout``)."""
     deferred = deferred_score_layers(sites, policy, split, defer_scores)
     nearest = nearest_search_layers(sites, policy, split, deferred, fuse_nearest)
+    quantized = kv_dtype_of(policy) is not None               # every layer's cache (the full-head group's excepted)
     return DecodeLayout(tuple(
         LayerInputs(s.layer, tuple(policy.decode_inputs) if s.window is None else (), s.layer in split,
-                    s.layer in deferred, NEAREST_INPUTS if s.layer in nearest else ()) for s in sites))
+                    s.layer in deferred, NEAREST_INPUTS if s.layer in nearest else (), quantized) for s in sites))
 
 
 def build_decode(gm: GraphModule, sites: list[AttentionSite], policy: Policy,
@@ -365,6 +388,7 @@ def build_decode(gm: GraphModule, sites: list[AttentionSite], policy: Policy,
     scores, score_layers = [], []
     for site, lay in zip(sites, layout.layers, strict=True):
         cache = [next(inputs) for _ in CACHE_INPUTS]
+        scales = [next(inputs) for _ in SCALE_INPUTS] if lay.quantized else []
         extra = [next(inputs) for _ in lay.policy]
         full_cache = [next(inputs) for _ in FULL_INPUTS] if lay.full else []
         recent = [next(inputs) for _ in RECENT_INPUTS] if lay.recent else []
@@ -373,7 +397,8 @@ def build_decode(gm: GraphModule, sites: list[AttentionSite], policy: Policy,
         target = env[site.output]
         with graph.inserting_before(target):
             q, k, v = env[site.q], repeat_cached_kv(graph, site, env[site.k]), repeat_cached_kv(graph, site, env[site.v])
-            attn, res = _attend_site(graph, site, policy, lay, cache, extra, full_cache, near, want, split, q, k, v, pos)
+            attn, res = _attend_site(graph, site, policy, lay, cache, extra, full_cache, near, want, split, q, k, v, pos,
+                                     scales)
             if recent:                 # after the write: rope_into_write_kv folds rope(q) only where every
                 graph.call_function(ops.write_query.default, (*recent, pos, q))          # reader follows it
             if want:
@@ -385,17 +410,23 @@ def build_decode(gm: GraphModule, sites: list[AttentionSite], policy: Policy,
 
 def _attend_site(graph: Graph, site: AttentionSite, policy: Policy, lay: LayerInputs, cache: list[Node],
                  extra: list[Node], full_cache: list[Node], near: list[Node], want: bool,
-                 split: dict[int, tuple[int, ...]], q: Node, k: Node, v: Node, pos: Node) -> tuple[Node, Node]:
-    """One site's cache write and decode attention: (its output [B, Hq, 1, D], the op's result node)."""
+                 split: dict[int, tuple[int, ...]], q: Node, k: Node, v: Node, pos: Node,
+                 scales: list[Node] = ()) -> tuple[Node, Node]:
+    """One site's cache write and decode attention: (its output [B, Hq, 1, D], the op's result node); ``scales``:
+    the site's k_scale, v_scale inputs where its cache is quantized."""
     attend = DECODE_ATTENTION_OPS[Attention.DENSE if site.window is not None else policy.attention]
     if policy.compresses and site.window is None:   # this layer's compression, forked at the step's start
         graph.call_function(torch.ops.kvpass.await_compression.default, (cache[3], cache[0]))
     if lay.full:
-        return _split_attend(graph, site, attend, cache, extra, want, split[site.layer], full_cache, q, k, v, pos)
+        return _split_attend(graph, site, attend, cache, extra, want, split[site.layer], full_cache, q, k, v, pos,
+                             scales)
     if near:                           # next, from, inv_norm, cand, best, slot: the op's inputs after log_weight
+        if scales:
+            raise NotImplementedError("the fused nearest-key search reads model-dtype keys; a quantized cache's "
+                                      "policy has it off (kvpass/quantization/policy.py)")
         res = _write_and_attend(graph, site, ops.decode_attention_nearest.default, q, k, v, pos, cache, near, want)
     else:
-        res = _write_and_attend(graph, site, attend, q, k, v, pos, cache, extra, want)
+        res = _write_and_attend(graph, site, attend, q, k, v, pos, cache, extra, want, scales)
     return graph.call_function(operator.getitem, (res, 0)), res
 
 

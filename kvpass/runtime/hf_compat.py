@@ -214,7 +214,8 @@ class TransformersCompat:
         model = model_class.from_pretrained(path, **model_kwargs)
         return apply(model, policy=saved_policy if policy is None else policy,
                      budget=saved["budget"] if budget is None else budget, prefill_chunk=saved.get("prefill_chunk"),
-                     fuse_linears=saved.get("fuse_linears"), compile=saved.get("compile"))
+                     fuse_linears=saved.get("fuse_linears"), compile=saved.get("compile"),
+                     kv_dtype=saved.get("kv_dtype"))
 
 
 def _check_labels(labels: object, ids: Tensor) -> Tensor:

@@ -31,6 +31,8 @@ from kvpass.decode_step import StaticDecodeStep
 from kvpass.head_group import HeadGroup
 from kvpass.policies.base import Policy
 from kvpass.policies.capabilities import compress_in_place, deferred_scores
+from kvpass.quantization.cache import is_quantized, quantize_cache
+from kvpass.quantization.policy import kv_dtype_of
 from kvpass.rewrites import RewrittenGraphs
 from kvpass.rewrites.insert_compressed_cache import prompt_cache
 from kvpass.runtime.recent_queries import add_recent_queries
@@ -227,7 +229,20 @@ def build_layers(model: RuntimeModel, kv: Sequence[Tensor] | None, stats: dict[i
         if lay.full is not None:
             lay.full = with_capacity(lay.full, total)
     prepare_layers(model, layers, row_total, recall_budget)
+    quantize_layers(model, layers)
     return layers, compressions
+
+
+def quantize_layers(model: RuntimeModel, layers: list[Layer]) -> None:
+    """Where the policy's entries are quantized (``kvpass.apply(..., kv_dtype=...)``), every layer's cache encoded once,
+    its prompt compressed and prepared (kvpass/quantization); a split layer's full-head group stays in the model's
+    dtype."""
+    kv_dtype = kv_dtype_of(model.policy)
+    if kv_dtype is None:
+        return
+    for lay in layers:
+        if not is_quantized(lay.cache):
+            lay.cache = quantize_cache(lay.cache, kv_dtype)
 
 
 def prompt_row_budgets(model: RuntimeModel, total: int, row_total: list[int]) -> list[int]:

@@ -18,6 +18,7 @@ from kvpass.budget import budget_tokens, check_budget
 from kvpass.decode_step import StaticDecodeStep
 from kvpass.head_group import SINGLE_PROCESS, HeadGroup
 from kvpass.policies.base import Policy
+from kvpass.quantization.policy import with_kv_dtype
 from kvpass.rewrites import CapturedModel, RewrittenGraphs, compile_model
 from kvpass.runtime.chunked_prefill import check_prefill_chunk, start_chunked
 from kvpass.runtime.context_cache import ContextCache, ask, compress_context
@@ -89,7 +90,8 @@ class KVPassModel(TransformersCompat, nn.Module):
     (``kvpass.runtime.hf_compat``)."""
 
     def __init__(self, model: nn.Module, policy: Policy, budget: float | int,
-                 captured: CapturedModel, graphs: RewrittenGraphs, heads: HeadGroup = SINGLE_PROCESS) -> None:
+                 captured: CapturedModel, graphs: RewrittenGraphs, heads: HeadGroup = SINGLE_PROCESS,
+                 kv_dtype: str | None = None) -> None:
         super().__init__()
         check_budget(budget)
         self.fused_linears = graphs.fused_linears
@@ -97,7 +99,11 @@ class KVPassModel(TransformersCompat, nn.Module):
         # host-side lengths and sampled tokens are agreed over it, and the policy reduces over it
         self.heads = heads
         self.given_policy = policy                 # as passed (unbound): what a rebuild or save_pretrained uses
-        self.policy, self.budget = policy.bind_model(model).with_heads(heads), budget
+        # kv_dtype: the cache entries' format ("int8", "fp8_e4m3"; None: the model's dtype). The policy the runtime
+        # runs is then the given one over quantized entries (kvpass/quantization/policy.py), as the graphs were built
+        self.kv_dtype = kv_dtype
+        self.policy = with_kv_dtype(policy.bind_model(model).with_heads(heads), kv_dtype)
+        self.budget = budget
         self.apply_options: dict = {"fuse_linears": None, "compile": None}   # kvpass.apply's, for a rebuild
         self.captured, self.graphs = captured, graphs
         self._model = [model]                      # not a submodule: its weights are not ours to own
@@ -274,12 +280,20 @@ class KVPassModel(TransformersCompat, nn.Module):
         budget is taken of the context's own tokens) for any number of later ``generate(question_ids,
         context=cache)`` calls, each answering from copies of it; the questions and answers are appended, never
         compressed (kvpass/runtime/context_cache.py)."""
+        self._refuse_quantized_context()
         if not self._lock.acquire(blocking=False):
             raise in_use()
         try:
             return compress_context(self, input_ids, attention_mask)
         finally:
             self._lock.release()
+
+    def _refuse_quantized_context(self) -> None:
+        """A compressed context's questions are appended by the chunk step in the model's dtype: not over 8-bit
+        entries (``kv_dtype``) yet."""
+        if self.kv_dtype is not None:
+            raise refuse("kv_dtype.unsupported", got=self.kv_dtype, what="a compressed context (compress_context, "
+                         "generate(context=...))", advice="apply the policy with kv_dtype=None for context caches")
 
     def _check_memory(self, batch: int, tokens: int, total: int) -> None:
         check_prefill_memory(self, batch, tokens, total)                            # kvpass/runtime/inputs.py
@@ -358,6 +372,7 @@ class KVPassModel(TransformersCompat, nn.Module):
             if not reuse and self.decode_buffers.held:
                 self.release_decode_buffers()
             if args.context is not None:
+                self._refuse_quantized_context()
                 session = ask(self, args.context, ids, attention_mask, args.max_new_tokens)
             else:
                 session = self.start(ids, attention_mask, args.max_new_tokens, args.prefill_chunk)

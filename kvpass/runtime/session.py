@@ -28,6 +28,8 @@ from kvpass.policies.capabilities import (
     nearest_candidates,
     rows_in_one_call,
 )
+from kvpass.quantization.cache import entry_dtype
+from kvpass.quantization.policy import kv_dtype_of
 from kvpass.rewrites.attention_sites import AttentionSite
 from kvpass.rewrites.insert_compressed_cache import DECODE_STATS
 from kvpass.runtime.layers import (
@@ -85,6 +87,9 @@ class GenerationReport:
     graph_captures: int = 0
     capture_seconds: float = 0.0
     reused_buffers: bool = False
+    # the format the cache's entries were stored in (``kvpass.apply(..., kv_dtype=...)``: "int8", "fp8_e4m3"), or None
+    # (the model's dtype); ``cache_bytes`` counts the codes and their scales
+    kv_dtype: str | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -425,7 +430,7 @@ class DecodeSession:
     def report(self) -> GenerationReport:
         """Cache bytes and timings now; ``new_tokens`` counts the positions after the prompt (steps + 1)."""
         b, layers, new_tokens = self.batch, self.layers, self.steps + 1
-        full = sum(2 * b * s.model_kv_heads * s.head_dim * (self.prompt_tokens + new_tokens) * lay.cache.k.element_size()
+        full = sum(2 * b * s.model_kv_heads * s.head_dim * (self.prompt_tokens + new_tokens) * entry_dtype(lay.cache).itemsize
                    for s, lay in zip(self.owner.graphs.sites, layers, strict=True))
         tensors = [t for lay in layers for c in lay.caches() for t in c.tensors()]
         on_host = [self.owner.device.type != "cpu" and t.device.type == "cpu" for t in tensors]
@@ -444,5 +449,6 @@ class DecodeSession:
             **self._compile_report(), reused_buffers=self.reused_buffers,
             graph_captures=self.owner.decode_step.captures - self._captures_before[0],
             capture_seconds=self.owner.decode_step.capture_seconds - self._captures_before[1],
+            kv_dtype=kv_dtype_of(self.policy),
             row_layer_budgets=[{i: lay.row_budgets[r] for i, lay in enumerate(layers) if lay.compressible}
                                for r in range(b)])

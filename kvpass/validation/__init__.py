@@ -34,6 +34,7 @@ from kvpass.validation.rules import (
     Rule,
     check_budget,
     check_budget_for_model,
+    check_kv_dtype,
     check_model,
     check_optional_bool,
     errors_markdown,
@@ -42,7 +43,7 @@ from kvpass.validation.rules import (
 
 __all__ = [
     "APPLY", "CALIBRATION", "GENERATE", "MEMORY_ADVICE", "NEUTRAL_CONFIG_FIELDS", "REFUSED_GENERATE_ARGS", "RULE",
-    "RULES", "Rule", "as_input_ids", "check_budget", "check_budget_for_model", "check_callables", "check_flag",
+    "RULES", "Rule", "as_input_ids", "check_budget", "check_budget_for_model", "check_kv_dtype", "check_callables", "check_flag",
     "check_generate_kwargs", "check_generation_config_fields", "check_instance", "check_int", "check_max_new_tokens",
     "check_memory", "check_model", "check_option", "check_optional_bool", "check_readable_file",
     "check_repetition_penalty", "check_sampling", "check_streamer", "check_token_ids", "errors_markdown",

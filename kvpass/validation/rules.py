@@ -120,6 +120,15 @@ RULES: tuple[Rule, ...] = (
          "fuse_linears must be True, False or None (on CUDA only), got {got!r}", InvalidType),
     Rule("compile.type", APPLY, "compile", "not True, False or None",
          "compile must be True, False or None (compiled on CUDA, eager elsewhere), got {got!r}", InvalidType),
+    Rule("kv_dtype.value", APPLY, "kv_dtype", "not None, 'int8' or 'fp8_e4m3'",
+         "kv_dtype must be None (the model's dtype), 'int8' or 'fp8_e4m3', got {got!r}"),
+    Rule("kv_dtype.device", APPLY, "kv_dtype", "'fp8_e4m3' on a CUDA GPU of compute capability below 8.9 (its Triton "
+         "has no e4m3 conversions)", "kv_dtype='fp8_e4m3' needs a CUDA GPU of compute capability 8.9 or later (Ada, "
+         "Hopper, Blackwell): {got}; use kv_dtype='int8'", UnsupportedModel),
+    Rule("kv_dtype.unsupported", APPLY + "; " + GENERATE + "; kvpass.export.*", "kv_dtype",
+         "a quantized cache with tensor parallelism (tp > 1), a compressed context (generate(context=...), "
+         "compress_context) or an export",
+         "kv_dtype={got!r} is not supported with {what} yet; {advice}"),
     Rule("tp.value", APPLY, "tp", "not an int >= 1 (or None); a device_mesh not 1-D, or of another size than tp",
          "{name} must be {allowed}, got {got!r}"),
     Rule("tp.processes", APPLY, "tp", "tp > 1 without one process per shard (torchrun), or another number of "
@@ -377,6 +386,20 @@ def check_budget_for_model(budget: float | int, context: int) -> None:
     """An int budget no larger than the model's context."""
     if isinstance(budget, int) and not isinstance(budget, bool) and budget > context:
         raise refuse("budget.context", got=budget, context=context)
+
+
+def check_kv_dtype(kv_dtype: object, device) -> None:
+    """``kvpass.apply``'s kv_dtype: None or a format of ``kvpass.quantization.formats.KV_FORMATS``, and fp8 only where
+    the device computes it (``fp8_unsupported``)."""
+    from kvpass.quantization.formats import KV_FORMATS, fp8_unsupported
+
+    if kv_dtype is None:
+        return
+    if not isinstance(kv_dtype, str) or kv_dtype not in KV_FORMATS:
+        raise refuse("kv_dtype.value", got=kv_dtype)
+    why = fp8_unsupported(device) if kv_dtype == "fp8_e4m3" else None
+    if why is not None:
+        raise refuse("kv_dtype.device", got=why)
 
 
 def check_optional_bool(rule: str, value: object) -> None:
